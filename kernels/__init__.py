@@ -1,0 +1,1 @@
+"""Fused GPU kernels with pure-torch references in rlcore.ops."""

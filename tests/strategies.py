@@ -1,0 +1,78 @@
+"""Hypothesis strategies shared by the property tests.
+
+Every strategy returns padded ``(b t)`` tensors whose padding is filled with obvious garbage
+(large values, NaN or inf where the caller allows it), so that a function that leaks padding
+into its result fails loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A ragged batch of per-token policy quantities, all ``(b t)``; ``mask`` is bool."""
+
+    logp: torch.Tensor
+    logp_prox: torch.Tensor
+    logp_behav: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+    lengths: tuple[int, ...]
+
+
+def _floats(draw, shape, lo, hi, dtype=np.float32):
+    el = st.floats(lo, hi, allow_nan=False, allow_infinity=False, width=32)
+    return torch.from_numpy(draw(hnp.arrays(dtype, shape, elements=el)).copy())
+
+
+def garbage_fill(x: torch.Tensor, mask: torch.Tensor, value: float = float("nan")) -> torch.Tensor:
+    """Return a copy of ``x`` with every position where ``mask`` is False set to ``value``."""
+    return torch.where(mask, x, torch.full_like(x, value))
+
+
+@st.composite
+def ragged_masks(draw, max_seqs: int = 6, max_len: int = 12, allow_empty_rows: bool = True):
+    """``(mask (b t) bool, lengths)``; the mask is a right-padded prefix of each row, possibly with
+    some prompt positions masked out at the start (rows may be all-masked if allowed)."""
+    lo = 0 if allow_empty_rows else 1
+    lengths = draw(st.lists(st.integers(lo, max_len), min_size=1, max_size=max_seqs))
+    t = max(max(lengths), 1)
+    starts = [draw(st.integers(0, max(n - 1, 0))) if n > 1 else 0 for n in lengths]
+    ar = torch.arange(t)
+    mask = (ar[None, :] < torch.tensor(lengths)[:, None]) & (ar[None, :] >= torch.tensor(starts)[:, None])
+    return mask, tuple(lengths)
+
+
+@st.composite
+def token_batches(draw, max_seqs: int = 6, max_len: int = 12, spread: float = 0.5, garbage: bool = True):
+    """Near-on-policy log-probs that still cross clip edges; garbage (1e4 / -1e4) in padding."""
+    mask, lengths = draw(ragged_masks(max_seqs=max_seqs, max_len=max_len))
+    b, t = mask.shape
+    logp_behav = _floats(draw, (b, t), -8.0, 0.0)
+    logp_prox = (logp_behav + _floats(draw, (b, t), -spread, spread)).clamp(max=0)
+    logp = (logp_prox + _floats(draw, (b, t), -spread, spread)).clamp(max=0)
+    adv = _floats(draw, (b, t), -3.0, 3.0)
+    if garbage:
+        logp_behav = garbage_fill(logp_behav, mask, -1e4)
+        logp_prox = garbage_fill(logp_prox, mask, 1e4)
+        adv = garbage_fill(adv, mask, 1e4)
+    return TokenBatch(logp=logp, logp_prox=logp_prox, logp_behav=logp_behav, adv=adv, mask=mask, lengths=lengths)
+
+
+@st.composite
+def grouped_rewards(draw, max_groups: int = 5, max_group_size: int = 6, binary: bool = False):
+    """``(reward (n*g,), group_size g)``; binary rewards make all-equal groups common."""
+    n = draw(st.integers(1, max_groups))
+    g = draw(st.integers(1, max_group_size))
+    if binary:
+        vals = draw(hnp.arrays(np.float32, (n * g,), elements=st.sampled_from([0.0, 1.0])))
+    else:
+        vals = draw(hnp.arrays(np.float32, (n * g,), elements=st.floats(-5, 5, width=32)))
+    return torch.from_numpy(vals.copy()), g
