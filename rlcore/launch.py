@@ -97,9 +97,9 @@ def engine_command(engine: str, model: str, host: str, port: int, tp: int, extra
             raise ValueError("the embedded engine has no tensor parallelism: use 'engines:Nx1' or --engine sglang")
         return [sys.executable, "-m", "rlcore.serve", "--model", model, "--host", host, "--port", str(port), *extra]
     if engine == "sglang":
-        from rlcore.runtime.sglang_launcher import SGLangConfig, sglang_command
+        from rlcore.runtime.sglang_launcher import SGLangConfig, build_command
 
-        return sglang_command(SGLangConfig(model_path=model, tp_size=tp, host=host, port=port), *extra)
+        return [*build_command(SGLangConfig(model_path=model, tp_size=tp), host=host, port=port), *extra]
     raise ValueError(f"--engine must be 'embedded' or 'sglang', got '{engine}'")
 
 

@@ -121,3 +121,14 @@ def test_slurm_script_shape():
 def test_cli_slurm_prints(capsys):
     assert launch.main(["--alloc", "engines:1+trainer:1", "--model", "/m", "--slurm", "--", "e.py"]) == 0
     assert "torchrun" in capsys.readouterr().out
+
+
+def test_engine_commands():
+    emb = launch.engine_command("embedded", "/m", "127.0.0.1", 1234, 1)
+    assert emb[1:] == ["-m", "rlcore.serve", "--model", "/m", "--host", "127.0.0.1", "--port", "1234"]
+    sg = launch.engine_command("sglang", "/m", "127.0.0.1", 1234, 2)
+    assert sg[1:3] == ["-m", "sglang.launch_server"] and sg[sg.index("--tp-size") + 1] == "2"
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        launch.engine_command("embedded", "/m", "127.0.0.1", 1234, 2)
+    with pytest.raises(ValueError, match="--engine"):
+        launch.engine_command("vllm", "/m", "127.0.0.1", 1234, 1)
