@@ -1,0 +1,75 @@
+"""Run the OpenAI-compatible agent proxy in front of one or more engine servers.
+
+    python -m rlcore.proxy --engine http://127.0.0.1:30000[,http://...] --model /path/to/tokenizer \\
+        --host 127.0.0.1 --port 8000 --admin-key SECRET
+
+Agents then use ``base_url=http://127.0.0.1:8000/v1`` and a session key obtained by the trainer from
+``POST /rl/start_session`` (admin key). See docs/agents.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import tyro
+
+from rlcore.runtime.agent_proxy import DEFAULT_ADMIN_KEY, AgentProxy, ProxyConfig
+from rlcore.runtime.engine_client import ClientConfig, EngineClient
+
+
+@dataclass(frozen=True)
+class Args:
+    """Command line of ``python -m rlcore.proxy``."""
+
+    engine: str
+    """Comma-separated engine addresses (our engine server or SGLang), e.g. http://127.0.0.1:30000."""
+    model: str
+    """Local directory holding the tokenizer (with a chat template) of the served model."""
+    host: str = "127.0.0.1"
+    """Address to bind; other than loopback needs a non-default --admin-key."""
+    port: int = 8000
+    """Port to bind (0 picks a free one and prints it)."""
+    admin_key: str = DEFAULT_ADMIN_KEY
+    """Key of the training side for /rl/start_session, /grant_capacity, /export_trajectories."""
+    template_mode: Literal["hf", "concat"] = "hf"
+    """``concat`` keeps multi-turn prompts an exact extension of the sampled tokens (for concat export)."""
+    engine_max_tokens: int = 32768
+    """Cap on prompt + completion tokens of one call."""
+    capacity_gating: bool = False
+    """Answer 429 on /rl/start_session unless /grant_capacity granted a permit."""
+    timeout_s: float = 3600.0
+    """Timeout of one engine call."""
+    version: int = 0
+    """Weight version to tag tokens with until /rl/set_version changes it."""
+
+
+async def serve(args: Args) -> None:
+    """Serve until cancelled (Ctrl-C)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    client = EngineClient(args.engine, ClientConfig(timeout_s=args.timeout_s))
+    client.set_version(args.version)
+    cfg = ProxyConfig(
+        host=args.host, port=args.port, admin_key=args.admin_key, template_mode=args.template_mode,
+        engine_max_tokens=args.engine_max_tokens, capacity_gating=args.capacity_gating,
+    )
+    async with client, AgentProxy(client, tokenizer, cfg) as proxy:
+        print(f"rlcore proxy: serving {proxy.base_url} for {client.live_servers()}", flush=True)
+        await asyncio.Event().wait()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO)
+    args = tyro.cli(Args)
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
