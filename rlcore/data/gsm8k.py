@@ -1,0 +1,68 @@
+"""GSM8K as a list of prompt rows for the rollout workflows.
+
+Each jsonl line holds ``question`` and ``answer`` (a worked solution ending in ``#### <number>``).
+A row becomes ``{"messages": [{"role": "user", "content": ...}], "answer": "<number>",
+"question": ..., "solution": ...}``; ``messages`` is what the workflows template, ``answer`` is what
+``rlcore.rewards.math.gsm8k_reward`` checks against.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GSM8K_DIR = Path("/work/shared/data/gsm8k")
+"""Default location of ``train.jsonl`` and ``test.jsonl``."""
+
+INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+"""Appended to every question (the prompt suffix AReaL's GSM8K examples use)."""
+
+
+def parse_row(line: str, *, path: str | Path = "<string>", lineno: int = 1, instruction: str = INSTRUCTION) -> dict:
+    """Turn one jsonl line into a prompt row; raises ValueError naming ``path:lineno``, the field and what was expected."""
+    where = f"{path}:{lineno}"
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg}); expected one object per line") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a JSON object with fields 'question' and 'answer', got {type(raw).__name__}")
+    for key in ("question", "answer"):
+        if not isinstance(raw.get(key), str) or not raw[key].strip():
+            got = "missing" if key not in raw else repr(raw[key])[:60]
+            raise ValueError(f"{where}: field '{key}' must be a non-empty string, got {got}")
+    solution = raw["answer"]
+    if "####" not in solution:
+        raise ValueError(f"{where}: field 'answer' must end with '#### <final answer>', got {solution[-60:]!r}")
+    final = solution.rsplit("####", 1)[1].strip()
+    if not final:
+        raise ValueError(f"{where}: field 'answer' has an empty final answer after '####'; expected a number")
+    return {
+        "messages": [{"role": "user", "content": raw["question"].strip() + instruction}],
+        "answer": final.replace(",", ""),
+        "question": raw["question"],
+        "solution": solution,
+    }
+
+
+def load(path: str | Path, *, limit: int | None = None, instruction: str = INSTRUCTION) -> list[dict]:
+    """Read a GSM8K-style jsonl file (blank lines skipped) into prompt rows, at most ``limit`` of them."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GSM8K file {path} does not exist; pass path= a jsonl with 'question'/'answer' rows")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            rows.append(parse_row(line, path=path, lineno=lineno, instruction=instruction))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def load_split(split: str = "train", *, root: str | Path = GSM8K_DIR, limit: int | None = None) -> list[dict]:
+    """``load(root / f"{split}.jsonl")`` for split in {"train", "test"}."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    return load(Path(root) / f"{split}.jsonl", limit=limit)
