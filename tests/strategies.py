@@ -76,3 +76,41 @@ def grouped_rewards(draw, max_groups: int = 5, max_group_size: int = 6, binary: 
     else:
         vals = draw(hnp.arrays(np.float32, (n * g,), elements=st.floats(-5, 5, width=32)))
     return torch.from_numpy(vals.copy()), g
+
+
+# --- objectives (H1): extreme log-probs and garbage padding ---------------------------------------------------
+
+GARBAGE = (float("nan"), float("inf"), float("-inf"), 1e4, -1e4)
+"""Values written into off-mask positions: a function that lets padding leak into its result fails on them."""
+
+
+def pad_columns(x: torch.Tensor, k: int, value: float | bool) -> torch.Tensor:
+    """``x (b t)`` with ``k`` extra columns of ``value`` appended on the right (``(b t+k)``)."""
+    return torch.cat([x, torch.full((x.shape[0], k), value, dtype=x.dtype)], dim=1)
+
+
+@st.composite
+def extreme_token_batches(draw, max_seqs: int = 4, max_len: int = 8, low: float = -1e4):
+    """Like ``token_batches`` but log-probs are drawn independently from ``[low, 0]``, with extra weight on 0.0,
+    -1e-9, -3e-8 (probability 1 in float32) and ``low``: ratios span ``exp(+-1e4)``. Every off-mask position of
+    every input (``logp`` included) holds one garbage value from ``GARBAGE``."""
+    mask, lengths = draw(ragged_masks(max_seqs=max_seqs, max_len=max_len))
+    b, t = mask.shape
+    el = st.one_of(
+        st.floats(low, 0.0, allow_nan=False, width=32), st.sampled_from([0.0, -1e-9, -3e-8, -1e-4, low])
+    )
+
+    def arr():
+        return torch.from_numpy(draw(hnp.arrays(np.float32, (b, t), elements=el)).copy())
+
+    logp, logp_prox, logp_behav = arr(), arr(), arr()
+    adv = _floats(draw, (b, t), -3.0, 3.0)
+    g = draw(st.sampled_from(GARBAGE))
+    return TokenBatch(
+        logp=garbage_fill(logp, mask, g),
+        logp_prox=garbage_fill(logp_prox, mask, g),
+        logp_behav=garbage_fill(logp_behav, mask, g),
+        adv=garbage_fill(adv, mask, g),
+        mask=mask,
+        lengths=lengths,
+    )

@@ -1,0 +1,132 @@
+"""SAPO: a smooth sigmoid gate on the importance ratio instead of a hard clip.
+
+Soft Adaptive Policy Optimization (Gao et al. 2025, https://arxiv.org/abs/2511.20347), as AReaL implements it
+(spec algorithms.md section 10.1). Per valid token, with ``r_t = exp(logp_t - logp_old_t)``:
+
+    tau_t = tau_pos if A_t > 0 else tau_neg          (A_t = 0 uses tau_neg)
+    g_t   = (4 / tau_t) * sigmoid(tau_t (r_t - 1))   gate in (0, 4 / tau_t)
+    l_t   = -g_t * A_t
+
+At ``r = 1`` the gate's slope is 1, so the gradient equals PPO's, while the loss value is ``-2 A / tau``.
+``logp_old`` is the behaviour log-prob (AReaL's shipped SAPO runs coupled; ``ratio_against="prox"`` gives the
+recomputed variant). No behaviour weight and no rejection sampling. ``level="sequence"`` uses GSPO's
+geometric-mean ratio and mean advantage. All tensors are padded ``(b t)``; ``mask`` is bool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+@dataclass(frozen=True)
+class SAPOConfig:
+    """SAPO soft gate. Defaults are the paper's and AReaL's (tau_pos 1.0, tau_neg 1.05)."""
+
+    tau_pos: float = 1.0
+    """Gate temperature for tokens with positive advantage (> 0)."""
+    tau_neg: float = 1.05
+    """Gate temperature for tokens with non-positive advantage (> 0)."""
+    ratio_against: Literal["behav", "prox"] = "behav"
+    """Which log-prob the ratio is taken against: the engine's (AReaL recipe) or the recomputed proximal one."""
+    level: Literal["token", "sequence"] = "token"
+    """Per-token ratio, or GSPO's per-sequence geometric mean ratio with mean advantage."""
+    agg: Agg = "token_mean"
+    """Aggregation: global token mean, mean over sequences of token means, or token sums / norm_len."""
+    norm_len: int = 1024
+    """Constant dividing each sequence's token sum under ``agg="seq_mean_token_sum_norm"``."""
+    max_log_ratio: float = 20.0
+    """Log-ratios are clamped to +-this before exp (the gate is saturated long before; keeps gradients finite)."""
+
+    def __post_init__(self):
+        if not self.tau_pos > 0:
+            raise ValueError(f"tau_pos must be > 0, got {self.tau_pos}; use 1.0")
+        if not self.tau_neg > 0:
+            raise ValueError(f"tau_neg must be > 0, got {self.tau_neg}; use 1.05")
+        if self.norm_len <= 0:
+            raise ValueError(f"norm_len must be > 0, got {self.norm_len}; use the generation budget")
+        if not self.max_log_ratio > 0:
+            raise ValueError(f"max_log_ratio must be > 0, got {self.max_log_ratio}; use 20.0")
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)).detach()
+
+
+def _agg(x: Tensor, mask: Tensor, *, agg: Agg, denom: Tensor | float | None, norm_len: int) -> Tensor:
+    """Reduce per-token ``x (b t)`` to a scalar. ``denom`` counts tokens (token_mean) or non-empty sequences."""
+    x = torch.where(mask, x, 0.0)
+    if agg == "token_mean":
+        total, count = x.sum(), mask.sum()
+    else:
+        n = mask.sum(-1)
+        per_seq = x.sum(-1) / (n.clamp(min=1) if agg == "seq_mean_token_mean" else norm_len)
+        total, count = per_seq.sum(), (n > 0).sum()
+    d = count if denom is None else torch.as_tensor(denom, device=x.device)
+    return total / d.clamp(min=1).to(total.dtype)
+
+
+def gate(ratio: Tensor, adv: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
+    """Soft gate ``(4/tau) sigmoid(tau (r - 1))`` elementwise, tau chosen by the sign of ``adv``; any shape."""
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    return 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))
+
+
+def loss(
+    logp: Tensor,
+    logp_prox: Tensor,
+    logp_behav: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    cfg: SAPOConfig,
+    denom: Tensor | float | None = None,
+    **unused,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO loss, to be minimised.
+
+    Args:
+      logp: (b t) log-probs under the policy being trained (the only input with gradient).
+      logp_prox: (b t) proximal log-probs; used only with ``cfg.ratio_against="prox"``.
+      logp_behav: (b t) behaviour log-probs; the ratio's reference by default.
+      adv: (b t) advantages.
+      mask: (b t) bool; off-mask values may be NaN/inf and get exactly zero gradient.
+      cfg: SAPOConfig.
+      denom: token count (token_mean) or non-empty sequence count; defaults to the count in ``mask``.
+      unused: extra inputs of other objectives (e.g. ``weight``); ignored, SAPO has no behaviour correction.
+
+    Returns:
+      (loss, metrics): scalar loss; ``sapo/soft_gate`` (mean g), ``sapo/gate_pos`` / ``sapo/gate_neg`` (mean g over
+      tokens with A > 0 / A <= 0), ``sapo/importance_weight`` (mean r), ``sapo/approx_kl``; 0-dim, detached.
+    """
+    del unused
+    logp_old = logp_behav if cfg.ratio_against == "behav" else logp_prox
+    del logp_prox, logp_behav
+    dt = torch.promote_types(logp.dtype, torch.float32)
+    logp = torch.where(mask, logp, 0.0).to(dt)  # double-where: off-mask garbage never reaches exp
+    logp_old = torch.where(mask, logp_old.detach(), 0.0).to(dt)
+    adv = torch.where(mask, adv.detach(), 0.0).to(dt)
+
+    log_ratio = (logp - logp_old).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+    if cfg.level == "sequence":
+        n = mask.sum(-1, keepdim=True).clamp(min=1)
+        ratio = torch.exp(torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / n).expand_as(logp)
+        adv = (adv.sum(-1, keepdim=True) / n).expand_as(logp)
+    else:
+        ratio = torch.exp(log_ratio)
+    g = gate(ratio, adv, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
+
+    out = _agg(-g * adv, mask, agg=cfg.agg, denom=denom, norm_len=cfg.norm_len)
+    metrics = {
+        "sapo/soft_gate": _masked_mean(g, mask),
+        "sapo/gate_pos": _masked_mean(g, mask & (adv > 0)),
+        "sapo/gate_neg": _masked_mean(g, mask & (adv <= 0)),
+        "sapo/importance_weight": _masked_mean(ratio, mask),
+        "sapo/approx_kl": _masked_mean(logp - logp_old, mask),
+    }
+    return out, metrics

@@ -1,0 +1,191 @@
+"""Property tests for rlcore.objectives.gspo (spec algorithms.md section 7.1, section 18 items 10-11)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.objectives import gspo, ppo
+from tests.strategies import GARBAGE, TokenBatch, extreme_token_batches, pad_columns, token_batches
+
+# the costliest properties (torch.func transforms on every example) run half the profile's examples
+heavy = settings(max_examples=max(settings().max_examples // 2, 10))
+
+AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def configs(decoupled=None, dual=True):
+    return st.builds(
+        gspo.GSPOConfig,
+        clip_low=st.sampled_from([0.0, 3e-4, 0.2, 0.4]),
+        clip_high=st.sampled_from([None, 4e-4, 0.28, 1.0]),
+        dual_clip=st.sampled_from([None, 1.5, 3.0]) if dual else st.none(),
+        decoupled=st.booleans() if decoupled is None else st.just(decoupled),
+        agg=st.sampled_from(AGGS),
+        norm_len=st.sampled_from([1, 16]),
+    )
+
+
+def as_ppo(cfg: gspo.GSPOConfig, level: str) -> ppo.PPOConfig:
+    return ppo.PPOConfig(**dataclasses.asdict(cfg), level=level)
+
+
+def run(b: TokenBatch, cfg, **kw):
+    return gspo.loss(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=cfg, **kw)
+
+
+def grad(b: TokenBatch, cfg, fn=gspo.loss, **kw):
+    def f(lp):
+        return fn(lp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=cfg, **kw)[0]
+
+    return torch.func.grad(f)(b.logp)
+
+
+@given(token_batches())
+def test_sequence_ratio_is_geometric_mean_of_token_ratios(b):
+    s = gspo.sequence_ratio(b.logp, b.logp_prox, b.mask)
+    for i, n in enumerate(b.mask.sum(-1).tolist()):
+        ratios = [
+            math.exp(float(b.logp[i, j] - b.logp_prox[i, j])) for j in range(b.mask.shape[1]) if b.mask[i, j]
+        ]
+        expected = math.prod(ratios) ** (1 / n) if n else 1.0
+        assert math.isclose(float(s[i]), expected, rel_tol=1e-4)
+
+
+@heavy
+@given(token_batches(), configs())
+def test_equals_ppo_at_sequence_level(b, cfg):
+    p = as_ppo(cfg, "sequence")
+    out, metrics = run(b, cfg)
+    out_p, metrics_p = ppo.loss(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=p)
+    torch.testing.assert_close(out, out_p)
+    torch.testing.assert_close(grad(b, cfg), grad(b, p, fn=ppo.loss))
+    for k, v in metrics.items():
+        torch.testing.assert_close(v, metrics_p["ppo/" + k.split("/")[1]])
+
+
+@given(token_batches(max_len=1), configs(), st.integers(0, 3), st.sampled_from(GARBAGE))
+def test_length_one_sequences_equal_token_ppo(b, cfg, k, value):
+    # every row has at most one valid token; garbage padding columns make the rows wider than 1
+    b = TokenBatch(
+        *(pad_columns(x, k, value) for x in (b.logp, b.logp_prox, b.logp_behav, b.adv)),
+        pad_columns(b.mask, k, False),
+        b.lengths,
+    )
+    p = as_ppo(cfg, "token")
+    torch.testing.assert_close(
+        run(b, cfg)[0], ppo.loss(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=p)[0]
+    )
+    torch.testing.assert_close(grad(b, cfg), grad(b, p, fn=ppo.loss))
+
+
+@heavy
+@given(token_batches(), configs(), st.data())
+def test_only_the_mean_advantage_of_a_sequence_matters(b, cfg, data):
+    # spec 18.11: the token-level advantage is the masked mean of the sequence's advantages
+    n = b.mask.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(b.mask, b.adv, 0).sum(-1, keepdim=True) / n
+    shift = torch.tensor(
+        data.draw(st.lists(st.floats(-1, 1, width=32), min_size=b.mask.numel(), max_size=b.mask.numel()))
+    ).reshape(b.mask.shape)
+    shift = torch.where(b.mask, shift - torch.where(b.mask, shift, 0).sum(-1, keepdim=True) / n, 0)
+    for adv in (mean.expand_as(b.adv), b.adv + shift):
+        other = dataclasses.replace(b, adv=torch.where(b.mask, adv, b.adv))
+        torch.testing.assert_close(run(other, cfg)[0], run(b, cfg)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad(other, cfg), grad(b, cfg), atol=1e-5, rtol=1e-5)
+
+
+@heavy
+@given(extreme_token_batches(), configs())
+def test_masked_tokens_get_exactly_zero_grad_and_everything_is_finite(b, cfg):
+    out, metrics = run(b, cfg)
+    g = grad(b, cfg)
+    assert torch.isfinite(out) and torch.isfinite(g).all()
+    assert (g[~b.mask] == 0).all()
+    assert all(torch.isfinite(v) for v in metrics.values())
+    b16 = TokenBatch(
+        *(x.to(torch.bfloat16) for x in (b.logp, b.logp_prox, b.logp_behav, b.adv)), b.mask, b.lengths
+    )
+    g16 = grad(b16, cfg)
+    assert torch.isfinite(run(b16, cfg)[0]) and torch.isfinite(g16).all() and (g16[~b.mask] == 0).all()
+
+
+@heavy
+@given(token_batches(), configs(), st.data())
+def test_permutation_padding_and_microbatch_invariance(b, cfg, data):
+    rows = b.mask.shape[0]
+    full, g_full = run(b, cfg)[0], grad(b, cfg)
+    perm = torch.tensor(data.draw(st.permutations(range(rows))))
+    shuffled = TokenBatch(*(x[perm] for x in (b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask)), b.lengths)
+    torch.testing.assert_close(run(shuffled, cfg)[0], full)
+    torch.testing.assert_close(grad(shuffled, cfg), g_full[perm])
+    padded = TokenBatch(
+        *(pad_columns(x, 2, float("nan")) for x in (b.logp, b.logp_prox, b.logp_behav, b.adv)),
+        pad_columns(b.mask, 2, False),
+        b.lengths,
+    )
+    torch.testing.assert_close(run(padded, cfg)[0], full)
+    torch.testing.assert_close(grad(padded, cfg)[:, : b.mask.shape[1]], g_full)
+    s = data.draw(st.integers(0, rows))
+    denom = b.mask.sum() if cfg.agg == "token_mean" else (b.mask.sum(-1) > 0).sum()
+    parts = [
+        TokenBatch(*(x[sl] for x in (b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask)), b.lengths)
+        for sl in (slice(0, s), slice(s, rows))
+    ]
+    torch.testing.assert_close(sum(run(p, cfg, denom=denom)[0] for p in parts), full)
+    torch.testing.assert_close(torch.cat([grad(p, cfg, denom=denom) for p in parts]), g_full)
+
+
+@given(token_batches(), configs(decoupled=True))
+def test_decoupled_equals_coupled_when_prox_is_behav(b, cfg):
+    b = dataclasses.replace(b, logp_prox=b.logp_behav)
+    coupled = dataclasses.replace(cfg, decoupled=False)
+    torch.testing.assert_close(run(b, cfg)[0], run(b, coupled)[0])
+    torch.testing.assert_close(grad(b, cfg), grad(b, coupled))
+
+
+@heavy
+@given(token_batches(), configs())
+def test_vmap_over_stacked_batches_equals_loop(b, cfg):
+    logps = torch.stack([b.logp - 0.05 * k for k in range(3)])
+
+    def f(lp):
+        return gspo.loss(lp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=cfg)[0]
+
+    torch.testing.assert_close(torch.func.vmap(f)(logps), torch.stack([f(lp) for lp in logps]))
+    torch.testing.assert_close(
+        torch.func.vmap(torch.func.grad(f))(logps), torch.stack([torch.func.grad(f)(lp) for lp in logps])
+    )
+
+
+def test_hand_computed_gspo_recipe():
+    # GSPO recipe (spec 15.3): eps 0.4, coupled here (w = 1). Row 0: token ratios 2 and 0.5 -> s = 1 (geometric
+    # mean), advantages 1 and 3 -> mean 2: both tokens lose -2 * 1, in band. Row 1: ratios 2, 2, 2 -> s = 2,
+    # A = -1 -> clipped at 1.4 vs 2: max(2, 1.4) = 2 (unclipped, negative advantage). Empty row 2 contributes 0.
+    # Token mean over 5 valid tokens: (-2 - 2 + 2 + 2 + 2) / 5 = 0.4.
+    ln2 = math.log(2.0)
+    logp = torch.tensor([[ln2, -ln2, 0.0, 0.0], [ln2, ln2, ln2, 9.0], [float("nan")] * 4]) - 1.0
+    behav = torch.full((3, 4), -1.0)
+    adv = torch.tensor([[1.0, 3.0, 7.0, 7.0], [-1.0, -1.0, -1.0, 7.0], [7.0] * 4])
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False], [False] * 4])
+    cfg = gspo.GSPOConfig(clip_low=0.4, clip_high=0.4, decoupled=False)
+    out, metrics = gspo.loss(logp, behav, behav, adv, mask, cfg=cfg)
+    assert math.isclose(float(out), 0.4, rel_tol=1e-5)
+    assert metrics["gspo/clip_frac"] == 0
+    # gradient: each of the n tokens of row i loses -A_i s_i and ds_i/dlogp_t = s_i / n, so every valid token
+    # of row i gets -A_i s_i / 5: row 0 (in band, tie splits 1/2 + 1/2) -2 * 1 / 5, row 1 (unclipped) 1 * 2 / 5
+    g = torch.func.grad(lambda lp: gspo.loss(lp, behav, behav, adv, mask, cfg=cfg)[0])(logp)
+    torch.testing.assert_close(g[0, :2], torch.full((2,), -0.4))
+    torch.testing.assert_close(g[1, :3], torch.full((3,), 0.4))
+    assert (g[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("kw", [{"clip_low": -1.0}, {"dual_clip": 0.5}, {"norm_len": 0}])
+def test_config_validation_names_the_field(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        gspo.GSPOConfig(**kw)
