@@ -1,0 +1,178 @@
+"""On-policy distillation on GSM8K: the student samples, a frozen teacher scores, reverse KL (+ optional RL).
+
+Run:    python experiments/distill.py --model /models/qwen2.5-1.5b-instruct --teacher /models/qwen2.5-14b-instruct
+        (joint KD + GRPO as in AReaL's distillation configs: --distill.rl-weight 1.0 --distill.kd-weight 0.005)
+Smoke:  python experiments/distill.py --model tiny --teacher tiny --steps 2 --prompts-per-step 2 --train-limit 2
+Expect: distill/reverse_kl (the sampled estimate of KL(student || teacher)) falls; with a real teacher eval
+        pass@1 moves towards the teacher's.
+
+Pure KD (rl_weight = 0, the default) minimises the reverse KL with the score-function estimator of spec §13.4
+(reward log pi_T - log pi_theta on the student's own samples); the GSM8K reward is still computed and logged.
+Teacher and student must share the tokenizer (log-probs are compared token by token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tyro
+
+from rlcore import tiny as tiny_lib
+from rlcore.advantages import normalize
+from rlcore.data import gsm8k, microbatch, trajectory
+from rlcore.data.loader import PromptLoader
+from rlcore.objectives import distill as distill_lib
+from rlcore.objectives import ppo
+from rlcore.objectives import rejection as rejection_lib
+from rlcore.rewards import math as math_reward
+from rlcore.runtime import loop, models, rollout, step, train_state, workflows
+
+
+@dataclass(frozen=True)
+class Config:
+    """On-policy distillation run (GRPO baseline of spec §15.1 for the optional RL term)."""
+
+    model: str = ""
+    """Student: local HF model directory, or 'tiny' for a random tiny Qwen2 with a character tokenizer."""
+    teacher: str = ""
+    """Teacher: a second local HF model directory with the same tokenizer ('tiny': another random tiny model)."""
+    tokenizer: str = ""
+    """Tokenizer directory (default: the student's)."""
+    data_dir: str = str(gsm8k.GSM8K_DIR)
+    """Directory with train.jsonl and test.jsonl."""
+    train_limit: int | None = None
+    """Use only the first N training questions (None: all)."""
+    eval_limit: int = 200
+    """Test questions per evaluation."""
+    steps: int = 100
+    """Training steps."""
+    prompts_per_step: int = 64
+    """Prompt groups per batch."""
+    group_size: int = 4
+    """Samples per prompt."""
+    max_new_tokens: int = 1024
+    """Generation budget per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (also the trainer's)."""
+    max_staleness: int = 2
+    """Max head off-policyness eta (0 = synchronous)."""
+    distill: distill_lib.DistillConfig = distill_lib.DistillConfig(rl_weight=0.0, kd_weight=1.0)
+    """KD/RL weights and the reverse-KL estimator (score: unbiased score-function; k2: pathwise)."""
+    clip_low: float = 0.4
+    """PPO clip of the RL term (used when distill.rl_weight > 0)."""
+    optim: train_state.OptimConfig = train_state.OptimConfig(lr=1.7e-5, weight_decay=0.017)
+    """AdamW settings."""
+    max_tokens_per_mb: int = 16384
+    """Token budget of one micro-batch."""
+    eval_every: int = 10
+    """Evaluate pass@k every N steps (and at the end); 0: only at the end."""
+    eval_n: int = 4
+    """Samples per test question."""
+    engine: loop.EngineSetup = loop.EngineSetup()
+    """Embedded or remote inference engines (serving the student)."""
+    run: tyro.conf.OmitArgPrefixes[loop.RunConfig] = loop.RunConfig()
+    """Logging, checkpoints, seed."""
+    tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=512)
+    """Shape of the random models when model/teacher = 'tiny'."""
+
+    def __post_init__(self) -> None:
+        if not self.teacher:
+            raise ValueError(
+                "teacher is empty; pass --teacher DIR (a local HF model with the student's tokenizer)"
+            )
+        if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1 or self.eval_n < 1:
+            raise ValueError("steps, prompts_per_step, group_size and eval_n must be >= 1")
+
+
+SMOKE = Config(
+    model=loop.TINY,
+    teacher=loop.TINY,
+    train_limit=2,
+    eval_limit=2,
+    steps=2,
+    prompts_per_step=2,
+    group_size=2,
+    max_new_tokens=8,
+    eval_n=2,
+    eval_every=0,
+    optim=train_state.OptimConfig(lr=1e-3),
+    engine=loop.EngineSetup(max_batch=8, max_seq_len=512),
+    run=loop.RunConfig(progress=False, threads=1),
+)
+
+
+def reward_fn(completion: str, item: dict) -> float:
+    """GSM8K correctness (1/0) of the last boxed answer."""
+    return math_reward.gsm8k_reward(completion, item)
+
+
+def main(cfg: Config) -> dict[str, float]:
+    # --- setup: student state, frozen teacher on the student's device, engines serving the student ---
+    info = loop.setup_torch(cfg.run)
+    tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
+    train = gsm8k.load(f"{cfg.data_dir}/train.jsonl", limit=cfg.train_limit)
+    test = gsm8k.load(f"{cfg.data_dir}/test.jsonl", limit=cfg.eval_limit)
+    student = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
+    # seed + 1: with two 'tiny' models the teacher must differ from the student, or the KL is zero.
+    teacher_hf = loop.load_model(
+        cfg.teacher, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed + 1, field="--teacher"
+    )
+    if teacher_hf.get_output_embeddings().weight.shape[0] != student.get_output_embeddings().weight.shape[0]:
+        raise ValueError(
+            "--teacher has a different vocabulary size than --model; distillation needs one tokenizer"
+        )
+    state = train_state.init_train_state(student, cfg.optim)
+    teacher = models.PolicyModel(models.frozen_copy(teacher_hf)).to(next(state.model.parameters()).device)
+    step_cfg = step.RLStepConfig(
+        objective="ppo",
+        objective_cfg=ppo.PPOConfig(clip_low=cfg.clip_low),
+        temperature=cfg.temperature,
+        keep_masks=(rejection_lib.RejectionConfig(),),
+        reward_norm=normalize.GRPO,
+        adv_norm=normalize.BATCH_ZSCORE,
+        group_size=cfg.group_size,
+        distill_cfg=cfg.distill,
+        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
+    )
+    wf = workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    episode = workflows.rlvr(tok, reward_fn, wf)
+    ro_cfg = rollout.RolloutConfig(
+        batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=cfg.max_staleness
+    )
+
+    loader = PromptLoader(train, seed=cfg.run.seed + info.rank)  # ranks draw different prompts
+    with (
+        loop.open_engines(student, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
+        rollout.RolloutController(eng.client, episode, loader, ro_cfg) as ctl,
+    ):
+        state, _ = loop.resume(cfg.run, state, eng=eng, rollout=ctl)
+        keys = ("distill/reverse_kl", "ppo_actor/task_reward", "eval/pass@1")
+        with loop.Tracker(cfg.run, cfg.steps, "distill", keys, start=state.step) as tracker:
+            # --- loop: student rollout -> teacher log-probs + KD(+RL) step (inside rl_step) -> publish -> eval ---
+            while state.step < cfg.steps:
+                batch = trajectory.concat(ctl.prepare_batch())
+                state, m = step.rl_step(state, batch, cfg=step_cfg, teacher=teacher)
+                # Monte-Carlo reverse KL on the student's own tokens (behaviour ~ student), from the step's inputs.
+                m["distill/reverse_kl"] = reverse_kl(batch, teacher, cfg.temperature, step_cfg.mb)
+                state = loop.publish(state, eng, rollout=ctl)
+                m.update(ctl.last_metrics)
+                if state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                    ev = ctl.evaluate(test, group_size=cfg.eval_n)
+                    m.update({k.replace("eval-rollout/", "eval/"): v for k, v in ev.items()})
+                tracker.log(state.step, m)
+                loop.maybe_save(cfg.run, state, {"rollout": ctl.state_dict()}, final=state.step == cfg.steps)
+    return loop.finish(cfg.run, state, tok, tracker.last)
+
+
+def reverse_kl(
+    batch: dict, teacher: models.PolicyModel, temperature: float, mb: microbatch.MicroBatchConfig
+) -> float:
+    """Mean over sampled tokens of log pi_behav - log pi_T: a sampled estimate of KL(student || teacher)."""
+    data = step.shift_to_predictive(batch)
+    logp_t = step.forward_logp(teacher, data, temperature=temperature, mb_cfg=mb, aligned=True)[0].cpu()
+    mask = data["loss_mask"].bool()
+    return float((data["logprobs"] - logp_t).masked_fill(~mask, 0.0).sum() / mask.sum().clamp(min=1))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))

@@ -1,0 +1,291 @@
+"""Every experiment's SMOKE preset runs in-process and returns finite metrics; CLIs document every field.
+
+The smoke runs use a random tiny Qwen2 with the character tokenizer, 2 prompts and 1-2 steps, on a small
+GSM8K-format dataset written to a temp dir (so the tests need no shared data). A random model never writes a
+correct answer, so the GSM8K reward is 0 everywhere; ``test_gsm8k_learning_signal`` swaps in a reward with
+variance to check that the objectives actually produce gradients and update the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXP = ROOT / "experiments"
+FILES = ("gsm8k_grpo", "sft", "dpo", "reward_model", "distill", "multi_turn", "agent", "eval")
+
+ROWS = [  # GSM8K format: a question, a worked solution with calculator annotations, '#### answer'
+    ("Tom has 3 apples and buys 4 more. How many apples does he have?", "3+4=<<3+4=7>>7\n#### 7"),
+    ("A box holds 6 pens. How many pens are in 2 boxes?", "6*2=<<6*2=12>>12\n#### 12"),
+    (
+        "Ann read 10 pages on Monday and half as many on Tuesday. How many pages in total?",
+        "10/2=<<10/2=5>>5\n10+5=<<10+5=15>>15\n#### 15",
+    ),
+    ("A bus has 20 seats and 1,234 tickets were sold over the year. How many tickets?", "#### 1,234"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("gsm8k")
+    for split in ("train", "test"):
+        lines = [json.dumps({"question": q, "answer": a}) for q, a in ROWS]
+        (d / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def load(name: str):
+    sys.path.insert(0, str(EXP))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(EXP))
+
+
+def check_finite(out: dict[str, float], *keys: str) -> None:
+    assert out, "main returned no metrics"
+    for k in keys:
+        assert k in out, f"missing metric {k}; got {sorted(out)[:20]}..."
+    bad = {k: v for k, v in out.items() if not math.isfinite(v)}
+    assert not bad, f"non-finite metrics {bad}"
+
+
+# --------------------------------------------------------------------------------------------- gsm8k_grpo
+GSM = load("gsm8k_grpo")
+
+
+@pytest.mark.parametrize("name", sorted(GSM.PRESETS))
+def test_gsm8k_smoke_every_preset(name, data_dir):
+    cfg = dataclasses.replace(GSM.SMOKE[name], data_dir=str(data_dir))
+    out = GSM.main(cfg)
+    check_finite(out, "ppo_actor/loss", "ppo_actor/grad_norm", "eval/pass@1", "eval/pass@2", "rollout/reward")
+    assert out["train/steps"] == cfg.steps
+    assert 0.0 <= out["eval/pass@1"] <= out["eval/pass@2"] <= 1.0
+    if GSM.PRESETS[name][1].critic:
+        check_finite(out, "ppo_critic/loss")
+    assert out["version_stats/staleness_max"] <= cfg.max_staleness
+
+
+def test_presets_mirror_the_recipe_table():
+    """Spot checks of spec algorithms.md §15.2: the knob that defines each algorithm is set, the rest is baseline."""
+    p = {k: c for k, (_, c) in GSM.PRESETS.items()}
+    base = p["grpo"]
+    assert (
+        base.objective.clip_low == 0.4 and base.reward_norm.std_level == "group" and base.max_staleness == 2
+    )
+    assert p["drgrpo"].reward_norm.std_level is None and p["liteppo"].reward_norm.std_level == "batch"
+    assert p["rloo"].reward_norm.mean_leave1out and p["ppo"].critic and p["ppo"].reward_norm is None
+    assert p["reinforce_pp"].gae.kl_ctl == 0.001 and p["reinforce_pp"].gae.kl_estimator == "k1"
+    assert p["reinforce_pp_baseline"].gae.kl_estimator == "k2"
+    assert (
+        p["dapo"].objective.clip_high == 0.28 and p["dapo"].shaping.overlong_penalty and p["dapo"].dynamic_bs
+    )
+    assert p["m2po"].objective.clip_low == 0.0 and p["m2po"].keep_masks[0] is p["m2po"].m2po
+    assert p["icepop"].keep_masks == (p["icepop"].icepop,) and p["kpop"].kpop.upper == 2.0
+    assert p["sapo"].prox == "behav" and p["sapo"].rejection is None
+    assert type(p["gspo"].objective).__name__ == "GSPOConfig"
+    for name, cfg in p.items():  # every preset keeps the baseline's advantage normalisation and reward scale
+        assert cfg.adv_norm == base.adv_norm and cfg.shaping.reward_scaling == 10.0, name
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "sapo", "ppo"])
+def test_gsm8k_learning_signal(name, data_dir, monkeypatch):
+    """With a reward that varies inside groups, every step has non-zero advantages, a gradient and an update."""
+    monkeypatch.setattr(GSM, "reward_fn", lambda text, item: float(sum(map(ord, text)) % 7) / 6.0)
+    cfg = dataclasses.replace(GSM.SMOKE[name], data_dir=str(data_dir), group_size=4, steps=1)
+    out = GSM.main(cfg)
+    check_finite(out)
+    assert out["ppo_actor/grad_norm"] > 0 and out["ppo_actor/update_successful"] == 1.0
+    assert out["ppo_actor/loss"] != 0.0
+
+
+def test_gsm8k_checkpoint_resume_and_tensorboard(data_dir, tmp_path):
+    run = dataclasses.replace(
+        GSM.SMOKE["grpo"].run,
+        ckpt_dir=str(tmp_path / "ckpt"),
+        log_dir=str(tmp_path / "tb"),
+        export_dir=str(tmp_path / "export"),
+    )
+    first = GSM.main(dataclasses.replace(GSM.SMOKE["grpo"], data_dir=str(data_dir), steps=1, run=run))
+    assert first["train/steps"] == 1 and (tmp_path / "ckpt" / "latest").read_text() == "step_00000001"
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "export" / "config.json").is_file()
+    again = GSM.main(
+        dataclasses.replace(
+            GSM.SMOKE["grpo"], data_dir=str(data_dir), steps=2, run=dataclasses.replace(run, resume=True)
+        )
+    )
+    assert again["train/steps"] == 2 and (tmp_path / "ckpt" / "latest").read_text() == "step_00000002"
+    # The exported model is a valid --model for the evaluation script.
+    ev = load("eval")
+    out = ev.main(
+        dataclasses.replace(ev.SMOKE, model=str(tmp_path / "export"), data=str(data_dir / "test.jsonl"))
+    )
+    assert out["eval/n_groups"] == 2
+
+
+# --------------------------------------------------------------------------------------------- supervised
+def test_sft_smoke_learns(data_dir):
+    sft = load("sft")
+    base = dataclasses.replace(sft.SMOKE, data_dir=str(data_dir), train_limit=2, steps=3)
+    out = sft.main(base)
+    check_finite(out, "train/loss", "eval/nll")
+    frozen = sft.main(dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=0.0)))
+    assert out["train/loss"] < frozen["train/loss"]  # same two rows every step: training must lower their NLL
+    assert "\\boxed{1234}" in sft.target_text(ROWS[3][1]) and "<<" not in sft.target_text(ROWS[2][1])
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_smoke(loss_type, data_dir):
+    dpo = load("dpo")
+    cfg = dataclasses.replace(
+        dpo.SMOKE, data_dir=str(data_dir), dpo=dpo.dpo_lib.DPOConfig(loss_type=loss_type)
+    )
+    out = dpo.main(cfg)
+    check_finite(out, "train/loss", "eval/accuracy", "eval/margin")
+    if loss_type == "sigmoid":  # lr 0: policy == reference, so every pair's loss is log 2
+        frozen = dpo.main(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=0.0)))
+        assert frozen["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+        assert frozen["eval/margin"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_reward_model_smoke(data_dir):
+    rm = load("reward_model")
+    out = rm.main(dataclasses.replace(rm.SMOKE, data_dir=str(data_dir), steps=1))
+    check_finite(out, "train/loss", "eval/accuracy")
+    assert out["train/loss"] == pytest.approx(
+        math.log(2), abs=1e-5
+    )  # zero value head: equal scores at step 1
+
+
+# --------------------------------------------------------------------------------------------- other RL
+def test_distill_smoke(data_dir):
+    distill = load("distill")
+    out = distill.main(dataclasses.replace(distill.SMOKE, data_dir=str(data_dir)))
+    check_finite(out, "distill/reverse_kl", "ppo_actor/loss", "eval/pass@1")
+    assert out["distill/reverse_kl"] > 0  # two different random models
+    assert out["ppo_actor/grad_norm"] > 0  # pure KD still trains when every GSM8K reward is 0
+
+
+def test_multi_turn_smoke(data_dir):
+    mt = load("multi_turn")
+    cfg = dataclasses.replace(mt.SMOKE, data_dir=str(data_dir))
+    out = mt.main(cfg)
+    check_finite(out, "ppo_actor/loss", "eval/pass@1")
+    assert out["rollout/turns_mean"] == cfg.turns.max_turns  # never correct, so every episode retries
+
+
+def test_agent_smoke(data_dir):
+    agent = load("agent")
+    cfg = dataclasses.replace(agent.SMOKE, data_dir=str(data_dir))
+    out = agent.main(cfg)
+    check_finite(out, "ppo_actor/loss", "rollout/reward")
+    assert out["rollout/turns_mean"] == cfg.agent.max_turns  # the black-box agent's retries became one row
+
+
+def test_eval_smoke(data_dir):
+    ev = load("eval")
+    out = ev.main(dataclasses.replace(ev.SMOKE, data=str(data_dir / "test.jsonl"), limit=3))
+    check_finite(out, "eval/pass@1", "eval/pass@2")
+    assert out["eval/n_groups"] == 3 and out["eval/pass@1"] <= out["eval/pass@2"]
+
+
+# --------------------------------------------------------------------------------------------- errors and CLIs
+def test_bad_inputs_name_the_field(data_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="--model"):
+        GSM.main(dataclasses.replace(GSM.SMOKE["grpo"], model=str(tmp_path / "nope"), data_dir=str(data_dir)))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "no final answer"}) + "\n")
+    (bad / "test.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"train\.jsonl:1.*answer"):
+        GSM.main(dataclasses.replace(GSM.SMOKE["grpo"], data_dir=str(bad)))
+    with pytest.raises(ValueError, match="teacher"):
+        load("distill").Config(model="tiny")
+    with pytest.raises(ValueError, match="ckpt_dir"):
+        dataclasses.replace(GSM.SMOKE["grpo"].run, resume=True)
+    with pytest.raises(ValueError, match="prox"):
+        dataclasses.replace(GSM.SMOKE["sapo"], prox="recompute")
+
+
+def test_every_cli_help_exits_zero():
+    """One subprocess runs each script's real ``__main__`` with --help (and two gsm8k presets)."""
+    code = (
+        "import runpy, sys\n"
+        "runs = [[f, '--help'] for f in sys.argv[1:]] + [[sys.argv[1], p, '--help'] for p in ('grpo', 'ppo')]\n"
+        "for argv in runs:\n"
+        "    sys.argv = argv\n"
+        "    try:\n"
+        "        runpy.run_path(argv[0], run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), (argv, e.code)\n"
+        "    else:\n"
+        "        raise AssertionError(f'{argv} did not exit')\n"
+        "    print('=== ok', ' '.join(argv[1:]), argv[0], flush=True)\n"
+    )
+    files = [str(EXP / f"{f}.py") for f in FILES]
+    res = subprocess.run(
+        [sys.executable, "-c", code, *files],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**__import__("os").environ, "COLUMNS": "200"},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("=== ok") == len(FILES) + 2
+    assert "--objective.clip-low" in res.stdout and "--ckpt-dir" in res.stdout and "--teacher" in res.stdout
+
+
+def test_gsm8k_with_remote_engine_server(data_dir, tmp_path):
+    """The remote path: an engine behind our HTTP server (as ``rlcore.launch`` starts it), weights over disk."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from rlcore import tiny
+    from rlcore.runtime import engine as engine_lib
+    from rlcore.runtime import engine_server, loop
+
+    cfg = GSM.SMOKE["grpo"]
+    tok = loop.load_tokenizer(loop.TINY)
+    # Same seed as the trainer's tiny model: the server starts from the trainer's initial weights.
+    served = tiny.build_model(tok, cfg.tiny, seed=cfg.run.seed)
+    ev_loop = asyncio.new_event_loop()
+    threading.Thread(target=ev_loop.run_forever, daemon=True).start()
+    call = lambda coro: asyncio.run_coroutine_threadsafe(coro, ev_loop).result(30)  # noqa: E731
+
+    async def up(app):
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]
+
+    with engine_lib.Engine(
+        served, engine_lib.EngineConfig(device="cpu", max_batch=8, max_seq_len=512)
+    ) as eng:
+        runner, port = call(up(engine_server.make_app(eng)))
+        try:
+            setup = loop.EngineSetup(engine_addrs=(f"127.0.0.1:{port}",), disk_root=str(tmp_path / "w"))
+            out = GSM.main(dataclasses.replace(cfg, data_dir=str(data_dir), engine=setup))
+            check_finite(out, "ppo_actor/loss", "eval/pass@1")
+            assert eng.version == cfg.steps  # every step's weights reached the server
+        finally:
+            call(runner.cleanup())
+            ev_loop.call_soon_threadsafe(ev_loop.stop)
