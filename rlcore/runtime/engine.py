@@ -1,0 +1,1171 @@
+"""Embedded inference engine: continuous batching over any Hugging Face causal LM.
+
+The engine serves the SGLang-native protocol (system.md §3-§5) from inside a Python process. A background
+thread owns the model and runs the scheduler loop; everything else (submitting, aborting, pausing, loading
+weights) hands the loop a command and waits on a future, so every state change happens between two forward
+passes and a token is always tagged with the weight version that produced its logits.
+
+KV layout. The engine keeps its own per-slot KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer,
+behind a ``transformers`` ``Cache`` subclass, and drives the unmodified HF forward with explicit
+``position_ids`` and an explicit 4-D additive attention mask. Slot ``s`` holds its sequence at columns
+``[0, n_s)``; a decode step writes each row's new key/value at that row's own position. Requests join by a
+(left-padded) prefill whose keys/values are copied into free slots, and leave by having the last busy slot
+moved into their place, so the busy slots are always ``[0, m)``. No architecture-specific attention code is
+involved: any model whose attention calls ``cache.update(k, v, layer_idx)`` and honours a 4-D mask works
+(Qwen2, Llama, Mistral, GPT-2, ... are tested). On CUDA the decode step of each power-of-two batch bucket is
+captured once in a CUDA graph (fixed shapes: the mask always spans ``max_seq_len`` columns).
+
+Sampling convention (documented in docs/engine.md): the reported log-prob of a sampled token is its log-prob
+under the distribution it was actually drawn from, i.e. ``logits / T`` restricted to the top-k / top-p set and
+renormalised; with ``top_p = 1`` and ``top_k = -1`` this is exactly ``log_softmax(logits / T)``. Greedy
+(``T = 0``) reports ``log_softmax(logits)`` at the argmax (no filtering).
+
+Concurrency invariants:
+- only the loop thread touches the model, the KV store and the request tables;
+- a weight load bumps an internal epoch; any request whose KV was computed under an older epoch is
+  re-prefilled (prompt + tokens so far) before it decodes again, so no token mixes two weight versions;
+- while paused, new requests queue and nothing is scheduled until ``continue_generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures as cf
+import inspect
+import itertools
+import json
+import math
+import os
+import random
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from rlcore.runtime.protocol import SamplingParams
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config and results
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one embedded engine."""
+
+    max_batch: int = 256
+    """Number of KV slots, i.e. the most requests decoded together; more wait in a FIFO queue."""
+    max_seq_len: int = 2048
+    """Tokens of context per slot (prompt + output); clipped to the model's ``max_position_embeddings``."""
+    max_prefill_tokens: int = 16384
+    """Padded-token budget of one prefill forward (joiners are batched up to this; one always fits)."""
+    device: str = "auto"
+    """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
+    cuda_graph: bool = True
+    """Capture the decode step in CUDA graphs (one per power-of-two batch bucket); ignored on CPU."""
+    seed: int = 0
+    """Seeds the per-request seeds drawn for requests that do not bring their own."""
+    grouped_decode_attention: bool = True
+    """For sdpa models with grouped KV heads, run one-token decode attention with the query heads folded per KV
+    head instead of HF's ``repeat_kv`` copies (same math; every other call goes to HF's sdpa unchanged)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"EngineConfig.max_batch must be >= 1, got {self.max_batch}; pass e.g. 64.")
+        if self.max_seq_len < 2:
+            raise ValueError(
+                f"EngineConfig.max_seq_len must be >= 2, got {self.max_seq_len}; pass e.g. 2048."
+            )
+        if self.max_prefill_tokens < 1:
+            raise ValueError(
+                f"EngineConfig.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}; pass e.g. 8192."
+            )
+
+
+@dataclass
+class GenerateOutput:
+    """Result of one request; the three ``output_*`` lists have one entry per generated token."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: dict
+    """SGLang shape: ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
+    ``{"type": "abort", "message": str}``."""
+    weight_version: int = 0
+    """Engine version when the request finished."""
+    latency: float = 0.0
+    ttft: float = 0.0
+
+
+class EngineError(ValueError):
+    """Bad input to the engine; the message names the offending field and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure sampling math (no host syncs; vectorised over rows)
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniforms in ``[0, 1)``: a splitmix64 hash of ``(seed, counter)``.
+
+    Args:
+      seed: ``(b,)`` int64 per-row seeds.
+      counter: ``(b,)`` int64 per-row draw index (tokens generated so far).
+    Returns:
+      ``(b,)`` float32 with 24 random bits, identical on every device for the same inputs.
+    """
+    z = seed * _GOLDEN + (counter + 1) * _MIX2  # int64 arithmetic wraps modulo 2**64
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    uniform: torch.Tensor,
+    *,
+    filtered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row by inverse-CDF sampling and return its sampling-distribution log-prob.
+
+    Args:
+      logits: ``(b v)`` raw next-token logits.
+      temperature: ``(b,)``; rows with ``temperature <= 0`` are greedy.
+      top_p: ``(b,)`` nucleus mass in (0, 1]; the kept set is the shortest prefix of the sorted distribution
+        whose mass reaches ``top_p`` (the most likely token is always kept).
+      top_k: ``(b,)`` int; ``<= 0`` keeps all tokens.
+      uniform: ``(b,)`` in ``[0, 1)``, the per-row random draw.
+      filtered: apply top-k / top-p (sorts the vocabulary); pass False when every row has ``top_p = 1`` and
+        ``top_k <= 0`` to skip the sort (greedy rows must then also be unfiltered, which they are by convention).
+    Returns:
+      ``ids (b,)`` int64 and ``logp (b,)`` float32: ``log_softmax(logits / T)`` renormalised over the kept set,
+      at ``ids``; for greedy rows ``log_softmax(logits)`` at the argmax.
+    """
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
+    scaled = logits.to(torch.float32) / temp[:, None]
+    if filtered:
+        # Greedy rows are never filtered (their log-prob is the plain log_softmax at the argmax).
+        top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
+        top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
+        srt, idx = scaled.sort(dim=-1, descending=True)
+        probs = srt.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        rank = torch.arange(srt.shape[-1], device=srt.device)
+        keep = (mass_before < top_p[:, None].to(probs.dtype)) & (
+            (top_k[:, None] <= 0) | (rank[None] < top_k[:, None])
+        )
+        keep[:, 0] = True
+        logp_sorted = torch.where(keep, srt, torch.full_like(srt, -math.inf)).log_softmax(dim=-1)
+        cdf = logp_sorted.exp().cumsum(dim=-1)
+        j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=srt.shape[-1] - 1)
+        j = torch.where(greedy[:, None], torch.zeros_like(j), j)
+        return idx.gather(-1, j).squeeze(-1), logp_sorted.gather(-1, j).squeeze(-1)
+    logp_all = scaled.log_softmax(dim=-1)
+    cdf = logp_all.exp().cumsum(dim=-1)
+    j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
+    ids = torch.where(greedy[:, None], scaled.argmax(dim=-1, keepdim=True), j)
+    return ids.squeeze(-1), logp_all.gather(-1, ids).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV store behind the HF Cache interface
+
+
+class SlotCache(DynamicCache):
+    """Per-slot static KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer, allocated on first use.
+
+    The engine sets the mode before each forward:
+      - ``prefill``: the forward's keys ``(k, h, L, d)`` belong to left-padded joiners; they are shifted left by
+        each row's padding and written to columns ``[0, L)`` of ``slot_ids``; attention runs over the chunk.
+      - ``decode``: the forward covers slots ``[0, m)`` with one query each; row ``i`` writes at column
+        ``pos[i]`` and attends over columns ``[0, kv_len)`` of its slot (the mask hides the rest).
+    Only ``update`` is used by the models; positions and masks come from the engine.
+    """
+
+    def __init__(self, slots: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.slots, self.max_seq_len = slots, max_seq_len
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.mode = "decode"
+        self.slot_ids: torch.Tensor | None = None
+        self.shift: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+        self.kv_len = max_seq_len
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        while len(self.k) <= layer_idx:
+            b, h, _, d = key_states.shape
+            shape_k = (self.slots, h, self.max_seq_len, d)
+            shape_v = (self.slots, value_states.shape[1], self.max_seq_len, value_states.shape[-1])
+            self.k.append(torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device))
+            self.v.append(torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device))
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
+        if self.mode == "prefill":
+            length = key_states.shape[2]
+            idx = self.shift[:, None, :, None]
+            kc[self.slot_ids, :, :length] = key_states.gather(
+                2, idx.expand(-1, key_states.shape[1], -1, key_states.shape[3])
+            )
+            vc[self.slot_ids, :, :length] = value_states.gather(
+                2, idx.expand(-1, value_states.shape[1], -1, value_states.shape[3])
+            )
+            return key_states, value_states
+        m = key_states.shape[0]
+        rows = torch.arange(m, device=key_states.device)
+        kc[:m][rows, :, self.pos] = key_states[:, :, 0]
+        vc[:m][rows, :, self.pos] = value_states[:, :, 0]
+        return kc[:m, :, : self.kv_len], vc[:m, :, : self.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always passed explicitly
+        return 0
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Copy slot ``src`` into slot ``dst`` in every layer (used to keep busy slots contiguous)."""
+        for kc, vc in zip(self.k, self.v):
+            kc[dst].copy_(kc[src])
+            vc[dst].copy_(vc[src])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode attention for grouped KV heads (registered with transformers' AttentionInterface)
+
+GROUPED_ATTENTION = "rlcore_grouped_sdpa"
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """HF attention-interface function: one-token queries attend per KV head, without ``repeat_kv``.
+
+    ``query (b h 1 d)``, ``key/value (b kvh s d)`` with ``h = kvh * g``; query head ``j`` uses KV head
+    ``j // g`` (HF's ``repeat_kv`` convention), so folding the query to ``(b kvh g d)`` gives the same result
+    while reading each cached key/value once. Anything else (prefill, MHA, dropout, softcap, sinks, position
+    bias) goes to HF's sdpa implementation unchanged. Returns ``((b 1 h d), None)`` like HF's functions.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, q, d = query.shape
+    kvh = key.shape[1]
+    unusual = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
+    if (
+        q != 1
+        or h == kvh
+        or h % kvh
+        or dropout
+        or unusual
+        or key.shape[-1] != value.shape[-1]
+        or query.shape[-1] != key.shape[-1]
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(b, kvh, h // kvh, d), key, value, attn_mask=mask, scale=scaling
+    )
+    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+
+
+def _install_grouped_attention(model: nn.Module) -> bool:
+    """Switch an sdpa model with grouped KV heads to ``grouped_decode_attention``; True when installed."""
+    from transformers import AttentionInterface
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not heads or kv == heads:
+        return False
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)
+    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)  # HF-built masks stay sdpa masks
+    configs = {
+        id(m.config): m.config
+        for m in model.modules()
+        if isinstance(getattr(m, "config", None), type(model.config))
+    }
+    configs[id(model.config)] = model.config
+    for c in configs.values():
+        c._attn_implementation = GROUPED_ATTENTION
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Adapter over the HF forward (kwarg names differ across transformers 5.x releases)
+
+
+class _Forward:
+    """Calls an HF causal LM with our cache, positions and masks, whatever its kwarg spelling."""
+
+    def __init__(self, model: nn.Module, max_seq_len: int) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        self.types: dict[str, int | None] = {}
+        if layer_types:
+            for t in dict.fromkeys(layer_types):
+                self.types[t] = window if (t == "sliding_attention" and isinstance(window, int)) else None
+        elif isinstance(window, int) and getattr(cfg, "use_sliding_window", True) is not False:
+            self.types["full_attention"] = window
+        else:
+            self.types["full_attention"] = None
+        self.max_seq_len = max_seq_len
+
+    def _masks(self, allowed: Callable[[int | None], torch.Tensor], dtype: torch.dtype):
+        neg = torch.finfo(dtype).min
+        out = {}
+        for t, w in self.types.items():
+            ok = allowed(w)
+            out[t] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, neg)
+        if list(out) == ["full_attention"]:
+            return out["full_attention"]
+        return out
+
+    def __call__(self, ids, pos, mask, cache: SlotCache, keep_last: bool) -> torch.Tensor:
+        kwargs: dict[str, Any] = {
+            "input_ids": ids,
+            "position_ids": pos,
+            "attention_mask": mask,
+            self.cache_kw: cache,
+            "use_cache": True,
+        }
+        if keep_last and self.keep_kw is not None:
+            kwargs[self.keep_kw] = 1
+        logits = self.model(**kwargs).logits
+        return logits[:, -1]
+
+    def prefill(
+        self, ids: torch.Tensor, pad: torch.Tensor, cache: SlotCache, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``ids (k L)`` left-padded by ``pad (k,)``; returns next-token logits ``(k v)``."""
+        length = ids.shape[1]
+        ar = torch.arange(length, device=ids.device)
+        pos = (ar[None] - pad[:, None]).clamp(min=0)  # (k L)
+
+        def allowed(w):
+            q, c = ar[None, :, None], ar[None, None, :]
+            ok = (c <= q) & (c >= pad[:, None, None])
+            if w is not None:
+                ok &= (q - c) < w
+            return (ok | (c == q))[:, None]  # (k 1 L L); padded queries see themselves (no empty rows)
+
+        cache.mode = "prefill"
+        cache.shift = (ar[None] + pad[:, None]).clamp(max=length - 1)
+        return self(ids, pos, self._masks(allowed, dtype), cache, keep_last=True)
+
+    def decode(
+        self, ids: torch.Tensor, pos: torch.Tensor, cache: SlotCache, kv_len: int, dtype
+    ) -> torch.Tensor:
+        """``ids (m 1)`` at positions ``pos (m,)`` of slots ``[0, m)``; returns logits ``(m v)``."""
+        cols = torch.arange(kv_len, device=ids.device)
+
+        def allowed(w):
+            ok = cols[None] <= pos[:, None]
+            if w is not None:
+                ok &= (pos[:, None] - cols[None]) < w
+            return ok[:, None, None]  # (m 1 1 kv)
+
+        cache.mode, cache.pos, cache.kv_len = "decode", pos, kv_len
+        return self(ids, pos[:, None], self._masks(allowed, dtype), cache, keep_last=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    future: cf.Future
+    out_ids: list[int] = field(default_factory=list)
+    out_logp: list[float] = field(default_factory=list)
+    out_ver: list[int] = field(default_factory=list)
+    slot: int = -1
+    epoch: int = -1
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+
+
+def _bucket(m: int, cap: int) -> int:
+    b = 1
+    while b < m:
+        b *= 2
+    return min(b, cap)
+
+
+def init_custom_process_group(
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+):
+    """A process group that does not need (or touch) the default group: SGLang's weight-update recipe.
+
+    Rendezvous on ``init_method`` (``tcp://host:port``; rank 0 hosts the store), prefix the store with
+    ``group_name`` and build the backend. Both the trainer (rank 0) and every engine must build their side
+    with this same recipe, concurrently. Returns the group handle for ``torch.distributed.broadcast``.
+    """
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    opt_name = (
+        "backend_options"
+        if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
+        else "pg_options"
+    )
+    pg, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **{opt_name: None},
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``"bf16"`` -> ``torch.bfloat16`` (and so on)."""
+    key = str(name).removeprefix("torch.")
+    key = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "float": "float32",
+    }.get(key, key)
+    dt = getattr(torch, key, None)
+    if not isinstance(dt, torch.dtype):
+        raise EngineError(f"unknown dtype {name!r}; use e.g. 'bfloat16' or 'float32'")
+    return dt
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class Engine:
+    """Continuous-batching generator over an HF causal LM, driven by a background scheduler thread.
+
+    Use as a context manager (``with Engine(model) as eng:``) or call ``start()`` / ``close()``.
+    All public methods are thread-safe; the ``a*`` / ``handle`` coroutines never block the event loop.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str | os.PathLike,
+        cfg: EngineConfig = EngineConfig(),
+        *,
+        tokenizer: Any = None,
+        model_path: str | None = None,
+        tokenizer_path: str | None = None,
+        version: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        if cfg.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(cfg.device)
+        if cfg.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[cfg.dtype]
+        if isinstance(model, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM
+
+            model_path = model_path or str(model)
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=self.dtype)
+            if tokenizer is None:
+                try:
+                    from transformers import AutoTokenizer
+
+                    tokenizer = AutoTokenizer.from_pretrained(model_path)
+                    tokenizer_path = tokenizer_path or model_path
+                except Exception:  # a model directory without a tokenizer is fine: the engine works on ids
+                    tokenizer = None
+        if not isinstance(model, nn.Module):
+            raise EngineError("Engine(model=...) must be an nn.Module or a local model directory path")
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or (model_path if tokenizer is not None else None)
+        mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        max_pos = getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
+        self.max_seq_len = min(cfg.max_seq_len, int(max_pos)) if max_pos else cfg.max_seq_len
+        gen = getattr(model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if eos is None:
+            eos = getattr(mcfg, "eos_token_id", None)
+        self.eos_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.vocab_size = (
+            int(model.get_output_embeddings().weight.shape[0])
+            if model.get_output_embeddings() is not None
+            else int(mcfg.vocab_size)
+        )
+
+        self.grouped_attention = cfg.grouped_decode_attention and _install_grouped_attention(self.model)
+        self._fwd = _Forward(self.model, self.max_seq_len)
+        self._cache = SlotCache(cfg.max_batch, self.max_seq_len)
+        self._version = int(version)
+        self._epoch = 0
+        self._rng = random.Random(cfg.seed)
+        self._paused: PauseMode | None = None
+        self._inbox: collections.deque = collections.deque()  # ("req", _Request) | ("cmd", fn, future)
+        self._wake = threading.Event()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []  # index == slot
+        self._by_rid: dict[str, _Request] = {}
+        self._dirty = True
+        self._tok = self._pos = self._first = None
+        self._max_pos = 0
+        self._sp: tuple = ()
+        self._groups: dict[str, Any] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._static_mode: str | None = "graph" if (cfg.cuda_graph and self.device.type == "cuda") else None
+        self._pool = None
+        self._static: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._error: BaseException | None = None
+        self.stats = collections.Counter()
+
+    # -- lifetime ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, cfg: EngineConfig = EngineConfig(), **kwargs) -> Engine:
+        """Load a local HF model directory (config + safetensors, tokenizer if present)."""
+        return cls(str(path), cfg, **kwargs)
+
+    def start(self) -> Engine:
+        """Start the scheduler thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rlcore-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Abort everything in flight and stop the scheduler thread."""
+        if self._thread is None:
+            return
+        try:
+            self.abort()
+        except Exception:
+            pass
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._thread = None
+        for pg in list(self._groups.values()):
+            try:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(pg)
+            except Exception:
+                pass
+        self._groups.clear()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        """True while the scheduler thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def version(self) -> int:
+        """Weight version of the weights currently loaded (tags every token generated with them)."""
+        return self._version
+
+    @property
+    def paused(self) -> PauseMode | None:
+        """The active pause mode, or None while generating."""
+        return self._paused
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a KV slot."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot (including ones not yet seen by the loop)."""
+        return len(self._waiting) + sum(1 for x in list(self._inbox) if x[0] == "req")
+
+    def num_generated(self, rid: str) -> int | None:
+        """Tokens generated so far by an in-flight request, or None when ``rid`` is not in flight."""
+        r = self._by_rid.get(rid)
+        return None if r is None else len(r.out_ids)
+
+    # -- submission ---------------------------------------------------------------------------------------------
+
+    def submit(
+        self, input_ids: Iterable[int], sampling: SamplingParams = SamplingParams(), rid: str | None = None
+    ) -> cf.Future:
+        """Queue one request; the future resolves to a ``GenerateOutput`` (aborts resolve too, never raise)."""
+        prompt = [int(t) for t in input_ids]
+        self._validate(prompt, sampling)
+        seed = int(sampling.seed) if sampling.seed is not None else self._rng.getrandbits(62)
+        req = _Request(rid or uuid.uuid4().hex, prompt, sampling, seed, cf.Future())
+        if self._thread is None:
+            raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
+        self._inbox.append(("req", req))
+        self._wake.set()
+        return req.future
+
+    def generate(
+        self,
+        input_ids: Iterable[int],
+        sampling: SamplingParams = SamplingParams(),
+        rid: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateOutput:
+        """Blocking ``submit(...).result()``."""
+        return self.submit(input_ids, sampling, rid).result(timeout)
+
+    async def agenerate(
+        self, input_ids: Iterable[int], sampling: SamplingParams = SamplingParams(), rid: str | None = None
+    ) -> GenerateOutput:
+        """Awaitable ``submit``."""
+        return await asyncio.wrap_future(self.submit(input_ids, sampling, rid))
+
+    def _validate(self, prompt: list[int], sp: SamplingParams) -> None:
+        if not prompt:
+            raise EngineError("input_ids is empty; pass at least one token id")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise EngineError(f"input_ids contains ids outside [0, {self.vocab_size}); check the tokenizer")
+        if len(prompt) >= self.max_seq_len:
+            raise EngineError(
+                f"input_ids has {len(prompt)} tokens but the engine's max_seq_len is {self.max_seq_len}; "
+                "shorten the prompt or raise EngineConfig.max_seq_len"
+            )
+        if not (sp.max_new_tokens >= 0):
+            raise EngineError(f"sampling_params.max_new_tokens must be >= 0, got {sp.max_new_tokens}")
+        if not (sp.temperature >= 0) or not math.isfinite(sp.temperature):
+            raise EngineError(f"sampling_params.temperature must be finite and >= 0, got {sp.temperature}")
+        if not (0 < sp.top_p <= 1):
+            raise EngineError(f"sampling_params.top_p must be in (0, 1], got {sp.top_p}")
+        if sp.top_k == 0 or sp.top_k < -1:
+            raise EngineError(f"sampling_params.top_k must be -1 (off) or >= 1, got {sp.top_k}")
+
+    # -- control (each runs on the loop thread between two forward passes) ---------------------------------------
+
+    def _command(self, fn: Callable[[], Any]) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("Engine is not running; call start() first")
+        self._inbox.append(("cmd", fn, fut))
+        self._wake.set()
+        return fut
+
+    def _call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        return self._command(fn).result(timeout)
+
+    def pause(self, mode: PauseMode = "abort") -> int:
+        """Pause generation; returns how many requests were affected.
+
+        ``abort``: every queued and running request returns now with its partial output (finish ``abort``).
+        ``retract``: running requests give up their KV slot and wait (re-prefilled on continue).
+        ``in_place``: running requests keep their slot and KV and wait.
+        Requests submitted while paused queue until ``continue_generation``.
+        """
+        if mode not in ("abort", "retract", "in_place"):
+            raise EngineError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        return self._call(lambda: self._do_pause(mode))
+
+    def continue_generation(self) -> None:
+        """Lift a pause; kept requests whose KV predates a weight load are re-prefilled first."""
+        self._call(self._do_continue)
+
+    def abort(self, rid: str | None = None) -> int:
+        """Abort one request by rid, or all when ``rid`` is None; returns the number aborted."""
+        return self._call(
+            lambda: self._abort_where(lambda r: rid is None or r.rid == rid, "aborted by request")
+        )
+
+    def set_version(self, version: int) -> None:
+        """Relabel the loaded weights (SGLang's /update_weight_version)."""
+        self._call(lambda: setattr(self, "_version", int(version)))
+
+    def update_weights_from_state_dict(
+        self, state_dict: dict[str, torch.Tensor], version: int | None = None
+    ) -> None:
+        """Copy HF-named tensors into the model (cast to the engine dtype) and set ``version``."""
+        self._call(lambda: self._load(state_dict.items(), version))
+
+    def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
+        """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``."""
+        files = _safetensors_files(path)
+
+        def items():
+            from safetensors import safe_open
+
+            for f in files:
+                with safe_open(f, framework="pt", device="cpu") as fh:
+                    for k in fh.keys():
+                        yield k, fh.get_tensor(k)
+
+        self._call(lambda: self._load(items(), version))
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int | str,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        group_name: str = "update_weight_group",
+        timeout_s: float = 300.0,
+    ) -> None:
+        """Join the trainer's broadcast group as rank ``rank_offset`` (blocks until every rank joined).
+
+        Runs in the calling thread (not the loop) so generation continues during the rendezvous.
+        """
+        if group_name in self._groups:
+            raise EngineError(
+                f"group_name {group_name!r} already exists; destroy it first or pick another name"
+            )
+        init = f"tcp://{master_address}:{int(master_port)}"
+        self._groups[group_name] = init_custom_process_group(
+            backend, init, int(world_size), int(rank_offset), group_name, timeout_s
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "update_weight_group",
+        version: int | None = None,
+    ) -> None:
+        """Receive ``names`` by ``broadcast(src=0)`` in order, load them, set ``version``."""
+        if group_name not in self._groups:
+            raise EngineError(f"group_name {group_name!r} is unknown; call init_weights_update_group first")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise EngineError("names, dtypes and shapes must have the same length")
+        specs = [(n, parse_dtype(d), [int(s) for s in shp]) for n, d, shp in zip(names, dtypes, shapes)]
+        self._check_names([n for n, _, _ in specs])
+        shapes_now = {
+            n: tuple(p.shape)
+            for n, p in itertools.chain(self.model.named_parameters(), self.model.named_buffers())
+        }
+        bad = [n for n, _, shp in specs if shapes_now[n] != tuple(shp)]
+        if bad:
+            raise EngineError(
+                f"shapes do not match the engine's parameters for {bad[:5]}; send the HF shapes"
+            )
+        pg = self._groups[group_name]
+
+        def items():
+            import torch.distributed as dist
+
+            dev = self.device if dist.get_backend(pg) != "gloo" else torch.device("cpu")
+            for n, dt, shp in specs:
+                buf = torch.empty(shp, dtype=dt, device=dev)
+                dist.broadcast(buf, src=0, group=pg)
+                yield n, buf
+
+        self._call(lambda: self._load(items(), version))
+
+    def destroy_weights_update_group(self, group_name: str = "update_weight_group") -> None:
+        """Leave and destroy a weight-update group."""
+        import torch.distributed as dist
+
+        pg = self._groups.pop(group_name, None)
+        if pg is None:
+            raise EngineError(f"group_name {group_name!r} is unknown")
+        dist.destroy_process_group(pg)
+
+    def flush_cache(self) -> bool:
+        """True when idle (nothing to flush: no prefix cache is kept); False while requests are in flight."""
+
+        def run():
+            if self._running or self._waiting:
+                return False
+            return True
+
+        return self._call(run)
+
+    async def handle(self, endpoint: str, payload: dict | None = None) -> tuple[int, dict]:
+        """SGLang JSON handlers shared by the HTTP server and in-process clients: ``(status, body)``."""
+        from rlcore.runtime.engine_server import handle as _handle
+
+        return await _handle(self, endpoint, payload)
+
+    # -- loop-thread internals ------------------------------------------------------------------------------------
+
+    def _check_names(self, names: Iterable[str]) -> None:
+        known = dict(self.model.named_parameters())
+        known.update(dict(self.model.named_buffers()))
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise EngineError(
+                f"unknown parameter names {bad[:5]}{'...' if len(bad) > 5 else ''}; send HF names"
+            )
+
+    @torch.no_grad()
+    def _load(self, items: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, t in items:
+            p = params.get(name)
+            if p is None:
+                raise EngineError(f"unknown parameter name {name!r}; send HF names")
+            if tuple(p.shape) != tuple(t.shape):
+                raise EngineError(
+                    f"shape mismatch for {name!r}: engine {tuple(p.shape)}, got {tuple(t.shape)}"
+                )
+            p.copy_(t.to(device=p.device, dtype=p.dtype))
+        self._epoch += 1
+        if version is not None:
+            self._version = int(version)
+        self.stats["weight_loads"] += 1
+
+    def _finish(self, r: _Request, reason: dict) -> None:
+        self._by_rid.pop(r.rid, None)
+        now = time.perf_counter()
+        out = GenerateOutput(
+            rid=r.rid,
+            input_ids=r.prompt,
+            output_ids=r.out_ids,
+            output_logprobs=r.out_logp,
+            output_versions=r.out_ver,
+            finish_reason=reason,
+            weight_version=self._version,
+            latency=now - r.t_submit,
+            ttft=(r.t_first - r.t_submit) if r.t_first else 0.0,
+        )
+        if not r.future.done():
+            r.future.set_result(out)
+
+    def _release(self, slots: list[int]) -> None:
+        """Free KV slots, moving the last busy slot into each hole so busy slots stay ``[0, m)``."""
+        for s in sorted(slots, reverse=True):
+            last = len(self._running) - 1
+            if s != last:
+                moved = self._running[last]
+                self._cache.move_slot(last, s)
+                self._running[s] = moved
+                moved.slot = s
+            self._running.pop()
+        if slots:
+            self._dirty = True
+
+    def _abort_where(self, pred: Callable[[_Request], bool], message: str) -> int:
+        n = 0
+        hit = [r for r in self._running if pred(r)]
+        self._release([r.slot for r in hit])
+        for r in hit:
+            r.slot = -1
+            self._finish(r, {"type": "abort", "message": message})
+            n += 1
+        keep = collections.deque()
+        for r in self._waiting:
+            if pred(r):
+                self._finish(r, {"type": "abort", "message": message})
+                n += 1
+            else:
+                keep.append(r)
+        self._waiting = keep
+        return n
+
+    def _do_pause(self, mode: PauseMode) -> int:
+        if mode == "abort":
+            n = self._abort_where(lambda r: True, "paused for weight update")
+        elif mode == "retract":
+            n = len(self._running)
+            retracted = list(self._running)
+            self._release([r.slot for r in self._running])
+            for r in reversed(retracted):
+                r.slot, r.epoch = -1, -1
+                self._waiting.appendleft(r)
+        else:
+            n = len(self._running)
+        self._paused = mode
+        return n
+
+    def _do_continue(self) -> None:
+        self._paused = None
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if item[0] == "req":
+                r = item[1]
+                if r.rid in self._by_rid:
+                    r.future.set_exception(
+                        EngineError(f"rid {r.rid!r} is already in flight; use a unique rid")
+                    )
+                    continue
+                self._by_rid[r.rid] = r
+                if r.sampling.max_new_tokens == 0:
+                    self._finish(r, {"type": "length", "length": 0})
+                else:
+                    self._waiting.append(r)
+            else:
+                _, fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # the caller gets the exception; the loop keeps going
+                    fut.set_exception(e)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            try:
+                self._drain_inbox()
+                if self._paused is None:
+                    # KV computed under old weights is recomputed before the row decodes again.
+                    stale = [r for r in self._running if r.epoch != self._epoch]
+                    if stale:
+                        self._release([r.slot for r in stale])
+                        for r in reversed(stale):
+                            r.slot = -1
+                            self._waiting.appendleft(r)
+                    self._admit()
+                    if self._running:
+                        self._decode()
+                        continue
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+            except BaseException as e:  # keep serving; fail the requests that were involved
+                self._error = e
+                self.stats["loop_errors"] += 1
+                traceback.print_exc()
+                msg = f"engine error: {type(e).__name__}: {e}"
+                self._abort_where(lambda r: True, msg)
+        self._drain_inbox()
+        self._abort_where(lambda r: True, "engine closed")
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free slots (one batched, left-padded forward)."""
+        free = self.cfg.max_batch - len(self._running)
+        if free <= 0 or not self._waiting:
+            return
+        batch: list[_Request] = []
+        longest = 0
+        while self._waiting and len(batch) < free:
+            r = self._waiting[0]
+            n = len(r.prompt) + len(r.out_ids)
+            if batch and max(longest, n) * (len(batch) + 1) > self.cfg.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            batch.append(self._waiting.popleft())
+        seqs = [r.prompt + r.out_ids for r in batch]
+        ids = torch.zeros((len(batch), longest), dtype=torch.long)
+        pad = torch.empty(len(batch), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, longest - len(s) :] = torch.tensor(s, dtype=torch.long)
+            pad[i] = longest - len(s)
+        base = len(self._running)
+        for i, r in enumerate(batch):
+            r.slot, r.epoch = base + i, self._epoch
+            self._running.append(r)
+        self._cache.slot_ids = torch.arange(base, base + len(batch), device=self.device)
+        logits = self._fwd.prefill(ids.to(self.device), pad.to(self.device), self._cache, self.dtype)
+        self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
+        self.stats["prefill_forwards"] += 1
+        self._dirty = True
+        count = torch.tensor([len(r.out_ids) for r in batch], dtype=torch.long, device=self.device)
+        self._sample_and_commit(logits, batch, self._params(batch), count)
+
+    def _rebuild(self) -> None:
+        rs, dev = self._running, self.device
+        self._tok = torch.tensor([r.out_ids[-1] for r in rs], dtype=torch.long, device=dev)
+        pos = [len(r.prompt) + len(r.out_ids) - 1 for r in rs]
+        self._pos = torch.tensor(pos, dtype=torch.long, device=dev)
+        self._first = torch.tensor([len(r.prompt) - 1 for r in rs], dtype=torch.long, device=dev)
+        self._max_pos = max(pos)
+        self._sp = self._params(rs)
+        self._dirty = False
+
+    def _params(self, rs: list[_Request]) -> tuple:
+        dev = self.device
+        temp = torch.tensor([r.sampling.temperature for r in rs], dtype=torch.float32, device=dev)
+        top_p = torch.tensor([r.sampling.top_p for r in rs], dtype=torch.float32, device=dev)
+        ks = [r.sampling.top_k if 0 < r.sampling.top_k < self.vocab_size else -1 for r in rs]
+        top_k = torch.tensor(ks, dtype=torch.long, device=dev)
+        seed = torch.tensor([r.seed for r in rs], dtype=torch.long, device=dev)
+        filtered = any((r.sampling.top_p < 1 or k > 0) and r.sampling.temperature > 0 for r, k in zip(rs, ks))
+        return temp, top_p, top_k, seed, filtered
+
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        if self._dirty:
+            self._rebuild()
+        m = len(self._running)
+        logits = self._decode_logits(m)
+        count = self._pos - self._first  # tokens generated so far, per row
+        self._sample_and_commit(logits, list(self._running), self._sp, count)
+        self._max_pos += 1
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += m
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _decode_logits(self, m: int) -> torch.Tensor:
+        if self._static_mode is not None:
+            try:
+                return self._static_decode(m, graph=self._static_mode == "graph")
+            except Exception:
+                traceback.print_exc()
+                print("[rlcore.engine] CUDA graph capture failed; falling back to eager decode", flush=True)
+                self._static_mode = None
+                self._graphs.clear()
+        kv_len = min(self.max_seq_len, self._max_pos + 1)
+        return self._fwd.decode(self._tok[:, None], self._pos, self._cache, kv_len, self.dtype)
+
+    def _static_decode(self, m: int, graph: bool) -> torch.Tensor:
+        """Decode with fixed shapes: batch bucket ``b >= m`` and key bucket ``kv >= longest + 1`` (powers of two).
+
+        Rows ``[m, b)`` are idle: token 0 at position 0 of a free slot, which is harmless because a slot is
+        always re-prefilled from column 0 before it is used. With ``graph`` the step of each ``(b, kv)`` bucket
+        is captured once in a CUDA graph and replayed (weights are updated in place, so graphs stay valid).
+        """
+        b = _bucket(m, self.cfg.max_batch)
+        kv = min(max(_bucket(self._max_pos + 1, self.max_seq_len), 32), self.max_seq_len)
+        st = self._static
+        if not st:
+            st["ids"] = torch.zeros((self.cfg.max_batch, 1), dtype=torch.long, device=self.device)
+            st["pos"] = torch.zeros((self.cfg.max_batch,), dtype=torch.long, device=self.device)
+        st["ids"][:m, 0].copy_(self._tok)
+        st["pos"][:m].copy_(self._pos)
+        st["ids"][m:b].zero_()
+        st["pos"][m:b].zero_()
+        ids, pos = st["ids"][:b], st["pos"][:b]
+        if not graph:
+            return self._fwd.decode(ids, pos, self._cache, kv, self.dtype)[:m]
+        g = self._graphs.get((b, kv))
+        if g is None:
+            s = torch.cuda.Stream(self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):
+                for _ in range(2):  # warm-up writes are the same (token, position) writes as the real step
+                    self._fwd.decode(ids, pos, self._cache, kv, self.dtype)
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg, pool=self._pool, capture_error_mode="thread_local"):
+                out = self._fwd.decode(ids, pos, self._cache, kv, self.dtype)
+            g = self._graphs[(b, kv)] = (cg, out)
+            self.stats["graphs_captured"] += 1
+        g[0].replay()
+        return g[1][:m]
+
+    def _sample_and_commit(
+        self, logits: torch.Tensor, rows: list[_Request], params: tuple, count: torch.Tensor
+    ) -> None:
+        """Sample one token per row (``logits (m v)``), append it, finish rows that stop."""
+        temp, top_p, top_k, seed, filtered = params
+        ids, logp = sample_tokens(logits, temp, top_p, top_k, counter_uniform(seed, count), filtered=filtered)
+        if not self._dirty:  # decode: advance the device-side row state without rebuilding it
+            self._tok = ids
+            self._pos = self._pos + 1
+        host = torch.stack([ids.to(torch.float64), logp.to(torch.float64)]).tolist()  # one device->host sync
+        ids_l, logp_l = [int(t) for t in host[0]], host[1]
+        now = time.perf_counter()
+        done: list[tuple[_Request, dict]] = []
+        ver, limit = self._version, self.max_seq_len
+        for r, t, lp in zip(rows, ids_l, logp_l):
+            r.out_ids.append(t)
+            r.out_logp.append(lp)
+            r.out_ver.append(ver)
+            if not r.t_first:
+                r.t_first = now
+            sp = r.sampling
+            if t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_ids):
+                done.append((r, {"type": "stop", "matched": t}))
+            elif len(r.out_ids) >= sp.max_new_tokens or len(r.prompt) + len(r.out_ids) >= limit:
+                done.append((r, {"type": "length", "length": len(r.out_ids)}))
+        if done:
+            self._release([r.slot for r, _ in done])
+            for r, reason in done:
+                r.slot = -1
+                self._finish(r, reason)
+
+
+def _safetensors_files(path: str | os.PathLike) -> list[str]:
+    p = os.fspath(path)
+    if os.path.isfile(p):
+        return [p]
+    if not os.path.isdir(p):
+        raise EngineError(f"model_path {p!r} does not exist; pass an HF model directory with *.safetensors")
+    index = os.path.join(p, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(p, n) for n in names]
+    files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
+    if not files:
+        raise EngineError(
+            f"model_path {p!r} has no *.safetensors files; save with save_pretrained(safe_serialization=True)"
+        )
+    return files
+
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "GenerateOutput",
+    "SlotCache",
+    "counter_uniform",
+    "init_custom_process_group",
+    "parse_dtype",
+    "sample_tokens",
+]

@@ -1,0 +1,104 @@
+"""Serve an HF causal LM with the embedded engine over SGLang's HTTP protocol.
+
+Run:    python -m rlcore.serve --model /path/to/hf_dir --host 127.0.0.1 --port 30000
+Then:   curl -s localhost:30000/generate -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8},
+        "return_logprob": true}'
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import tyro
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Command line of ``python -m rlcore.serve``."""
+
+    model: str
+    """Local HF model directory (config.json + *.safetensors; a tokenizer there enables text I/O)."""
+    host: str = "127.0.0.1"
+    """Bind address; keep 127.0.0.1 unless the network is trusted (the server has no authentication)."""
+    port: int = 30000
+    """TCP port; 0 picks a free one (printed at start-up)."""
+    tokenizer: str | None = None
+    """Tokenizer directory if different from --model."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype; auto = bfloat16 on CUDA, float32 on CPU."""
+    device: str = "auto"
+    """auto, cpu, cuda or cuda:N."""
+    max_batch: int = 256
+    """KV slots (requests decoded together)."""
+    max_seq_len: int = 4096
+    """Context tokens per slot (prompt + output)."""
+    max_prefill_tokens: int = 16384
+    """Padded-token budget of one prefill forward."""
+    cuda_graph: bool = True
+    """Capture the decode step in CUDA graphs on GPU."""
+    grouped_decode_attention: bool = True
+    """Decode attention without repeat_kv copies on grouped-KV sdpa models (see docs/engine.md)."""
+    seed: int = 0
+    """Seed for per-request seeds of requests that bring none."""
+    weight_version: int = 0
+    """Version label of the initial weights."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+
+
+def main(cfg: ServeConfig) -> None:
+    import asyncio
+    import socket
+
+    from aiohttp import web
+
+    from rlcore.runtime.engine import Engine, EngineConfig
+    from rlcore.runtime.engine_server import make_app
+
+    tokenizer = None
+    if cfg.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    ecfg = EngineConfig(
+        max_batch=cfg.max_batch,
+        max_seq_len=cfg.max_seq_len,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        cuda_graph=cfg.cuda_graph,
+        grouped_decode_attention=cfg.grouped_decode_attention,
+        seed=cfg.seed,
+    )
+    engine = Engine(
+        cfg.model, ecfg, tokenizer=tokenizer, tokenizer_path=cfg.tokenizer, version=cfg.weight_version
+    )
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    print(f"[rlcore.serve] {cfg.model} on http://{cfg.host}:{sock.getsockname()[1]}", flush=True)
+    with engine:
+        asyncio.run(_serve(web, make_app(engine), sock))
+
+
+async def _serve(web, app, sock) -> None:
+    import asyncio
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(ServeConfig))
+    except KeyboardInterrupt:
+        sys.exit(0)

@@ -1,0 +1,508 @@
+"""Embedded engine: greedy equivalence with HF, sampling log-probs, pause / weight updates, load, gloo sync.
+
+Every model here is a tiny float32 model built from a config (2 layers, width 32, vocab 64) on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import multiprocessing as mp
+import random
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from rlcore.runtime.engine import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    counter_uniform,
+    grouped_decode_attention,
+    init_custom_process_group,
+    sample_tokens,
+)
+from rlcore.runtime.protocol import SamplingParams
+
+V = 64
+
+
+def tiny_model(kind: str = "qwen2", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=V, num_hidden_layers=2, max_position_embeddings=96)
+    dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "qwen2":
+        cfg = Qwen2Config(**common, **dims, eos_token_id=None, bos_token_id=None)
+    elif kind == "llama":
+        cfg = LlamaConfig(**common, **dims, eos_token_id=None, bos_token_id=None)
+    elif kind == "mistral":
+        cfg = MistralConfig(**common, **dims, sliding_window=6, eos_token_id=None, bos_token_id=None)
+    elif kind == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=96, eos_token_id=None, bos_token_id=None
+        )
+    else:
+        raise ValueError(kind)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def greedy(max_new: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **kw)
+
+
+@torch.no_grad()
+def teacher_forced(model, prompt: list[int], out: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """``(n v)`` log_softmax(logits / T) predicting each of ``out`` from prompt + out[:i]."""
+    logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def wait_for(pred, timeout: float = 20.0) -> None:
+    t0 = time.time()
+    while not pred():
+        if time.time() - t0 > timeout:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.001)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41]]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Greedy equivalence
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "gpt2", "mistral"])
+def test_greedy_equals_hf_generate_and_single_requests(kind):
+    model = tiny_model(kind)
+    # max_batch=2 < 5 prompts: requests join a running decode and leave it at different times.
+    with Engine(model, EngineConfig(max_batch=2)) as eng:
+        futs = [eng.submit(p, greedy(10 + 3 * i)) for i, p in enumerate(PROMPTS)]
+        batched = [f.result(30) for f in futs]
+        single = [eng.generate(p, greedy(10 + 3 * i), timeout=30) for i, p in enumerate(PROMPTS)]
+        again = [f.result(30) for f in [eng.submit(p, greedy(10 + 3 * i)) for i, p in enumerate(PROMPTS)]]
+    for i, (p, b, s, a) in enumerate(zip(PROMPTS, batched, single, again)):
+        assert b.output_ids == s.output_ids == a.output_ids
+        assert b.finish_reason == {"type": "length", "length": 10 + 3 * i}
+        tf = teacher_forced(model, p, b.output_ids)
+        assert b.output_ids == tf.argmax(-1).tolist()
+        lp = tf.gather(-1, torch.tensor(b.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(b.output_logprobs), lp, atol=1e-4, rtol=0)
+        assert b.output_versions == [0] * len(b.output_ids)
+        if i in (0, 3):  # and HF's own greedy `generate` (slow-ish: two prompts)
+            ref = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=10 + 3 * i,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            assert b.output_ids == ref
+
+
+def test_fixed_shape_bucketed_decode_path_matches_eager():
+    """The CUDA-graph decode path (power-of-two batch and key buckets, idle rows) run eagerly on CPU."""
+    model = tiny_model("qwen2", seed=6)
+    eng = Engine(model, EngineConfig(max_batch=4, max_seq_len=48))
+    eng._static_mode = "eager-static"  # same buffers and shapes as the graph path, without capture
+    with eng:
+        # Lengths cross the 32-column key bucket, so two key-bucket shapes are used.
+        outs = [f.result(30) for f in [eng.submit(p, greedy(20 + i)) for i, p in enumerate(PROMPTS)]]
+        sampled = eng.generate(
+            PROMPTS[1], SamplingParams(max_new_tokens=12, seed=3, ignore_eos=True), timeout=30
+        )
+    for i, (p, o) in enumerate(zip(PROMPTS, outs)):
+        tf = teacher_forced(model, p, o.output_ids)
+        assert o.output_ids == tf.argmax(-1).tolist() and len(o.output_ids) == 20 + i
+        torch.testing.assert_close(
+            torch.tensor(o.output_logprobs),
+            tf.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0],
+            atol=1e-4,
+            rtol=0,
+        )
+    tf = teacher_forced(model, PROMPTS[1], sampled.output_ids)
+    torch.testing.assert_close(
+        torch.tensor(sampled.output_logprobs),
+        tf.gather(-1, torch.tensor(sampled.output_ids)[:, None])[:, 0],
+        atol=1e-4,
+        rtol=0,
+    )
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_grouped_decode_attention_equals_hf_sdpa(q_len):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    b, h, kvh, s, d = 3, 6, 2, 7, 8
+    q, k, v = torch.randn(b, h, q_len, d), torch.randn(b, kvh, s, d), torch.randn(b, kvh, s, d)
+    mask = torch.zeros(b, 1, q_len, s).masked_fill_(
+        torch.rand(b, 1, q_len, s) < 0.3, torch.finfo(torch.float32).min
+    )
+    mask[..., 0] = 0
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = h // kvh, True
+    got, _ = grouped_decode_attention(module, q, k, v, mask, scaling=0.3)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert got.shape == (b, q_len, h, d)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert Engine(tiny_model("qwen2"), EngineConfig(max_batch=1)).grouped_attention  # installed on GQA models
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Sampling
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_teacher_forced_log_softmax(temperature):
+    model = tiny_model("qwen2", seed=1)
+    sp = SamplingParams(max_new_tokens=16, temperature=temperature, ignore_eos=True)
+    with Engine(model, EngineConfig(max_batch=4)) as eng:
+        outs = [f.result(30) for f in [eng.submit(p, sp) for p in PROMPTS]]
+    for p, o in zip(PROMPTS, outs):
+        ref = teacher_forced(model, p, o.output_ids, temperature)
+        got = torch.tensor(o.output_logprobs)
+        torch.testing.assert_close(
+            got, ref.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0], atol=1e-4, rtol=0
+        )
+    assert len({tuple(o.output_ids) for o in outs}) > 1
+
+
+def test_top_k_top_p_logprobs_are_renormalised_over_the_kept_set():
+    model = tiny_model("qwen2", seed=2)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=10, top_p=0.8, ignore_eos=True)
+    with Engine(model, EngineConfig(max_batch=4)) as eng:
+        outs = [f.result(30) for f in [eng.submit(p, sp) for p in PROMPTS]]
+    for p, o in zip(PROMPTS, outs):
+        logp = teacher_forced(model, p, o.output_ids, 0.9)
+        for row, tok, lp in zip(logp, o.output_ids, o.output_logprobs):
+            order = row.argsort(descending=True).tolist()
+            kept, mass = [], 0.0
+            for j in order[:10]:  # reference: shortest prefix reaching top_p, within top_k
+                if mass >= 0.8:
+                    break
+                kept.append(j)
+                mass += row[j].exp().item()
+            assert tok in kept
+            ref = row[tok] - torch.logsumexp(row[kept], dim=0)
+            assert abs(lp - ref.item()) < 1e-4
+
+
+def test_seed_makes_sampling_reproducible():
+    model = tiny_model("qwen2")
+    with Engine(model, EngineConfig(max_batch=8)) as eng:
+        a = eng.generate([1, 2, 3], SamplingParams(max_new_tokens=20, seed=7, ignore_eos=True), timeout=30)
+        b = eng.generate([1, 2, 3], SamplingParams(max_new_tokens=20, seed=7, ignore_eos=True), timeout=30)
+        c = eng.generate([1, 2, 3], SamplingParams(max_new_tokens=20, seed=8, ignore_eos=True), timeout=30)
+    assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
+    assert a.output_ids != c.output_ids
+
+
+@st.composite
+def sampling_rows(draw):
+    b = draw(st.integers(1, 5))
+    v = draw(st.integers(2, 12))
+    logits = torch.tensor(draw(st.lists(st.floats(-6, 6, width=32), min_size=b * v, max_size=b * v))).view(
+        b, v
+    )
+    temp = torch.tensor(draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=b, max_size=b)))
+    top_p = torch.tensor(draw(st.lists(st.floats(0.05, 1.0), min_size=b, max_size=b)), dtype=torch.float32)
+    top_k = torch.tensor(
+        draw(st.lists(st.integers(-1, v + 2).filter(lambda k: k != 0), min_size=b, max_size=b))
+    )
+    u = torch.tensor(draw(st.lists(st.floats(0, 1, width=32, exclude_max=True), min_size=b, max_size=b)))
+    return logits, temp, top_p, top_k, u
+
+
+@settings(max_examples=40)
+@given(sampling_rows())
+def test_sample_tokens_matches_a_loop_reference(rows):
+    logits, temp, top_p, top_k, u = rows
+    ids, logp = sample_tokens(logits, temp, top_p, top_k, u, filtered=True)
+    for i in range(logits.shape[0]):
+        if temp[i] <= 0:
+            assert logits[i, ids[i]] == logits[i].max()
+            ref = torch.log_softmax(logits[i], -1)[ids[i]]
+        else:
+            row = torch.log_softmax(logits[i] / temp[i], -1)
+            order = row.argsort(descending=True, stable=True).tolist()
+            k = len(order) if top_k[i] <= 0 else int(top_k[i])
+            kept, mass = [], 0.0
+            for j in order[:k]:
+                if kept and mass >= float(top_p[i]):
+                    break
+                kept.append(j)
+                mass += row[j].exp().item()
+            assert int(ids[i]) in kept or row[ids[i]] >= row[kept[-1]] - 1e-6  # ties may reorder
+            ref = row[ids[i]] - torch.logsumexp(row[kept], 0)
+        assert abs(float(logp[i]) - float(ref)) < 1e-4
+    # With nothing to filter, both paths report log_softmax(logits / T) at the id they drew.
+    ones, offs = torch.ones_like(top_p), -torch.ones_like(top_k)
+    t = torch.where(temp > 0, temp, torch.ones_like(temp))
+    full = torch.log_softmax(logits / t[:, None], -1)
+    for filtered in (True, False):
+        ids, logp = sample_tokens(logits, temp, ones, offs, u, filtered=filtered)
+        torch.testing.assert_close(logp, full.gather(-1, ids[:, None])[:, 0], atol=1e-5, rtol=0)
+
+
+def test_counter_uniform_is_deterministic_and_uniform():
+    seed = torch.arange(20000, dtype=torch.long) * 7919
+    u = counter_uniform(seed, torch.zeros_like(seed))
+    assert torch.equal(u, counter_uniform(seed, torch.zeros_like(seed)))
+    assert (u >= 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    hist = torch.histc(u, bins=10, min=0, max=1) / len(u)
+    assert (hist - 0.1).abs().max() < 0.01
+    assert not torch.equal(u, counter_uniform(seed, torch.ones_like(seed)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Stops, limits, validation
+
+
+def test_stop_tokens_eos_and_context_limit():
+    model = tiny_model("qwen2")
+    with Engine(model, EngineConfig(max_batch=4, max_seq_len=24)) as eng:
+        free = eng.generate([1, 2, 3], greedy(8), timeout=30)
+        stop_at = free.output_ids[3]
+        first = free.output_ids.index(stop_at)
+        out = eng.generate([1, 2, 3], greedy(8, stop_token_ids=(stop_at,)), timeout=30)
+        assert out.output_ids == free.output_ids[: first + 1]
+        assert out.finish_reason == {"type": "stop", "matched": stop_at}
+        eng.eos_ids = frozenset([stop_at])
+        eos = eng.generate([1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0), timeout=30)
+        assert eos.output_ids == free.output_ids[: first + 1] and eos.finish_reason["type"] == "stop"
+        ign = eng.generate([1, 2, 3], greedy(8), timeout=30)
+        assert ign.output_ids == free.output_ids
+        long = eng.generate(list(range(1, 21)), greedy(50), timeout=30)
+        assert long.finish_reason == {"type": "length", "length": 4} and len(long.output_ids) == 4
+        zero = eng.generate([1, 2], greedy(0), timeout=30)
+        assert zero.output_ids == [] and zero.finish_reason == {"type": "length", "length": 0}
+        with pytest.raises(EngineError, match="max_seq_len"):
+            eng.submit(list(range(1, 30)), greedy(1))
+        with pytest.raises(EngineError, match="input_ids"):
+            eng.submit([], greedy(1))
+        with pytest.raises(EngineError, match="input_ids"):
+            eng.submit([V + 5], greedy(1))
+        with pytest.raises(EngineError, match="top_p"):
+            eng.submit([1], SamplingParams(top_p=0.0))
+        with pytest.raises(EngineError, match="temperature"):
+            eng.submit([1], SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="max_batch"):
+        EngineConfig(max_batch=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pause, abort, weight updates
+
+
+def test_pause_abort_update_continue_returns_partial_outputs_with_old_version():
+    old, new = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1)
+    # The engine loads weights into the module it was given: keep `old` intact for the references.
+    with Engine(copy.deepcopy(old), EngineConfig(max_batch=4, max_seq_len=96)) as eng:
+        futs = [eng.submit(p, greedy(80), rid=f"r{i}") for i, p in enumerate(PROMPTS)]
+        wait_for(lambda: (eng.num_generated("r0") or 0) >= 2)
+        assert eng.pause("abort") == 5
+        outs = [f.result(10) for f in futs]
+        eng.update_weights_from_state_dict(new.state_dict(), version=1)
+        eng.continue_generation()
+        for p, o in zip(PROMPTS, outs):
+            assert o.finish_reason["type"] == "abort"
+            assert len(o.output_ids) < 80 and set(o.output_versions) <= {0}
+            ref = teacher_forced(old, p, o.output_ids)
+            assert o.output_ids == ref.argmax(-1).tolist()
+        assert len(outs[0].output_ids) >= 2
+        # The client resubmits prompt + partial output: the rest comes from the new weights, version 1.
+        p, o = PROMPTS[0], outs[0]
+        rest = eng.generate(p + o.output_ids, greedy(80 - len(o.output_ids)), timeout=30)
+    assert rest.output_versions == [1] * len(rest.output_ids) and eng.version == 1
+    assert rest.output_ids == teacher_forced(new, p + o.output_ids, rest.output_ids).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_paused_requests_resume_under_new_weights_with_versions_switching_at_the_update(mode):
+    old, new = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=3)
+    sp = SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True)
+    with Engine(copy.deepcopy(old), EngineConfig(max_batch=3, max_seq_len=96)) as eng:
+        futs = [eng.submit(p, sp, rid=f"r{i}") for i, p in enumerate(PROMPTS)]
+        wait_for(lambda: (eng.num_generated("r0") or 0) >= 3)
+        eng.pause(mode)
+        n_before = {f"r{i}": eng.num_generated(f"r{i}") for i in range(len(PROMPTS))}
+        time.sleep(0.05)
+        assert n_before == {f"r{i}": eng.num_generated(f"r{i}") for i in range(len(PROMPTS))}  # frozen
+        eng.update_weights_from_state_dict(new.state_dict(), version=7)
+        eng.continue_generation()
+        outs = [f.result(30) for f in futs]
+    for i, (p, o) in enumerate(zip(PROMPTS, outs)):
+        assert o.finish_reason == {"type": "length", "length": 40}
+        k = n_before[f"r{i}"] or 0
+        assert o.output_versions == [0] * k + [7] * (40 - k)  # switch exactly at the update
+        lp = torch.tensor(o.output_logprobs)
+        ids = torch.tensor(o.output_ids)[:, None]
+        old_lp = teacher_forced(old, p, o.output_ids).gather(-1, ids)[:, 0]
+        new_lp = teacher_forced(new, p, o.output_ids).gather(-1, ids)[:, 0]
+        torch.testing.assert_close(lp[:k], old_lp[:k], atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp[k:], new_lp[k:], atol=1e-4, rtol=0)
+    assert n_before["r0"] >= 3
+
+
+def test_abort_by_rid_and_all():
+    model = tiny_model("qwen2")
+    with Engine(model, EngineConfig(max_batch=2, max_seq_len=96)) as eng:
+        futs = {f"r{i}": eng.submit(p, greedy(80), rid=f"r{i}") for i, p in enumerate(PROMPTS)}
+        wait_for(lambda: (eng.num_generated("r1") or 0) >= 1)
+        assert eng.abort("r1") == 1
+        r1 = futs["r1"].result(10)
+        assert r1.finish_reason["type"] == "abort" and len(r1.output_ids) < 80
+        with pytest.raises(EngineError, match="rid"):
+            eng.submit([1], greedy(1), rid="r0").result(10)  # duplicate in-flight rid
+        assert eng.abort() == 4
+        rest = [futs[k].result(10) for k in ("r0", "r2", "r3", "r4")]
+        assert all(o.finish_reason["type"] == "abort" for o in rest)
+        assert eng.num_running == 0 and eng.num_waiting == 0
+        assert eng.generate([1, 2], greedy(3), timeout=10).finish_reason["type"] == "length"
+
+
+def test_update_weights_from_disk(tmp_path):
+    old, new = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=5)
+    new.save_pretrained(tmp_path / "v1")
+    with Engine(copy.deepcopy(old), EngineConfig(max_batch=4)) as eng:
+        eng.update_weights_from_disk(tmp_path / "v1", version=1)
+        out = eng.generate([1, 2, 3], greedy(10), timeout=30)
+        with pytest.raises(EngineError, match="safetensors"):
+            eng.update_weights_from_disk(tmp_path / "missing", version=2)
+        with pytest.raises(EngineError, match="unknown parameter"):
+            eng.update_weights_from_state_dict({"nope.weight": torch.zeros(1)}, version=2)
+    assert out.output_ids == teacher_forced(new, [1, 2, 3], out.output_ids).argmax(-1).tolist()
+    assert eng.version == 1 and out.output_versions == [1] * 10
+
+
+def test_concurrent_requests_under_load_all_complete_correctly():
+    model = tiny_model("qwen2", seed=4)
+    rng = random.Random(0)
+    reqs = [
+        ([rng.randrange(1, V) for _ in range(rng.randint(1, 20))], rng.randint(1, 30), rng.random() < 0.5)
+        for _ in range(64)
+    ]
+    futs: list = [None] * len(reqs)
+    with Engine(model, EngineConfig(max_batch=16, max_seq_len=64, max_prefill_tokens=64)) as eng:
+
+        def producer(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                p, n, sample = reqs[i]
+                sp = SamplingParams(
+                    max_new_tokens=n, temperature=1.0 if sample else 0.0, ignore_eos=True, seed=i
+                )
+                futs[i] = eng.submit(p, sp, rid=f"q{i}")
+                time.sleep(rng.random() * 0.004)
+
+        threads = [threading.Thread(target=producer, args=(k * 16, (k + 1) * 16)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        outs = [f.result(60) for f in futs]
+        assert eng.stats["prefill_forwards"] > 1  # requests joined a running decode
+    for (p, n, sample), o in zip(reqs, outs):
+        assert len(o.output_ids) == n and o.finish_reason["type"] == "length"
+        temp = 1.0 if sample else 1.0  # greedy log-probs are log_softmax(logits) too
+        ref = teacher_forced(model, p, o.output_ids, temp)
+        torch.testing.assert_close(
+            torch.tensor(o.output_logprobs),
+            ref.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0],
+            atol=1e-4,
+            rtol=0,
+        )
+        if not sample:
+            assert o.output_ids == ref.argmax(-1).tolist()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Distributed weight update (gloo, 2 processes on 127.0.0.1)
+
+
+def _trainer(port: int, tensors: list[torch.Tensor], q) -> None:
+    """Rank 0 of the weight-update group: what a trainer does (system.md §5.2), minus FSDP."""
+    try:
+        import torch.distributed as dist
+
+        pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "wug", timeout_s=60)
+        for t in tensors:
+            dist.broadcast(t, src=0, group=pg)
+        dist.destroy_process_group(pg)
+        q.put("ok")
+    except Exception as e:  # report to the test instead of hanging it
+        q.put(repr(e))
+
+
+def test_update_weights_from_distributed_gloo():
+    new = tiny_model("qwen2", seed=9)
+    named = [(n, p.detach().clone()) for n, p in new.named_parameters()]
+    port = free_port()
+    # fork: the child inherits the imported modules (a spawned child would spend seconds importing them).
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_trainer, args=(port, [t for _, t in named], q), daemon=True)
+    proc.start()
+    try:
+        with Engine(tiny_model("qwen2", seed=0), EngineConfig(max_batch=4)) as eng:
+            eng.init_weights_update_group("127.0.0.1", port, 1, 2, "gloo", "wug", timeout_s=60)
+            eng.update_weights_from_distributed(
+                [n for n, _ in named],
+                ["float32"] * len(named),
+                [list(t.shape) for _, t in named],
+                "wug",
+                version=3,
+            )
+            assert q.get(timeout=60) == "ok"
+            for (n, p), (_, t) in zip(eng.model.named_parameters(), named):
+                assert torch.equal(p, t), n
+            out = eng.generate([1, 2, 3], greedy(6), timeout=30)
+            assert out.output_versions == [3] * 6
+            assert out.output_ids == teacher_forced(new, [1, 2, 3], out.output_ids).argmax(-1).tolist()
+            with pytest.raises(EngineError, match="group_name"):
+                eng.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[V, 32]], "nope")
+            eng.destroy_weights_update_group("wug")
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU): the CUDA-graph decode path against eager decode and a teacher-forced forward
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "gpt2"])
+def test_cuda_graph_decode_matches_eager_and_teacher_forcing(kind):
+    model = tiny_model(kind, seed=2)
+    cfg = EngineConfig(max_batch=8, max_seq_len=64, device="cuda", dtype="float32")
+    outs = {}
+    for graph in (True, False):
+        with Engine(copy.deepcopy(model), dataclasses.replace(cfg, cuda_graph=graph)) as eng:
+            futs = [eng.submit(p, greedy(20 + i)) for i, p in enumerate(PROMPTS)]
+            sampled = eng.submit(PROMPTS[1], SamplingParams(max_new_tokens=16, seed=1, ignore_eos=True))
+            outs[graph] = [f.result(60) for f in futs] + [sampled.result(60)]
+            if graph:
+                assert eng._static_mode == "graph" and eng.stats["graphs_captured"] >= 2
+    for a, b in zip(outs[True], outs[False]):
+        assert a.output_ids == b.output_ids
+    for p, o in zip(PROMPTS + [PROMPTS[1]], outs[True]):
+        tf = teacher_forced(model, p, o.output_ids)
+        lp = tf.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), lp, atol=1e-3, rtol=0)
