@@ -1,0 +1,304 @@
+"""End-to-end GRPO samples/s: TRL's GRPOTrainer (HF generate, no vLLM) vs rlcore's engine + trainer, one GPU.
+
+Run (one H200 of the box, ~2.5 min; TRL and its missing dependencies carried as wheels):
+    python experiments/bench_trl.py --budget-s 115 --out $OUT/bench_trl.json
+Smoke (CPU, tiny model, < 60 s; TRL is skipped with a message when it is not installed):
+    python experiments/bench_trl.py --smoke
+
+Same work on both sides: Qwen2-0.5B shapes (random init, bf16), ``--prompts-per-step`` prompts x
+``--group-size`` samples = 128 completions per optimizer step, each exactly ``--completion-len`` (256) tokens
+(TRL: ``min_new_tokens`` = ``max_completion_length``; rlcore: ``ignore_eos``), prompts of ``--prompt-len``
+random tokens, reward = fraction of even token ids, no reference model (beta = 0), one optimizer step per
+generation batch, no gradient checkpointing. The GPU is pinned with CUDA_VISIBLE_DEVICES (``--gpu``, default 0)
+before torch starts, so both sides see exactly one device:
+
+  trl:    GRPOTrainer(model, reward_funcs=[even], args=GRPOConfig(per_device_train_batch_size=16,
+          gradient_accumulation_steps=8, num_generations=8, max_completion_length=256, ...)). samples/s =
+          128 / median wall time of one optimizer step (generation + scoring + update), after ``--warmup``
+          steps. The tokenizer is a word-level tokenizer over the full vocabulary ("t0" ... "t151935"), so
+          prompts are token ids written as words and every id decodes.
+  rlcore: experiments/bench_async.run_rl with the engine AND the trainer on the same GPU, eta = 0
+          (synchronous, TRL's schedule) and eta = 4; samples/s = completions trained / wall time.
+
+If TRL (or datasets) cannot be imported the trl section is skipped with the reason, and rlcore still runs.
+Wheels to carry (pip download --no-deps, py3.12 x86_64): trl-1.16.0, datasets-5.2.0, dill-0.4.1,
+multiprocess-0.70.19 (accelerate, pyarrow, pandas, xxhash, psutil are on the device image).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+
+def _early_gpu_pin(argv: Sequence[str]) -> None:
+    """Pin the GPU before torch initialises CUDA (HF Trainer would use DataParallel over every visible GPU)."""
+    gpu = "0"
+    for i, a in enumerate(argv):
+        if a == "--gpu" and i + 1 < len(argv):
+            gpu = argv[i + 1]
+        elif a.startswith("--gpu="):
+            gpu = a.split("=", 1)[1]
+    if "--smoke" in argv:
+        gpu = ""
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    for k, v in {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1", "WANDB_DISABLED": "true", "HF_HUB_OFFLINE": "1",
+                 "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+        os.environ.setdefault(k, v)
+
+
+if __name__ == "__main__":
+    _early_gpu_pin(sys.argv[1:])
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import bench_async  # noqa: E402
+
+NAME = "bench_trl"
+
+
+def word_tokenizer(vocab: int):
+    """A fast word-level tokenizer with one word ``t<i>`` per model id (pad ``t0``, eos ``t1``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t2",
+                                   model_max_length=1 << 20)
+
+
+def even_reward_text(completions: list, **kwargs) -> list[float]:
+    """TRL reward: fraction of even ids among the completion's ``t<i>`` words."""
+    out = []
+    for c in completions:
+        text = c if isinstance(c, str) else " ".join(m.get("content", "") for m in c)
+        ids = [int(w[1:]) for w in text.split() if w.startswith("t") and w[1:].isdigit()]
+        out.append(sum(1 for i in ids if i % 2 == 0) / max(len(ids), 1))
+    return out
+
+
+def _prompt_dataset(datasets, prompts: list[str]):
+    """A ``datasets.Dataset`` with a "prompt" column, built with a fixed fingerprint: hashing the Arrow table
+    (what ``Dataset.from_dict`` does) fails with some dill/pyarrow pairs."""
+    try:
+        import pyarrow as pa
+
+        table = datasets.table.InMemoryTable(pa.table({"prompt": prompts}))
+        return datasets.Dataset(table, fingerprint="rlcore-bench-trl-prompts")
+    except Exception as e:  # noqa: BLE001 - fall back to the public constructor
+        print(f"[{NAME}] explicit-fingerprint dataset failed ({type(e).__name__}: {e}); using from_dict", flush=True)
+        return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def run_trl(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
+    """GRPOTrainer for ``warmup + steps`` optimizer steps; returns step times and samples/s."""
+    try:
+        import datasets
+        import trl
+        from transformers import AutoModelForCausalLM, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except Exception as e:  # noqa: BLE001 - any import problem means: no TRL here
+        msg = (f"TRL skipped: cannot import trl/datasets ({type(e).__name__}: {e}). Carry the wheels "
+               "trl-1.16.0, datasets-5.2.0, dill-0.4.1, multiprocess-0.70.19 (see the module docstring).")
+        print(f"[{NAME}] {msg}", flush=True)
+        return {"skipped": msg}
+
+    cuda = torch.cuda.is_available()
+    shapes = bench_async.TINY if args.smoke else bench_async.QWEN05
+    mcfg = bench_async.qwen2_config(**shapes, max_pos=4096)
+    tok = word_tokenizer(shapes["vocab"])
+    mcfg.pad_token_id, mcfg.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(args.seed)
+    with torch.device("cuda:0" if cuda else "cpu"):  # random init on the GPU is much faster than on the CPU
+        model = AutoModelForCausalLM.from_config(mcfg, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    n_steps = args.warmup + args.steps
+    items = bench_async.make_dataset(args.prompts_per_step * (n_steps + 1), prompt_len=args.prompt_len, group_size=1,
+                                     vocab=shapes["vocab"], seed=args.seed, median=1, sigma=0, cap=1)
+    ds = _prompt_dataset(datasets, [" ".join(f"t{i}" for i in it["input_ids"]) for it in items])
+    completions = args.prompts_per_step * args.group_size
+    if completions % args.micro_batch:
+        raise ValueError(f"--micro-batch ({args.micro_batch}) must divide prompts*group ({completions})")
+    out_dir = tempfile.mkdtemp(prefix="rlcore_trl_")
+    kw = dict(
+        output_dir=out_dir, per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=completions // args.micro_batch, num_generations=args.group_size,
+        max_completion_length=args.completion_len, generation_kwargs={"min_new_tokens": args.completion_len},
+        learning_rate=1e-6, beta=0.0, num_iterations=1, temperature=1.0, max_steps=n_steps,
+        gradient_checkpointing=False, bf16=cuda, logging_steps=1, report_to="none", save_strategy="no",
+        seed=args.seed, shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True,
+        use_cpu=not cuda,
+    )
+    fields = set(GRPOConfig.__dataclass_fields__)
+    dropped = sorted(k for k in kw if k not in fields)
+    cfg = GRPOConfig(**{k: v for k, v in kw.items() if k in fields})
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+            self.logs: list[dict] = []
+
+        def on_train_begin(self, args, state, control, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.marks.append(time.perf_counter())
+            print(f"[{NAME}] trl step {len(self.marks) - 1}: {self.marks[-1] - self.marks[-2]:.2f}s", flush=True)
+            if budget.expired():
+                control.should_training_stop = True
+                print(f"[{NAME}] trl: budget spent, stopping after {len(self.marks) - 1} steps", flush=True)
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs:
+                self.logs.append({kk: float(v) for kk, v in logs.items() if isinstance(v, (int, float))})
+
+    timer = Timer()
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=model, reward_funcs=[even_reward_text], args=cfg, train_dataset=ds,
+                          processing_class=tok, callbacks=[timer])
+    init_s = time.perf_counter() - t0
+    trainer.train()
+    steps = [b - a for a, b in zip(timer.marks, timer.marks[1:])]
+    timed = steps[args.warmup:] or steps
+    med = sorted(timed)[len(timed) // 2]
+    res = {
+        "trl_version": trl.__version__, "datasets_version": datasets.__version__, "init_s": init_s,
+        "completions_per_step": completions, "step_s": steps, "median_step_s": med,
+        "samples_per_s": completions / med, "samples_per_s_mean": completions * len(timed) / sum(timed),
+        "warmup_steps": args.warmup, "timed_steps": len(steps[args.warmup:]), "config_dropped": dropped,
+        "last_log": timer.logs[-1] if timer.logs else {},
+        "generation": "transformers generate (use_vllm=False)",
+    }
+    if cuda:
+        res["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    del trainer, model
+    return res
+
+
+def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
+    """bench_async.run_rl on one device (engine and trainer colocated), fixed-length completions."""
+    argv = ["--fixed-len", str(args.completion_len), "--batch-groups", str(args.prompts_per_step),
+            "--group-size", str(args.group_size), "--prompt-len", str(args.prompt_len),
+            "--engine-device", args.device, "--train-device", args.device, "--seed", str(args.seed),
+            "--len-cap", str(args.completion_len), "--eta", str(max(args.etas)), "--int-concurrency", "1",
+            "--budget-s", str(max(budget.left(), 1.0))]
+    if args.smoke:
+        argv.append("--smoke")
+    a = bench_async.parse_args(argv)
+    a.fixed_len, a.len_cap, a.batch_groups, a.group_size = (args.completion_len, args.completion_len,
+                                                            args.prompts_per_step, args.group_size)
+    a.prompt_len = args.prompt_len
+    a.max_batch = (max(args.etas) + 1) * args.prompts_per_step * args.group_size
+    setup = bench_async.build_setup(a)
+    out: dict = {"devices": {"engine": str(setup.engine_dev), "trainer": str(setup.train_dev)},
+                 "build_s": setup.build_s}
+    try:
+        for eta in args.etas:
+            if budget.expired():
+                out.setdefault("skipped", []).append(f"eta{eta}")
+                continue
+            r = bench_async.run_rl(setup, eta=eta, steps=args.ours_steps, batch_groups=args.prompts_per_step,
+                                   fixed_len=args.completion_len, budget=budget, seed=args.seed,
+                                   label=f"ours eta={eta}")
+            r.pop("per_step", None)
+            out[f"eta{eta}"] = r
+    finally:
+        setup.engine.close()
+        del setup
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def print_table(rep: bench_async.Report, args: argparse.Namespace) -> None:
+    s = rep.data["sections"]
+    print(f"\n== GRPO end-to-end, {args.prompts_per_step}x{args.group_size} completions x {args.completion_len} "
+          f"tokens per step, one GPU ==")
+    print(f"{'system':<28}{'samples/s':>11}{'s/step':>9}{'steps':>7}")
+    t = s.get("trl") or {}
+    if "samples_per_s" in t:
+        print(f"{'TRL GRPOTrainer (HF gen)':<28}{t['samples_per_s']:>11.1f}{t['median_step_s']:>9.2f}"
+              f"{t.get('timed_steps', 0):>7}")
+    elif t.get("skipped"):
+        print(f"{'TRL GRPOTrainer':<28}  {t['skipped']}")
+    o = s.get("rlcore") or {}
+    for k in sorted(x for x in o if x.startswith("eta")):
+        r = o[k]
+        print(f"{'rlcore ' + k + ' (1 GPU)':<28}{r['samples_per_s']:>11.1f}{r['s_per_step']:>9.2f}{r['steps']:>7}")
+    if "samples_per_s" in t:
+        for k in sorted(x for x in o if x.startswith("eta")):
+            print(f"rlcore {k} / TRL: {o[k]['samples_per_s'] / t['samples_per_s']:.2f}x")
+    for name, tb in rep.data["errors"].items():
+        print(f"[{NAME}] section {name} FAILED (see JSON): {tb.strip().splitlines()[-1]}")
+    for msg in rep.data["skipped"]:
+        print(f"[{NAME}] {msg}")
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    p.add_argument("--budget-s", type=float, default=115.0, help="stop starting sections/steps after this")
+    p.add_argument("--out", default=None, help=f"JSON path (default $OUT/{NAME}.json when OUT is set)")
+    p.add_argument("--gpu", default="0", help="CUDA_VISIBLE_DEVICES for this process (set before torch starts)")
+    p.add_argument("--device", default="auto", help="device of rlcore's engine and trainer (auto: cuda:0 / cpu)")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per optimizer step")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--completion-len", type=int, default=256, help="tokens per completion (forced)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
+    p.add_argument("--steps", type=int, default=3, help="timed TRL optimizer steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed TRL steps first")
+    p.add_argument("--ours-steps", type=int, default=4, help="rlcore steps per eta")
+    p.add_argument("--etas", default="0,4", help="rlcore max staleness values")
+    p.add_argument("--sections", default="rlcore,trl", help="comma list of: rlcore, trl")
+    p.add_argument("--seed", type=int, default=0, help="seed")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for k, v in dict(prompts_per_step=2, group_size=4, completion_len=8, prompt_len=8, micro_batch=4, steps=1,
+                         ours_steps=2).items():
+            if p.get_default(k) == getattr(args, k):
+                setattr(args, k, v)
+        args.device = "cpu"
+        torch.set_num_threads(1)
+    if args.device == "auto":
+        args.device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    args.etas = [int(x) for x in str(args.etas).split(",") if x.strip()]
+    budget = bench_async.Budget(args.budget_s)
+    cfg = dict(vars(args))
+    cfg["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    rep = bench_async.Report(NAME, args.out, cfg)
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if "rlcore" in sections:
+        rep.section("rlcore", lambda: run_ours(args, budget), budget)
+    if "trl" in sections:
+        rep.section("trl", lambda: run_trl(args, budget), budget)
+    rep.data["total_s"] = budget.elapsed()
+    rep.save()
+    print_table(rep, args)
+    if rep.path:
+        print(f"wrote {rep.path}")
+    return rep.data
+
+
+if __name__ == "__main__":
+    main()
