@@ -1,0 +1,161 @@
+"""The tiny tokenizer/model (rlcore/tiny.py), the committed warm-start asset and the SFT script smoke run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from rlcore import tiny
+from rlcore.data import countdown as cd
+from rlcore.rewards import countdown as cr
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET = ROOT / "experiments" / "assets" / "countdown-tiny"
+TOK = tiny.build_tokenizer()
+
+
+@given(st.text(tiny.COUNTDOWN_ALPHABET, max_size=20))
+def test_one_token_per_character_and_round_trip(text):
+    ids = TOK(text).input_ids
+    assert len(ids) == len(text)
+    assert all(i >= len(tiny.SPECIAL_TOKENS) for i in ids)
+    assert TOK.decode(ids) == text
+
+
+def test_special_tokens_and_unknown_characters():
+    assert (TOK.pad_token_id, TOK.eos_token_id, TOK.unk_token_id) == (0, 1, 2)
+    assert len(TOK) == len(tiny.SPECIAL_TOKENS) + len(tiny.COUNTDOWN_ALPHABET)
+    assert TOK("1a2").input_ids == [TOK.convert_tokens_to_ids("1"), 2, TOK.convert_tokens_to_ids("2")]
+    assert TOK("12<eos>").input_ids[-1] == TOK.eos_token_id  # specials are matched whole
+    assert TOK.decode([4, 5, 1, 0], skip_special_tokens=True) == "12"
+
+
+def test_chat_template_is_the_bare_prompt_plus_eos_after_answers():
+    user = [{"role": "user", "content": "3579:42="}]
+    assert TOK.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == "3579:42="
+    convo = user + [{"role": "assistant", "content": "7*5+9-3"}]
+    assert TOK.apply_chat_template(convo, tokenize=False) == "3579:42=7*5+9-3<eos>"
+
+
+def test_tokenizer_save_load_round_trip(tmp_path):
+    wide = tiny.build_tokenizer("abc =")
+    wide.save_pretrained(tmp_path)
+    back = tiny.load_tokenizer(tmp_path)
+    assert back("ab c=").input_ids == wide("ab c=").input_ids
+    assert (back.eos_token_id, back.pad_token_id) == (wide.eos_token_id, wide.pad_token_id)
+    convo = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert back.apply_chat_template(convo, tokenize=False) == "ab<eos>"
+
+
+def test_bad_alphabet_and_model_config():
+    with pytest.raises(ValueError, match="alphabet"):
+        tiny.build_tokenizer("aa")
+    with pytest.raises(ValueError, match="num_heads"):
+        tiny.TinyModelConfig(hidden_size=64, num_heads=5)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        tiny.TinyModelConfig(num_heads=4, num_kv_heads=3)
+
+
+def test_model_shape_and_seed():
+    a, b = tiny.build_model(TOK, seed=3), tiny.build_model(TOK, seed=3)
+    assert 50_000 < tiny.num_parameters(a) < 200_000
+    assert a.config.vocab_size == len(TOK) and a.config.eos_token_id == TOK.eos_token_id
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.model.embed_tokens.weight, tiny.build_model(TOK, seed=4).model.embed_tokens.weight)
+
+
+def _reference_greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy decoding by full re-forward every step (no cache)."""
+    for _ in range(n):
+        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+MODEL = tiny.build_model(TOK, seed=1)
+
+
+@settings(max_examples=6)
+@given(st.integers(0, 10_000), st.integers(1, 6), st.integers(1, 5))
+def test_greedy_with_cache_equals_full_reforward(seed, b, t):
+    model = MODEL
+    ids = torch.randint(3, len(TOK), (b, t), generator=torch.Generator().manual_seed(seed))
+    tokens, logp, lengths = tiny.generate(model, ids, max_new_tokens=6, stop_ids=(), pad_id=0)
+    assert torch.equal(tokens, _reference_greedy(model, ids, 6)[:, t:])
+    assert torch.equal(lengths, torch.full((b,), 6))
+    full = torch.log_softmax(model(input_ids=torch.cat([ids, tokens], 1)).logits[:, t - 1 : -1], -1)
+    torch.testing.assert_close(logp, full.gather(2, tokens[:, :, None]).squeeze(2), atol=1e-5, rtol=0)
+
+
+def test_sampling_logp_is_the_tempered_distribution_and_stops_pad():
+    model = MODEL
+    ids = torch.randint(3, len(TOK), (64, 4), generator=torch.Generator().manual_seed(0))
+    stop = (5, 6, 7)
+    tokens, logp, lengths = tiny.generate(
+        model, ids, max_new_tokens=8, stop_ids=stop, pad_id=0, temperature=0.7,
+        generator=torch.Generator().manual_seed(0),
+    )
+    n = tokens.shape[1]
+    live = torch.arange(n)[None] < lengths[:, None]
+    full = torch.log_softmax(model(input_ids=torch.cat([ids, tokens], 1)).logits[:, 3:-1] / 0.7, -1)
+    expect = full.gather(2, tokens[:, :, None]).squeeze(2)
+    torch.testing.assert_close(torch.where(live, logp, 0.0), torch.where(live, expect, 0.0), atol=1e-5, rtol=0)
+    assert torch.all(torch.where(live, True, (tokens == 0) & (logp == 0)))  # pad and 0 after the stop
+    stopped = lengths < n
+    last = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    assert torch.all(torch.where(stopped, torch.isin(last, torch.tensor(stop)), True))
+    assert stopped.any()  # 3 of 18 ids stop: with 64 rows and 8 steps some row stops
+
+
+def test_generate_rejects_bad_input():
+    model = MODEL
+    with pytest.raises(ValueError, match="input_ids"):
+        tiny.generate(model, torch.zeros(3, dtype=torch.long), max_new_tokens=2, stop_ids=(1,), pad_id=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tiny.generate(model, torch.zeros(1, 3, dtype=torch.long), max_new_tokens=0, stop_ids=(1,), pad_id=0)
+
+
+@pytest.mark.skipif(not ASSET.exists(), reason="warm-start asset not built (python experiments/sft_warmstart.py)")
+def test_committed_warm_start_asset_solves_some_heldout_problems():
+    size = sum(f.stat().st_size for f in ASSET.iterdir())
+    assert size < 1_000_000
+    tok = tiny.load_tokenizer(ASSET)
+    model = AutoModelForCausalLM.from_pretrained(ASSET).eval()
+    problems = cd.heldout_set(300)
+    prompts = torch.tensor([tok(cd.format_prompt(p.numbers, p.target)).input_ids for p in problems])
+    tokens, _, lengths = tiny.generate(model, prompts, max_new_tokens=9, stop_ids=(1, 0), pad_id=0)
+    texts = tiny.decode_rows(tok, tokens, lengths)
+    success = sum(cr.reward(t, p.numbers, p.target) for t, p in zip(texts, problems)) / len(problems)
+    assert 0.12 < success < 0.35  # warm-started to ~21% on 1,000 held-out prompts; RL starts from here
+
+
+def test_sft_warmstart_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("sft_warmstart", ROOT / "experiments" / "sft_warmstart.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sft_warmstart"] = mod  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(mod)
+    cfg = mod.Config(out_dir=str(tmp_path), max_steps=4, eval_every=2, dev_size=16, heldout_size=16,
+                     batch_size=16, threads=1)
+    out = mod.main(cfg)
+    assert out["steps"] <= 4 and 0.0 <= out["heldout_greedy_success"] <= 1.0
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert tiny.num_parameters(back) == out["parameters"]
+    assert tiny.load_tokenizer(tmp_path)("12").input_ids == TOK("12").input_ids
+
+
+def test_tiny_cpu_main_job_smoke():
+    """The README's main job composes engine, client, controller, rl_step and publish_weights end to end."""
+    spec = importlib.util.spec_from_file_location("tiny_cpu", ROOT / "experiments" / "tiny_cpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tiny_cpu"] = mod
+    spec.loader.exec_module(mod)
+    out = mod.main(mod.SMOKE)
+    assert out["steps"] >= 1
+    assert out["version_stats/staleness_max"] <= mod.SMOKE.max_staleness
+    assert 0.0 <= out["greedy_success_end"] <= 1.0 and 0.0 <= out["rollout/reward"] <= 1.0
