@@ -348,7 +348,7 @@ class RolloutController:
 
     def get_capacity(self) -> int:
         with self._cv:
-            return capacity(version=self._version, running=len(self._running), accepted=self.accepted, cfg=self.cfg)
+            return capacity(version=self._version, running=len(self._running), accepted=self._gated(), cfg=self.cfg)
 
     def stats(self) -> dict[str, float]:
         """Current counters: ``rollout/{accepted,rejected,running,retried,timeouts,buffered,version}``."""
@@ -397,13 +397,19 @@ class RolloutController:
             if sess is not None and not sess.closed:
                 await sess.close()
 
+    def _gated(self) -> int:
+        """Finished tasks the staleness gate counts as produced. With ``dynamic_bs`` a batch consumes B finished
+        tasks whether accepted or rejected, so rejected ones keep their slot too; otherwise every short batch
+        would let the generator run further ahead and the head-version bound would break."""
+        return self.accepted + (self.rejected if self.cfg.dynamic_bs else 0)
+
     def _start_tasks(self) -> None:
         """Start tasks while capacity allows (caller holds the lock; runs on the loop thread)."""
         if not self._submitting or self._paused or self.loader is None or self._error is not None:
             return
         if time.monotonic() < self._backoff_until:
             return
-        while capacity(version=self._version, running=len(self._running), accepted=self.accepted, cfg=self.cfg) > 0:
+        while capacity(version=self._version, running=len(self._running), accepted=self._gated(), cfg=self.cfg) > 0:
             index, item = next(self.loader)
             task = _Task(self._seq, index, self._version, time.monotonic(), self._attempts.get(index, 0))
             self._seq += 1

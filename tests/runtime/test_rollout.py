@@ -481,3 +481,23 @@ def test_real_engine_server_killed_and_restarted_mid_rollout():
     loop.call_soon_threadsafe(loop.stop)
     assert retried > 0
     assert sorted(seen) == list(range(10))
+
+
+def test_dynamic_bs_with_a_filter_keeps_the_staleness_bound():
+    """Regression: with dynamic_bs a batch may consume rejected groups in place of accepted ones; the gate must
+    charge them, or the generator runs ahead of the trainer without bound (staleness grew to 95 in the main job)."""
+    reward = lambda item: float(item["i"] % 4 == 0)  # noqa: E731  (3 of 4 groups rejected)
+    keep = lambda g: bool(g["rewards"].mean() > 0)  # noqa: E731
+    eta, b = 1, 2
+    cfg = RolloutConfig(batch_size=b, max_staleness=eta, max_concurrent=16, dynamic_bs=True, poll_s=0.002)
+    engine = FakeEngine(3, max_delay=0.0005)
+
+    def on_batch(k, batch, idx):
+        for t in batch:
+            assert rollout.head_version(t) >= k - eta, f"head {rollout.head_version(t)} consumed at version {k}"
+
+    with RolloutController(engine, simple_episode(2, reward), PromptLoader(dataset(400)), cfg,
+                           should_accept=keep) as ctl:
+        train(ctl, engine, steps=12, on_batch=on_batch, step_time=0.01)
+        s = ctl.stats()
+    assert s["rollout/rejected"] > 0
