@@ -127,10 +127,15 @@ def _backoff(cfg: ClientConfig, attempt: int) -> float:
     return min(cfg.backoff_s * (2.0**attempt), cfg.backoff_max_s)
 
 
-def parse_generate(body: Any, max_new_tokens: int) -> tuple[list[int], list[float], str, dict]:
+def parse_generate(
+    body: Any, max_new_tokens: int
+) -> tuple[list[int], list[float], str, dict, list[int] | None]:
     """Parse one SGLang /generate response.
 
-    Returns (token ids, their log-probs, finish reason type, the finish_reason dict). Raises
+    Returns (token ids, their log-probs, finish reason type, the finish_reason dict, per-token weight versions
+    or None). The versions come from ``meta_info.output_token_versions``, an rlcore-engine extension that
+    SGLang does not send; when present they are exact even if a weight load happened inside the segment
+    (an ``in_place`` pause), otherwise the caller tags the segment with its pinned version. Raises
     ``ValueError`` naming the field when the body is malformed: tokens and log-probs must come from
     ``meta_info.output_token_logprobs`` triples, agree with ``completion_tokens`` when present, be no more
     than ``max_new_tokens``, and every log-prob must be finite.
@@ -165,7 +170,12 @@ def parse_generate(body: Any, max_new_tokens: int) -> tuple[list[int], list[floa
         )
     if len(tokens) > max_new_tokens:
         raise ValueError(f"generate response: {len(tokens)} tokens returned for max_new_tokens={max_new_tokens}")
-    return tokens, logps, fr["type"], fr
+    versions = meta.get("output_token_versions")
+    if versions is not None:
+        ok = isinstance(versions, list) and len(versions) == len(tokens)
+        if not ok or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
+            raise ValueError("generate response: meta_info.output_token_versions must list one int per output token")
+    return tokens, logps, fr["type"], fr, versions
 
 
 class EngineClient:
@@ -391,12 +401,12 @@ class EngineClient:
                 "return_logprob": True,
                 "stream": False,
             }
-            new, new_lp, reason, fr = await self._generate_segment(req.rid, payload, remaining)
+            new, new_lp, reason, fr, new_versions = await self._generate_segment(req.rid, payload, remaining)
             if not ttft:
                 ttft = time.monotonic() - t0
             tokens += new
             logps += new_lp
-            versions += [v_req] * len(new)
+            versions += new_versions if new_versions is not None else [v_req] * len(new)
             if reason == "abort":
                 expected = self._paused or self._pause_epoch != epoch or self.get_version() != v_req
                 code = fr.get("status_code")
@@ -422,7 +432,9 @@ class EngineClient:
             ttft=ttft,
         )
 
-    async def _generate_segment(self, rid: str, payload: dict, remaining: int) -> tuple[list[int], list[float], str, dict]:
+    async def _generate_segment(
+        self, rid: str, payload: dict, remaining: int
+    ) -> tuple[list[int], list[float], str, dict, list[int] | None]:
         """One /generate call on the rid's server, re-routing when that server is marked dead."""
         while True:
             server = self._choose(rid)

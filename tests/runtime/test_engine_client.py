@@ -555,3 +555,13 @@ def test_real_engine_over_http_with_disk_update(tmp_path, one_thread):
         asyncio.run(main())
     finally:
         engine.close()
+
+
+def test_parse_generate_takes_exact_per_token_versions_when_the_server_sends_them():
+    """rlcore's engine reports the version of every token (exact across an in_place weight load); SGLang does not."""
+    meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]]}
+    assert parse_generate({"meta_info": meta}, 4)[4] is None
+    assert parse_generate({"meta_info": {**meta, "output_token_versions": [3, 4]}}, 4)[4] == [3, 4]
+    for bad in ([3], [3, "4"], [3, True], "34"):
+        with pytest.raises(ValueError, match="output_token_versions"):
+            parse_generate({"meta_info": {**meta, "output_token_versions": bad}}, 4)
