@@ -16,7 +16,8 @@ reads when its ``engine_addrs`` field is empty.
 Lifetimes: every child runs in its own process group; on normal exit, on an exception, on SIGINT or
 SIGTERM, and when any child dies, all children are terminated (SIGTERM, then SIGKILL after a grace
 period) so no orphan survives. The launcher's exit code is the trainer's (or the dead engine's).
-``--slurm`` prints an sbatch script for the same allocation instead of running anything.
+``--slurm`` prints an sbatch script for the same allocation instead of running anything; ``--ray``
+runs it on a Ray cluster instead (``rlcore.ray_launch``, multi-node).
 """
 
 from __future__ import annotations
@@ -263,14 +264,20 @@ def slurm_script(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from rlcore import ray_launch  # imports this module; deferred to avoid a cycle
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--alloc", required=True, help="engines:N[xT]+trainer:M")
     ap.add_argument("--model", required=True, help="HF model directory served by the engines")
     ap.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
-    ap.add_argument("--host", default="127.0.0.1", help="address the engine servers bind")
+    ap.add_argument(
+        "--host", default=None, help="address the engine servers bind (default 127.0.0.1; with --ray: auto)"
+    )
     ap.add_argument("--setup-timeout", type=float, default=300.0)
     ap.add_argument("--slurm", action="store_true", help="print an sbatch script instead of running")
     ap.add_argument("--partition", default=None)
+    ap.add_argument("--ray", action="store_true", help="run on a Ray cluster (rlcore.ray_launch)")
+    ray_launch.add_ray_flags(ap)
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- script.py [its flags]")
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -280,7 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.slurm:
         print(slurm_script(alloc, cmd, model=a.model, engine=a.engine, partition=a.partition), end="")
         return 0
-    return launch(alloc, cmd, model=a.model, engine=a.engine, host=a.host, setup_timeout_s=a.setup_timeout)
+    if a.ray:
+        cfg = ray_launch.RayLaunchConfig(
+            address=a.address, engine=a.engine, host=a.host or "auto", strategy=a.strategy,
+            setup_timeout_s=a.setup_timeout, num_cpus=a.num_cpus,
+        )  # fmt: skip
+        return ray_launch.launch_ray(alloc, cmd, model=a.model, cfg=cfg)
+    host = a.host or "127.0.0.1"
+    return launch(alloc, cmd, model=a.model, engine=a.engine, host=host, setup_timeout_s=a.setup_timeout)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""Trainer script for tests/test_ray_launch.py: async GRPO steps on remote engines, with a pause for fault injection.
+
+Run by ``rlcore.ray_launch`` as every trainer rank (gloo on CPU): the library end to end — ``loop.open_engines``
+(an ``EngineClient`` over ``$RLCORE_ENGINE_ADDRS``, weights published through safetensors on disk),
+``RolloutController`` (bounded staleness), ``step.rl_step`` and ``loop.publish``. After step ``--pause-after``
+rank 0 writes ``<sync>/paused`` and every rank waits for ``<sync>/go`` (the test kills an engine in between),
+so the following steps must run on the engines that are left. Each rank writes ``<sync>/result-<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from rlcore.data import trajectory
+from rlcore.data.loader import PromptLoader
+from rlcore.runtime import engine_client, loop, rollout, step, train_state, workflows
+
+PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(3)]
+
+
+def reward_fn(completion: str, item: dict) -> float:
+    """Any learning signal will do: 1 for a completion of even length (varies across a group)."""
+    return float(len(completion) % 2 == 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--pause-after", type=int, default=0, help="0: never pause")
+    ap.add_argument("--sync", required=True, help="directory shared with the test")
+    a = ap.parse_args()
+    sync = Path(a.sync)
+
+    # --- setup: process group (gloo), tokenizer, model, train state, engines ---
+    info = loop.setup_torch(loop.RunConfig(threads=1, progress=False))
+    tok = loop.load_tokenizer(a.model)
+    state = train_state.init_train_state(loop.load_model(a.model, tok), train_state.OptimConfig(lr=1e-3))
+    step_cfg = step.RLStepConfig(group_size=2)
+    episode = workflows.rlvr(tok, reward_fn, workflows.WorkflowConfig(max_new_tokens=6))
+    ro_cfg = rollout.RolloutConfig(batch_size=2, group_size=2, max_staleness=1)
+    setup = loop.EngineSetup(dtype="float32", disk_root=str(sync / "weights"))
+    # Quick eviction of a dead server: 1 retry with short back-off, dead after 2 failures in a row.
+    fast = engine_client.ClientConfig(retries=1, backoff_s=0.2, dead_after_failures=2, timeout_s=60)
+    losses, step_s = [], []
+    with loop.open_engines(state.model, tok, setup) as eng:
+        eng.client = engine_client.EngineClient(loop.engine_addresses(setup), fast)
+        loader = PromptLoader(PROMPTS, seed=info.rank)
+        with rollout.RolloutController(eng.client, episode, loader, ro_cfg) as ctl:
+            # --- loop: rollout -> rl_step -> publish (version + 1), pausing once for the test ---
+            while state.step < a.steps:
+                t0 = time.monotonic()
+                groups = ctl.prepare_batch()
+                state, m = step.rl_step(state, trajectory.concat(groups), cfg=step_cfg)
+                state = loop.publish(state, eng, rollout=ctl)
+                losses.append(float(m["ppo_actor/loss"]))
+                step_s.append(round(time.monotonic() - t0, 2))
+                if state.step == a.pause_after:
+                    if info.rank == 0:
+                        (sync / "paused").write_text(str(state.step))
+                    while not (sync / "go").exists():
+                        time.sleep(0.1)
+        live_rollout = eng.client.live_servers()
+        live_control = eng.targets[0].client.live_servers()
+    result = {
+        "rank": info.rank,
+        "world": info.world_size,
+        "steps": state.step,
+        "version": state.version,
+        "losses": losses,
+        "step_s": step_s,
+        "live_rollout": live_rollout,
+        "live_control": live_control,
+    }
+    (sync / f"result-{info.rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
