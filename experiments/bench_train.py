@@ -6,20 +6,34 @@ Expect: JSON with tokens/s and MFU per section (docs/runtime.md records the numb
 
 Model: Qwen2-0.5B shapes (24 layers, width 896, 14/2 heads, vocab 151936, tied embeddings), random
 init, bf16 parameters. Batch: mixed-length sequences (prompt + response) packed into micro-batches of
-at most ``mb_tokens`` (16k) tokens, decoupled PPO loss. FLOPs per token follow the usual
-``6·N`` (N = all parameters, the tied LM head counted once since its matmul is real work) plus causal
-attention ``6·n_layers·d_model·l`` per token of a length-l sequence (forward + backward, half the
-square); a recomputed proximal forward adds ``2·N`` per token. MFU = achieved / 989 TFLOP/s (H200
-dense bf16).
+at most ``mb_tokens`` (16k) tokens, decoupled PPO loss.
+
+FLOP formula (MFU numerator; only useful work, no padding, no causal-mask waste):
+  per step = c · N · Σ l_i  +  a · n_layers · d_model · Σ l_i²
+  N = all parameters (the tied LM head counted once: its matmul is real work);
+  c = 6 (forward 2 + backward 4), 8 with a recomputed proximal forward;
+  a = 6: causal attention is 4·l²·d per layer forward (QKᵀ and AV) halved by causality = 2·l²·d, times 3
+      for forward + backward; 8 with a recomputed proximal forward.
+MFU = FLOPs / seconds / 989e12 (H200 dense bf16 peak).
+
+Sections (each builds its own model; memory is freed between sections; the HF baseline runs first):
+  hf_padded_baseline                     transformers sdpa forward on padded, length-grouped rows, full logits
+  rlcore_rl_step_interpolated_prox       packed rl_step, varlen flash attention ("auto"), fused log-prob kernel
+  rlcore_rl_step_interpolated_prox_hf_attn   same, transformers' sdpa + block-causal mask (the previous path)
+  rlcore_rl_step_interpolated_prox_fp32_master   varlen, fp32 parameters/optimizer + bf16 autocast forward
+  rlcore_rl_step_recomputed_prox         varlen, with the extra no-grad proximal forward
+  rlcore_rl_step_interpolated_prox_chunked_logp   varlen, chunked torch log-probs instead of the Triton kernel
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +106,27 @@ def flops_per_step(n_params: int, mcfg, lengths: list[int], *, extra_forward: bo
     return float(dense + attn)
 
 
+def free_memory() -> None:
+    """Drop everything the last section left behind (call between sections)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def padded_bins(lengths: list[int], budget: int) -> list[list[int]]:
+    """Length-grouped padded micro-batches: rows sorted longest first, a bin closes before rows x max_len
+    would exceed ``budget`` padded tokens (what a padded-batch trainer with length grouping does)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    for i in order:
+        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= budget:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    return bins
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -112,17 +147,21 @@ def timed(fn, steps: int) -> float:
 # --------------------------------------------------------------------------------------------------------
 
 
-def bench_rlcore(cfg: Config, batch, prox: str, logp_backend: str = "auto") -> dict:
+def bench_rlcore(
+    cfg: Config, batch, prox: str, logp_backend: str = "auto", attention: str = "auto", fp32_master: bool = False
+) -> dict:
+    """rlcore ``rl_step`` with bf16 parameters (or fp32 masters + bf16 autocast when ``fp32_master``)."""
     from rlcore.data import microbatch
-    from rlcore.runtime import step, train_state
+    from rlcore.runtime import models, step, train_state
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    dtype = torch.bfloat16 if dev == "cuda" and not fp32_master else torch.float32
     torch.manual_seed(cfg.seed)
     st = train_state.init_train_state(model_config(cfg), train_state.OptimConfig(lr=1e-6), dtype=dtype,
                                       attn_implementation=cfg.attn, device=dev)
     st.model.to(dtype)
     st.model.logp_backend = logp_backend  # "auto" = fused Triton kernel on CUDA
+    st.model.attention = attention  # "auto" = varlen flash kernel on CUDA, "hf" = transformers sdpa + mask
     rcfg = step.RLStepConfig(prox=prox, mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.mb_tokens),
                              pad_to_multiple=None if cfg.smoke else 256)
     holder = {"st": st, "m": None}
@@ -132,11 +171,19 @@ def bench_rlcore(cfg: Config, batch, prox: str, logp_backend: str = "auto") -> d
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    sec = timed(run, cfg.steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sec = timed(run, cfg.steps)
     n_params = sum(p.numel() for p in st.model.parameters())
     lengths = batch["attention_mask"].sum(1).tolist()
     fl = flops_per_step(n_params, st.model.config, lengths, extra_forward=prox == "recompute")
-    out = {"logp_backend": logp_backend, "sec_per_step": sec, "tokens_per_s": sum(lengths) / sec, "tflops": fl / sec / 1e12,
+    out = {"logp_backend": logp_backend, "attention": attention,
+           "attn_implementation_used": str(st.model.config._attn_implementation),
+           "optimizer_fused": bool(st.optim.defaults.get("fused")),
+           "param_dtype": str(dtype), "compute_dtype": str(st.model.compute_dtype),
+           "varlen_kernel_state": {k: str(v) for k, v in models._KERNEL_STATE.items() if k != "fn"},
+           "warnings": sorted({str(w.message)[:300] for w in caught})[:5],
+           "sec_per_step": sec, "tokens_per_s": sum(lengths) / sec, "tflops": fl / sec / 1e12,
            "mfu": fl / sec / 1e12 / PEAK_TFLOPS, "n_params": n_params,
            "loss": float(holder["m"]["ppo_actor/loss"]),
            "n_microbatches": len(microbatch.allocate(lengths, rcfg.mb))}
@@ -146,7 +193,8 @@ def bench_rlcore(cfg: Config, batch, prox: str, logp_backend: str = "auto") -> d
 
 
 def bench_padded_baseline(cfg: Config, batch) -> dict:
-    """transformers forward on padded rows (same micro-batch rows), full logits, decoupled PPO, AdamW."""
+    """transformers sdpa forward on padded length-grouped rows (<= mb_tokens padded tokens per micro-batch),
+    full logits, decoupled PPO, AdamW (fused on CUDA, as rlcore's)."""
     from transformers import AutoModelForCausalLM
 
     from rlcore.data import microbatch
@@ -157,10 +205,10 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(model_config(cfg), attn_implementation=cfg.attn).to(dev, dtype).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True if dev == "cuda" else None)
     data = shift_to_predictive(batch)
     lengths = batch["attention_mask"].sum(1).tolist()
-    bins = microbatch.allocate(lengths, microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.mb_tokens))
+    bins = padded_bins(lengths, max(cfg.mb_tokens, max(lengths)))
     denom = float(data["loss_mask"].sum())
     mbs = [microbatch.select_rows(data, b) for b in bins]
 
@@ -186,13 +234,16 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
     fl = flops_per_step(n_params, model.config, lengths, extra_forward=False)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in bins)
     out = {"sec_per_step": sec, "tokens_per_s": sum(lengths) / sec, "tflops": fl / sec / 1e12,
-           "mfu": fl / sec / 1e12 / PEAK_TFLOPS, "padded_tokens": padded, "real_tokens": sum(lengths)}
+           "mfu": fl / sec / 1e12 / PEAK_TFLOPS, "padded_tokens": padded, "real_tokens": sum(lengths),
+           "n_microbatches": len(bins)}
     if torch.cuda.is_available():
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return out
 
 
 def main(cfg: Config) -> dict:
+    # sections allocate very different shapes one after another: avoid fragmentation between them
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not torch.cuda.is_available():
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     mcfg = model_config(cfg)
@@ -206,20 +257,25 @@ def main(cfg: Config) -> dict:
         "real_tokens": int(sum(lengths)),
         "peak_tflops": PEAK_TFLOPS,
     }
-    def rlcore_with_fallback(prox: str) -> dict:
+    def rlcore_with_fallback(prox: str, attention: str = "auto") -> dict:
         # if the fused kernel fails on this box, measure the chunked torch path and record the failure
         try:
-            return bench_rlcore(cfg, batch, prox)
+            return bench_rlcore(cfg, batch, prox, attention=attention)
         except Exception as e:  # noqa: BLE001
-            out = bench_rlcore(cfg, batch, prox, logp_backend="chunked")
+            free_memory()
+            out = bench_rlcore(cfg, batch, prox, logp_backend="chunked", attention=attention)
             out["auto_backend_error"] = f"{type(e).__name__}: {e}"[:500]
             return out
 
+    # "auto" = varlen kernel on CUDA; the CPU smoke forces "varlen" so the packed plumbing runs end to end
+    main_attn = "varlen" if cfg.smoke and not torch.cuda.is_available() else "auto"
     sections = {
-        "rlcore_rl_step_interpolated_prox": lambda: rlcore_with_fallback("interpolate"),
+        "hf_padded_baseline": lambda: bench_padded_baseline(cfg, batch),
+        "rlcore_rl_step_interpolated_prox": lambda: rlcore_with_fallback("interpolate", main_attn),
+        "rlcore_rl_step_interpolated_prox_hf_attn": lambda: rlcore_with_fallback("interpolate", "hf"),
+        "rlcore_rl_step_interpolated_prox_fp32_master": lambda: bench_rlcore(cfg, batch, "interpolate", fp32_master=True),
         "rlcore_rl_step_recomputed_prox": lambda: rlcore_with_fallback("recompute"),
         "rlcore_rl_step_interpolated_prox_chunked_logp": lambda: bench_rlcore(cfg, batch, "interpolate", "chunked"),
-        "hf_padded_baseline": lambda: bench_padded_baseline(cfg, batch),
     }
     for name, fn in sections.items():
         try:
@@ -227,8 +283,7 @@ def main(cfg: Config) -> dict:
         except Exception as e:  # keep the other sections' numbers
             result[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
         finally:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()
         print(name, json.dumps(result[name], indent=None)[:400], flush=True)
     a, b = result.get("rlcore_rl_step_interpolated_prox", {}), result.get("hf_padded_baseline", {})
     if "tokens_per_s" in a and "tokens_per_s" in b:

@@ -12,12 +12,23 @@ Packed forward convention (spec system.md §7.2): batch dimension 1, ``position_
 sequence, ``use_cache=False``. For RoPE decoders transformers >= 4.53 builds a block-causal mask from
 the restarting positions (sdpa/eager); other models (GPT-2, ...) get an explicit additive 4D mask from
 ``cu_seqlens``; flash-attention-2 gets ``cu_seq_lens_*``.
+
+On CUDA, supported decoders (:data:`VARLEN_MODEL_TYPES`) switch to the ``"rlcore_varlen"`` attention
+implementation (registered in transformers' ``AttentionInterface``): a variable-length flash kernel
+(``torch.nn.attention.varlen.varlen_attn``) reads ``cu_seqlens`` directly, so no ``(T, T)`` mask is built
+and attention work is ``sum_i l_i^2 / 2`` instead of ``T^2``. If the kernel is missing or fails, a warning
+is issued once and a per-sequence SDPA loop (:func:`varlen_attention_reference`) computes the same thing.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import math
 import os
+import threading
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,6 +101,273 @@ def _use_explicit_mask(hf: nn.Module, mask_mode: str) -> bool:
     return "flash" not in impl and getattr(hf.config, "model_type", "") not in PACKED_POSITION_IDS_OK
 
 
+# --------------------------------------------------------------------------------------------------------
+# Variable-length attention for packed streams
+# --------------------------------------------------------------------------------------------------------
+
+VARLEN_ATTN = "rlcore_varlen"
+"""Name under which :func:`_hf_varlen_attention` is registered in transformers' attention registry."""
+
+# Decoders whose attention module calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with
+# ``(module, q, k, v, mask, scaling=..., sliding_window=..., **kwargs)`` and forwards ``**kwargs`` from the
+# model call (checked on transformers 5.24 for qwen2/qwen3/llama; same code path in 5.17).
+VARLEN_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+
+ATTENTION_MODES = ("auto", "hf", "varlen")
+
+_KERNEL_STATE: dict[str, object] = {}
+_PACKED_FORWARD = threading.local()  # .active: inside backbone_hidden's varlen call (no mask needed)
+_PACKED_FORWARD.active = False
+
+
+def _varlen_kernel() -> Callable | None:
+    """``torch.nn.attention.varlen.varlen_attn`` if this torch ships it, else None (looked up once)."""
+    if "fn" not in _KERNEL_STATE:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        _KERNEL_STATE["fn"] = varlen_attn
+    return _KERNEL_STATE["fn"]  # type: ignore[return-value]
+
+
+def varlen_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each packed sequence on its own: per-sequence SDPA loop (any device).
+
+    Args:
+      q: ``(T, Hq, D)``; k, v: ``(T, Hkv, D)`` with ``Hq % Hkv == 0`` (query head h uses kv head ``h // (Hq/Hkv)``).
+      cu_seqlens: ``(n+1,)`` sequence boundaries with ``cu_seqlens[-1] == T`` (read on the host: one sync).
+      scale: softmax scale (default ``D ** -0.5``); window: sliding window (keys ``i-window < j <= i``) or None.
+
+    Returns:
+      ``(T, Hq, D)`` attention output in the dtype of ``q``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens[-1]={bounds[-1]} must equal the packed length T={q.shape[0]}")
+    out = torch.empty_like(q)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b <= a:
+            continue
+        qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))  # (1, H, l, D)
+        if window is None or window >= b - a:
+            o = nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        else:
+            i = torch.arange(b - a, device=q.device)
+            allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+            o = nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        out[a:b] = o[0].transpose(0, 1)
+    return out
+
+
+_PARAMS_CACHE: dict[int, tuple[Callable, frozenset[str]]] = {}
+
+
+def _kernel_params(kernel: Callable) -> frozenset[str]:
+    """Parameter names of a kernel function (cached: this runs once per attention layer call)."""
+    hit = _PARAMS_CACHE.get(id(kernel))
+    if hit is not None and hit[0] is kernel:
+        return hit[1]
+    try:
+        params = frozenset(inspect.signature(kernel).parameters)
+    except (TypeError, ValueError):
+        params = frozenset()
+    _PARAMS_CACHE[id(kernel)] = (kernel, params)
+    return params
+
+
+def _call_kernel(
+    kernel: Callable,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float,
+    window: int | None,
+    native_gqa: bool,
+) -> torch.Tensor:
+    """One ``varlen_attn``-style call, adapting to the signature of this torch version."""
+    params = _kernel_params(kernel)
+    kw: dict = {}
+    if "is_causal" in params:  # older spelling of causality (kept alongside window_size where both exist)
+        kw["is_causal"] = True
+    if "window_size" in params:  # newer spelling: (-1, 0) = causal, (w-1, 0) = causal sliding window
+        kw["window_size"] = (-1, 0) if window is None else (window - 1, 0)
+    elif window is not None:
+        raise NotImplementedError("this torch's varlen_attn has no window_size; sliding-window layers need the fallback")
+    elif "is_causal" not in params:
+        raise TypeError("varlen kernel takes neither is_causal nor window_size; cannot request causal attention")
+    if "scale" in params:
+        kw["scale"] = scale
+    elif not math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6):
+        q = q * (scale / q.shape[-1] ** -0.5)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        if native_gqa and "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+    return kernel(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    kernel: Callable | None = None,
+) -> torch.Tensor:
+    """Causal attention over a packed stream, each sequence attending only to itself.
+
+    Args:
+      q: ``(T, Hq, D)``; k, v: ``(T, Hkv, D)`` (GQA: ``Hq % Hkv == 0``; kv heads are not repeated when the
+        kernel supports ``enable_gqa``).
+      cu_seqlens: int32 ``(n+1,)`` boundaries on q's device, ``cu_seqlens[-1] == T``.
+      max_seqlen: longest sequence (host int; no device sync on the kernel path).
+      scale: softmax scale (default ``D ** -0.5``); window: sliding window length or None.
+      kernel: a function with ``torch.nn.attention.varlen.varlen_attn``'s signature; default: that function
+        when ``q`` is on CUDA, else none (the per-sequence reference loop runs).
+
+    Returns:
+      ``(T, Hq, D)``. A kernel failure warns once and falls back to :func:`varlen_attention_reference`.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if kernel is None and q.is_cuda and not _KERNEL_STATE.get("broken"):
+        kernel = _varlen_kernel()
+        if kernel is None and not _KERNEL_STATE.get("warned"):
+            _KERNEL_STATE["warned"] = True
+            warnings.warn(
+                "torch.nn.attention.varlen is not available in this torch; packed attention uses a per-sequence "
+                "SDPA loop (correct, slower). Upgrade torch (>= 2.10) for the varlen flash kernel.",
+                stacklevel=2,
+            )
+    if kernel is None:
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale=scale, window=window)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    native = _KERNEL_STATE.get("native_gqa", True)
+    try:
+        return _call_kernel(kernel, q, k, v, cu, max_seqlen, scale=scale, window=window, native_gqa=bool(native))
+    except torch.OutOfMemoryError:
+        raise  # a real OOM is not a missing kernel
+    except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+        if native and q.shape[1] != k.shape[1]:
+            try:  # e.g. a cuDNN backend without GQA: retry with repeated kv heads, and keep doing so
+                out = _call_kernel(kernel, q, k, v, cu, max_seqlen, scale=scale, window=window, native_gqa=False)
+                _KERNEL_STATE["native_gqa"] = False
+                return out
+            except (RuntimeError, ValueError, NotImplementedError, TypeError):
+                pass
+        if kernel is _KERNEL_STATE.get("fn"):
+            _KERNEL_STATE["broken"] = True
+        warnings.warn(
+            f"varlen attention kernel failed ({type(e).__name__}: {str(e)[:300]}); using the per-sequence SDPA "
+            "loop from now on (correct, slower)",
+            stacklevel=2,
+        )
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale=scale, window=window)
+
+
+def _hf_varlen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry: ``query (b, Hq, t, D)``, ``key/value (b, Hkv, t, D)`` ->
+    ``(b, t, Hq, D)``.
+
+    With ``cu_seq_lens_q``/``max_length_q`` in ``kwargs`` (packed stream, ``b == 1``) it runs
+    :func:`varlen_attention` and ignores ``attention_mask``; without them (a plain HF call on the module)
+    it defers to transformers' SDPA function with the mask transformers built.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed varlen attention needs batch size 1, got query shape {tuple(query.shape)}")
+    if dropout:
+        raise ValueError("rlcore_varlen attention has no dropout; call models.disable_dropout(model) first")
+    max_len = kwargs.get("max_length_q")
+    if max_len is None:
+        raise ValueError("cu_seq_lens_q was passed without max_length_q (the longest packed sequence)")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+    out = varlen_attention(q, k, v, cu, int(max_len), scale=scaling, window=sliding_window)
+    return out[None], None
+
+
+def register_varlen_attention() -> str:
+    """Register ``"rlcore_varlen"`` with transformers' attention registry (and SDPA's mask builder, used only
+    by plain HF calls on the module); idempotent. Returns the name."""
+    if not _KERNEL_STATE.get("registered"):
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+        def varlen_mask(*args, **kwargs):
+            # packed varlen forwards need no mask (cu_seqlens carries it): skip the (T, T) build
+            return None if getattr(_PACKED_FORWARD, "active", False) else sdpa_mask(*args, **kwargs)
+
+        AttentionInterface.register(VARLEN_ATTN, _hf_varlen_attention)
+        AttentionMaskInterface.register(VARLEN_ATTN, varlen_mask)
+        _KERNEL_STATE["registered"] = True
+    return VARLEN_ATTN
+
+
+def varlen_supported(hf: nn.Module) -> bool:
+    """Whether ``hf`` can run the packed varlen path (a :data:`VARLEN_MODEL_TYPES` decoder, full attention only)."""
+    cfg = getattr(hf, "config", None)
+    if cfg is None or getattr(cfg, "model_type", "") not in VARLEN_MODEL_TYPES:
+        return False
+    if getattr(cfg, "use_sliding_window", False):
+        return False
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    return all(t == "full_attention" for t in layer_types)
+
+
+def _use_varlen(hf: nn.Module, attention: str, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> bool:
+    if attention == "hf" or cu_seqlens is None:
+        return False
+    impl = str(getattr(hf.config, "_attn_implementation", "") or "")
+    if attention == "varlen":
+        if not varlen_supported(hf) and impl != VARLEN_ATTN:
+            raise ValueError(
+                f"attention='varlen' needs a model of type {sorted(VARLEN_MODEL_TYPES)} without sliding-window "
+                f"layers, got {getattr(hf.config, 'model_type', '?')!r}; use attention='auto' or 'hf'"
+            )
+        return True
+    return impl == VARLEN_ATTN or (input_ids.is_cuda and "flash" not in impl and varlen_supported(hf))
+
+
 def backbone_hidden(
     hf: nn.Module,
     input_ids: torch.Tensor,
@@ -98,12 +376,40 @@ def backbone_hidden(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     mask_mode: str = "auto",
+    attention: str = "auto",
 ) -> torch.Tensor:
     """Final hidden states ``(T, H)`` of a packed stream ``input_ids (T,)`` with restarting ``position_ids (T,)``.
 
-    ``mask_mode``: ``"position_ids"`` relies on transformers' packed-sequence detection, ``"explicit"``
-    passes an additive block-causal 4D mask built from ``cu_seqlens``, ``"auto"`` picks per model type.
+    ``attention``: ``"auto"`` switches supported decoders on CUDA to the varlen kernel (see
+    :func:`varlen_attention`; the switch sticks to the module), ``"varlen"`` forces it on any device (CPU runs
+    the per-sequence reference loop), ``"hf"`` keeps the module's own attention implementation.
+    ``mask_mode`` (non-varlen paths): ``"position_ids"`` relies on transformers' packed-sequence detection,
+    ``"explicit"`` passes an additive block-causal 4D mask built from ``cu_seqlens``, ``"auto"`` picks per
+    model type. ``cu_seqlens (n+1,)`` must end at ``T``; ``max_seqlen`` is its longest segment.
     """
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    if _use_varlen(hf, attention, input_ids, cu_seqlens):
+        assert cu_seqlens is not None
+        if max_seqlen is None:
+            raise ValueError("backbone_hidden: the varlen path needs max_seqlen (longest packed sequence)")
+        hf.config._attn_implementation = register_varlen_attention()
+        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        prev, _PACKED_FORWARD.active = getattr(_PACKED_FORWARD, "active", False), True
+        try:
+            out = _backbone(hf)(
+                input_ids=input_ids.reshape(1, -1),
+                position_ids=position_ids.reshape(1, -1),
+                use_cache=False,
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=int(max_seqlen),
+                max_length_k=int(max_seqlen),
+            )
+        finally:
+            _PACKED_FORWARD.active = prev
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return hidden[0]
     kw = _flash_kwargs(hf, cu_seqlens, max_seqlen)
     if cu_seqlens is not None and cu_seqlens.numel() > 2 and _use_explicit_mask(hf, mask_mode):
         dtype = hf.get_input_embeddings().weight.dtype
@@ -118,21 +424,30 @@ def backbone_hidden(
     return hidden[0]
 
 
+def _autocast_dtype(compute_dtype: torch.dtype | None, x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype to use for a forward on ``x``: only on CUDA and only when one is set."""
+    return compute_dtype if (compute_dtype is not None and x.is_cuda) else None
+
+
 class PolicyModel(nn.Module):
     """Causal LM returning per-token log-probs and entropies of a packed stream (the FSDP2 root).
 
-    ``mask_mode`` chooses how sequences are kept apart (see :func:`backbone_hidden`); ``logp_backend`` is
-    passed to ``rlcore.ops.logp_entropy_from_hidden`` (``auto``: fused Triton kernel on CUDA, chunked torch
-    otherwise).
+    ``attention`` and ``mask_mode`` choose how sequences are kept apart (see :func:`backbone_hidden`;
+    ``auto``: varlen flash kernel on CUDA, transformers' own path on CPU); ``logp_backend`` is passed to
+    ``rlcore.ops.logp_entropy_from_hidden`` (``auto``: fused Triton kernel on CUDA, chunked torch otherwise).
     """
 
-    def __init__(self, hf: nn.Module, mask_mode: str = "auto", logp_backend: str = "auto"):
+    def __init__(self, hf: nn.Module, mask_mode: str = "auto", logp_backend: str = "auto", attention: str = "auto"):
         super().__init__()
         if mask_mode not in ("auto", "position_ids", "explicit"):
             raise ValueError(f"mask_mode must be 'auto', 'position_ids' or 'explicit', got {mask_mode!r}")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.hf = hf
         self.mask_mode = mask_mode
         self.logp_backend = logp_backend
+        self.attention = attention
+        self.compute_dtype: torch.dtype | None = None  # CUDA autocast dtype (fp32 masters); see init_train_state
 
     @property
     def config(self):
@@ -154,25 +469,35 @@ class PolicyModel(nn.Module):
         """
         from rlcore import ops
 
-        hidden = backbone_hidden(
-            self.hf, input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, mask_mode=self.mask_mode
-        )
+        cd = _autocast_dtype(self.compute_dtype, input_ids)
+        with torch.autocast("cuda", dtype=cd or torch.bfloat16, enabled=cd is not None):
+            hidden = backbone_hidden(
+                self.hf, input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                mask_mode=self.mask_mode, attention=self.attention,
+            )
         head = self.hf.get_output_embeddings()
-        bias = getattr(head, "bias", None)
+        weight, bias = head.weight, getattr(head, "bias", None)
+        if cd is not None:  # the LM-head matmul runs in the compute dtype too (grads flow to the fp32 masters)
+            hidden, weight = hidden.to(cd), weight.to(cd)
+            bias = None if bias is None else bias.to(cd)
         return ops.logp_entropy_from_hidden(
-            hidden, head.weight, targets, temperature=temperature, bias=bias, backend=self.logp_backend
+            hidden, weight, targets, temperature=temperature, bias=bias, backend=self.logp_backend
         )
 
 
 class CriticModel(nn.Module):
     """Backbone + linear value head: ``forward`` gives one fp32 value per token ``(T,)``."""
 
-    def __init__(self, hf: nn.Module, mask_mode: str = "auto"):
+    def __init__(self, hf: nn.Module, mask_mode: str = "auto", attention: str = "auto"):
         super().__init__()
         if mask_mode not in ("auto", "position_ids", "explicit"):
             raise ValueError(f"mask_mode must be 'auto', 'position_ids' or 'explicit', got {mask_mode!r}")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.hf = hf
         self.mask_mode = mask_mode
+        self.attention = attention
+        self.compute_dtype: torch.dtype | None = None  # CUDA autocast dtype (fp32 masters); see init_train_state
         width = int(getattr(hf.config, "hidden_size", 0) or getattr(hf.config, "n_embd", 0))
         self.value_head = nn.Linear(width, 1, bias=True)
         nn.init.zeros_(self.value_head.weight)
@@ -199,9 +524,14 @@ class CriticModel(nn.Module):
     ) -> torch.Tensor:
         """``input_ids/position_ids (T,)`` -> values ``(T,)`` float32 (``targets``/``temperature`` unused)."""
         del targets, temperature
-        hidden = backbone_hidden(
-            self.hf, input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, mask_mode=self.mask_mode
-        )
+        cd = _autocast_dtype(self.compute_dtype, input_ids)
+        with torch.autocast("cuda", dtype=cd or torch.bfloat16, enabled=cd is not None):
+            hidden = backbone_hidden(
+                self.hf, input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                mask_mode=self.mask_mode, attention=self.attention,
+            )
+        if cd is not None:
+            hidden = hidden.to(self.value_head.weight.dtype)
         return self.value_head(hidden).float().squeeze(-1)
 
 

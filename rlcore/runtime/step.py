@@ -178,6 +178,11 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if type(p).__name__ == "DTensor" and dev.type == "cuda" else dev
 
 
+def _h2d(x: Tensor, dev: torch.device) -> Tensor:
+    """Host-to-device copy without a stream sync (safe: the host source is staged before the call returns)."""
+    return x.to(dev, non_blocking=x.device.type == "cpu" and dev.type == "cuda")
+
+
 def _forward_padded(
     model: nn.Module, mb: dict[str, Tensor], *, temperature: float, pad_to_multiple: int | None
 ) -> tuple[Tensor, ...]:
@@ -188,11 +193,11 @@ def _forward_padded(
         pad_to_multiple=pad_to_multiple,
     )
     out = model(
-        pk.tokens["input_ids"].to(dev),
-        pk.position_ids.to(dev),
-        pk.tokens["targets"].to(dev),
+        _h2d(pk.tokens["input_ids"], dev),
+        _h2d(pk.position_ids, dev),
+        _h2d(pk.tokens["targets"], dev),
         temperature=temperature,
-        cu_seqlens=pk.cu_seqlens.to(dev),
+        cu_seqlens=_h2d(pk.cu_seqlens, dev),
         max_seqlen=pk.max_seqlen,
     )
     outs = out if isinstance(out, tuple) else (out,)
@@ -481,14 +486,14 @@ def rl_step(
                 continue
             logp, entropy = _forward_padded(state.model, mb, temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple)
             dev = logp.device
-            mask = mb["loss_mask"].to(dev)
-            behav = mb["logprobs"].to(dev).float()
+            mask = _h2d(mb["loss_mask"], dev)
+            behav = _h2d(mb["logprobs"], dev).float()
             mb_metrics: dict[str, Tensor] = {}
             if cfg.prox == "recompute":
-                logp_prox = mb["logp_prox"].to(dev)
+                logp_prox = _h2d(mb["logp_prox"], dev)
             elif cfg.prox == "interpolate":
                 logp_prox, m = prox_lib.prox_logp(
-                    logp, behav, mb["versions"].to(dev), mask, current_version=state.version, cfg=cfg.prox_cfg
+                    logp, behav, _h2d(mb["versions"], dev), mask, current_version=state.version, cfg=cfg.prox_cfg
                 )
                 mb_metrics.update(m)
             else:
@@ -497,12 +502,12 @@ def rl_step(
             for mcfg in cfg.keep_masks:
                 keep, m = _keep_mask_fn(mcfg)(logp_prox, behav, keep, cfg=mcfg)
                 mb_metrics.update(m)
-            extra = {"logp_ref": mb["logp_ref"].to(dev)} if "logp_ref" in mb else {}
-            loss, m = fn(logp, logp_prox, behav, mb["adv"].to(dev), keep, cfg=obj_cfg, denom=denom, **extra)
+            extra = {"logp_ref": _h2d(mb["logp_ref"], dev)} if "logp_ref" in mb else {}
+            loss, m = fn(logp, logp_prox, behav, _h2d(mb["adv"], dev), keep, cfg=obj_cfg, denom=denom, **extra)
             mb_metrics.update(m)
             if cfg.distill_cfg is not None:
                 loss, m = distill_lib.loss(
-                    logp, behav, mb["teacher_logp"].to(dev), keep, cfg=cfg.distill_cfg, rl_loss=loss, denom=denom
+                    logp, behav, _h2d(mb["teacher_logp"], dev), keep, cfg=cfg.distill_cfg, rl_loss=loss, denom=denom
                 )
                 mb_metrics.update(m)
             (loss * dp).backward()
@@ -548,9 +553,9 @@ def _critic_update(state: TrainState, data: dict[str, Tensor], lengths: list[int
                 continue
             (value,) = _forward_padded(state.critic, mb, temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple)
             dev = value.device
-            mask = mb["loss_mask"].to(dev)
+            mask = _h2d(mb["loss_mask"], dev)
             loss, m = value_lib.loss(
-                value, mb["value_old"].to(dev), mb["returns"].to(dev), mask, cfg=cfg.value_cfg, denom=denom
+                value, _h2d(mb["value_old"], dev), _h2d(mb["returns"], dev), mask, cfg=cfg.value_cfg, denom=denom
             )
             (loss * dp).backward()
             loss_sum = loss_sum + loss.detach().double().to(loss_sum.device)

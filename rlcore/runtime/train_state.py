@@ -99,17 +99,44 @@ def lr_lambda(cfg: OptimConfig):
     return f
 
 
+def use_fused_adamw(params: list[torch.Tensor]) -> bool:
+    """True when the fused CUDA AdamW applies: all parameters plain CUDA tensors of a float dtype it supports."""
+    ok_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return all(
+        p.is_cuda and type(p.data).__name__ != "DTensor" and type(p).__name__ != "DTensor" and p.dtype in ok_dtypes
+        for p in params
+    )
+
+
 def make_optimizer(
     model: nn.Module, cfg: OptimConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the trainable parameters plus a LambdaLR schedule."""
+    """AdamW over the trainable parameters plus a LambdaLR schedule.
+
+    The fused CUDA AdamW kernel is used when every parameter is a plain (unsharded) CUDA tensor; CPU and
+    FSDP2 (DTensor) parameters keep the default implementation."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters; check requires_grad")
     optim = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        fused=True if use_fused_adamw(params) else None,
     )
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg))
+
+
+def resolve_compute_dtype(
+    compute_dtype: torch.dtype | Literal["auto"] | None, model: nn.Module, device: torch.device
+) -> torch.dtype | None:
+    """The autocast dtype for an unsharded model on ``device`` (``"auto"``: bf16 for fp32 params on CUDA)."""
+    if compute_dtype is None or device.type != "cuda":
+        return None
+    if compute_dtype == "auto":
+        p = next(model.parameters(), None)
+        return torch.bfloat16 if p is not None and p.dtype == torch.float32 else None
+    if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+        raise ValueError(f"compute_dtype must be 'auto', None or a float torch.dtype, got {compute_dtype!r}")
+    return compute_dtype
 
 
 def init_train_state(
@@ -124,6 +151,7 @@ def init_train_state(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = "sdpa",
     version: int = 0,
+    compute_dtype: torch.dtype | Literal["auto"] | None = "auto",
 ) -> TrainState:
     """Build a :class:`TrainState` from a HF model, a local HF directory or a ``PretrainedConfig``.
 
@@ -138,6 +166,9 @@ def init_train_state(
       device: where unsharded modules live (default: CUDA if available, else CPU).
       dtype: parameter dtype of loaded weights (keep fp32 masters for training).
       version: initial weight version served by the engines.
+      compute_dtype: unsharded CUDA models only: autocast dtype of their forwards, with the parameters
+        (optimizer masters) left as they are. ``"auto"``: bfloat16 when the parameters are float32, else none.
+        FSDP2 runs use ``fsdp_cfg.param_dtype`` instead; CPU runs never autocast.
 
     Dropout is disabled (p = 0) so the training forward matches the proximal and behaviour ones.
     """
@@ -163,6 +194,10 @@ def init_train_state(
             fsdp.shard_model(m, fsdp_cfg or fsdp.FSDPConfig())
         elif fsdp_cfg is not None and fsdp_cfg.activation_checkpointing and m is not ref_mod:
             fsdp.enable_activation_checkpointing(m)
+    if not sharded:
+        for m in (policy, ref_mod, critic_mod):
+            if m is not None:
+                m.compute_dtype = resolve_compute_dtype(compute_dtype, m, dev)
     policy.train()
     optim, sched = make_optimizer(policy, cfg)
     c_optim = c_sched = None
