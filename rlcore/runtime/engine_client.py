@@ -406,7 +406,9 @@ class EngineClient:
                 ttft = time.monotonic() - t0
             tokens += new
             logps += new_lp
-            versions += new_versions if new_versions is not None else [v_req] * len(new)
+            # The engine's own per-token versions are exact across an in_place weight load; the client's pinned
+            # version is the floor (an engine that was never told the trainer's version reports an older one).
+            versions += [max(v_req, v) for v in new_versions] if new_versions is not None else [v_req] * len(new)
             if reason == "abort":
                 expected = self._paused or self._pause_epoch != epoch or self.get_version() != v_req
                 code = fr.get("status_code")
