@@ -9,7 +9,8 @@ KV layout. The engine keeps its own per-slot KV store, ``(slots, heads, max_seq_
 behind a ``transformers`` ``Cache`` subclass, and drives the unmodified HF forward with explicit
 ``position_ids`` and an explicit 4-D additive attention mask. Slot ``s`` holds its sequence at columns
 ``[0, n_s)``; a decode step writes each row's new key/value at that row's own position. Requests join by a
-(left-padded) prefill whose keys/values are copied into free slots, and leave by having the last busy slot
+batched prefill (rows of similar length, right-padded, no padding mask: the model's own causal mask) whose
+keys/values are copied into free slots with one copy per layer, and leave by having the last busy slot
 moved into their place, so the busy slots are always ``[0, m)``. No architecture-specific attention code is
 involved: any model whose attention calls ``cache.update(k, v, layer_idx)`` and honours a 4-D mask works
 (Qwen2, Llama, Mistral, GPT-2, ... are tested). On CUDA the decode step of each power-of-two batch bucket is
@@ -69,6 +70,10 @@ class EngineConfig:
     """Tokens of context per slot (prompt + output); clipped to the model's ``max_position_embeddings``."""
     max_prefill_tokens: int = 16384
     """Padded-token budget of one prefill forward (joiners are batched up to this; one always fits)."""
+    prefill_defer_steps: int = 8
+    """While requests are decoding, a prefill is deferred until at least ``running // 16`` waiting requests
+    would get a free slot, or for at most this many decode steps, so joiners are prefilled in batches instead of
+    one small (launch-bound) forward per decode step. ``0`` prefills as soon as anything waits."""
     device: str = "auto"
     """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -91,6 +96,11 @@ class EngineConfig:
         if self.max_prefill_tokens < 1:
             raise ValueError(
                 f"EngineConfig.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}; pass e.g. 8192."
+            )
+        if self.prefill_defer_steps < 0:
+            raise ValueError(
+                f"EngineConfig.prefill_defer_steps must be >= 0, got {self.prefill_defer_steps}; pass e.g. 8 "
+                "(or 0 to prefill joiners at once)."
             )
 
 
@@ -212,8 +222,11 @@ class SlotCache(DynamicCache):
     """Per-slot static KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer, allocated on first use.
 
     The engine sets the mode before each forward:
-      - ``prefill``: the forward's keys ``(k, h, L, d)`` belong to left-padded joiners; they are shifted left by
-        each row's padding and written to columns ``[0, L)`` of ``slot_ids``; attention runs over the chunk.
+      - ``prefill``: the forward's keys ``(k, h, L, d)`` belong to joiners going to slots ``[base, base + k)``
+        and are written to columns ``[0, L)`` with one copy per layer; attention runs over the chunk. Rows are
+        right-padded (``shift is None``: column ``j`` is token ``j``; padding lands past each row's end, where
+        no query looks and decoding overwrites it) or, on the fallback path, left-padded (``shift (k L)``
+        gathers each row's tokens to the front first).
       - ``decode``: the forward covers slots ``[0, m)`` with one query each; row ``i`` writes at column
         ``pos[i]`` and attends over columns ``[0, kv_len)`` of its slot (the mask hides the rest).
     Only ``update`` is used by the models; positions and masks come from the engine.
@@ -225,7 +238,7 @@ class SlotCache(DynamicCache):
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.mode = "decode"
-        self.slot_ids: torch.Tensor | None = None
+        self.base = 0
         self.shift: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
         self.kv_len = max_seq_len
@@ -239,14 +252,14 @@ class SlotCache(DynamicCache):
             self.v.append(torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device))
         kc, vc = self.k[layer_idx], self.v[layer_idx]
         if self.mode == "prefill":
-            length = key_states.shape[2]
-            idx = self.shift[:, None, :, None]
-            kc[self.slot_ids, :, :length] = key_states.gather(
-                2, idx.expand(-1, key_states.shape[1], -1, key_states.shape[3])
-            )
-            vc[self.slot_ids, :, :length] = value_states.gather(
-                2, idx.expand(-1, value_states.shape[1], -1, value_states.shape[3])
-            )
+            k, length = key_states.shape[0], key_states.shape[2]
+            ks, vs = key_states, value_states
+            if self.shift is not None:
+                idx = self.shift[:, None, :, None]
+                ks = ks.gather(2, idx.expand(-1, ks.shape[1], -1, ks.shape[3]))
+                vs = vs.gather(2, idx.expand(-1, vs.shape[1], -1, vs.shape[3]))
+            kc[self.base : self.base + k, :, :length].copy_(ks)
+            vc[self.base : self.base + k, :, :length].copy_(vs)
             return key_states, value_states
         m = key_states.shape[0]
         rows = torch.arange(m, device=key_states.device)
@@ -256,6 +269,17 @@ class SlotCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always passed explicitly
         return 0
+
+    @property
+    def is_compileable(self) -> bool:
+        """False on every transformers 5.x (lets HF skip the causal mask for SDPA: ``is_causal`` / flash)."""
+        return False
+
+    def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int = 0, *args, **kwargs) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for HF-built prefill masks: the keys are the chunk itself. ``query`` is the
+        chunk length (transformers 5.24) or its ``cache_position`` tensor (older 5.x). Decode passes its own
+        4-D mask, so HF never asks there."""
+        return (query if isinstance(query, int) else int(query.shape[-1])), 0
 
     def move_slot(self, src: int, dst: int) -> None:
         """Copy slot ``src`` into slot ``dst`` in every layer (used to keep busy slots contiguous)."""
@@ -350,6 +374,8 @@ class _Forward:
         else:
             self.types["full_attention"] = None
         self.max_seq_len = max_seq_len
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head: nn.Module | None = head if isinstance(head, nn.Module) else None
 
     def _masks(self, allowed: Callable[[int | None], torch.Tensor], dtype: torch.dtype):
         neg = torch.finfo(dtype).min
@@ -374,10 +400,46 @@ class _Forward:
         logits = self.model(**kwargs).logits
         return logits[:, -1]
 
+    def prefill_right(self, ids: torch.Tensor, last: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """Right-padded prefill: row ``i`` of ``ids (k L)`` is real at columns ``[0, last[i]]``.
+
+        Every row sits at positions ``0..L-1``, so no padding mask is needed: the model builds its own causal
+        (or sliding-window) mask exactly as for one unpadded sequence, which on CUDA lets SDPA take the
+        flash kernel instead of a dense-mask kernel. Padding sits after each row's last token, where causal
+        attention keeps it out of every real query. A pre-hook on the output embeddings keeps only row ``i``'s
+        hidden state at ``last[i]``, so the LM head runs on ``k`` vectors, not ``k * L``. Returns ``(k v)``.
+        """
+        k, length = ids.shape
+        pos = torch.arange(length, device=ids.device)[None].expand(k, length)
+        hit: list[bool] = []
+        owner = threading.get_ident()  # leave calls from other threads (a trainer sharing the module) alone
+
+        def keep_last(module, args):
+            h = args[0] if args else None
+            if threading.get_ident() != owner or not isinstance(h, torch.Tensor) or h.dim() != 3:
+                return None
+            if h.shape[:2] != (k, length):
+                return None
+            hit.append(True)
+            return (h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1])), *args[1:])
+
+        cache.mode, cache.shift = "prefill", None
+        handle = self.head.register_forward_pre_hook(keep_last)
+        try:
+            logits = self.model(
+                input_ids=ids, position_ids=pos, attention_mask=None, use_cache=True, **{self.cache_kw: cache}
+            ).logits
+        finally:
+            handle.remove()
+        if hit:
+            return logits[:, -1]
+        return logits.gather(1, last[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
+
     def prefill(
         self, ids: torch.Tensor, pad: torch.Tensor, cache: SlotCache, dtype: torch.dtype
     ) -> torch.Tensor:
-        """``ids (k L)`` left-padded by ``pad (k,)``; returns next-token logits ``(k v)``."""
+        """Fallback (no output-embedding module): ``ids (k L)`` left-padded by ``pad (k,)`` with an explicit
+        4-D mask; returns next-token logits ``(k v)``."""
         length = ids.shape[1]
         ar = torch.arange(length, device=ids.device)
         pos = (ar[None] - pad[:, None]).clamp(min=0)  # (k L)
@@ -570,6 +632,7 @@ class Engine:
         self._dirty = True
         self._tok = self._pos = self._first = None
         self._max_pos = 0
+        self._deferred = 0  # decode steps since joiners started waiting without being prefilled
         self._sp: tuple = ()
         self._groups: dict[str, Any] = {}
         self._graphs: dict[tuple[int, int], Any] = {}
@@ -977,7 +1040,8 @@ class Engine:
                         for r in reversed(stale):
                             r.slot = -1
                             self._waiting.appendleft(r)
-                    self._admit()
+                    if self._should_admit():
+                        self._admit()
                     if self._running:
                         self._decode()
                         continue
@@ -992,33 +1056,78 @@ class Engine:
         self._drain_inbox()
         self._abort_where(lambda r: True, "engine closed")
 
+    def _should_admit(self) -> bool:
+        """Prefill now? Always when nothing decodes; otherwise once enough joiners wait (see ``EngineConfig``)."""
+        free = self.cfg.max_batch - len(self._running)
+        if free <= 0 or not self._waiting:
+            self._deferred = 0
+            return False
+        m = len(self._running)
+        ready = min(free, len(self._waiting))  # joiners that would get a slot now
+        if m == 0 or self._deferred >= self.cfg.prefill_defer_steps or ready >= max(1, m // 16):
+            self._deferred = 0
+            return True
+        self._deferred += 1
+        return False
+
+    def _pick_prefill(self, free: int) -> list[_Request]:
+        """Take the next prefill batch off the queue: similar lengths, always including the queue's head.
+
+        Candidates are the first ``free`` waiting requests. Sorted by length, the batch is the run around the
+        head request, grown (shorter neighbours first) while ``rows * longest <= max_prefill_tokens`` and the
+        padding stays under half the batch (or the batch is small enough to be launch-bound anyway). The head
+        is always taken, so nothing starves; the rest keep their queue order.
+        """
+        cand = list(itertools.islice(self._waiting, free))
+        lens = [len(r.prompt) + len(r.out_ids) for r in cand]
+        order = sorted(range(len(cand)), key=lens.__getitem__)
+        budget = self.cfg.max_prefill_tokens
+        lo = order.index(0)
+        hi, real = lo + 1, lens[0]
+
+        def fits(rows: int, longest: int, tokens: int) -> bool:
+            padded = rows * longest
+            return padded <= budget and (padded <= 2 * tokens or padded <= budget // 8)
+
+        while True:
+            rows = hi - lo + 1
+            if lo > 0 and fits(rows, lens[order[hi - 1]], real + lens[order[lo - 1]]):
+                lo -= 1
+                real += lens[order[lo]]
+            elif hi < len(order) and fits(rows, lens[order[hi]], real + lens[order[hi]]):
+                real += lens[order[hi]]
+                hi += 1
+            else:
+                break
+        chosen = set(order[lo:hi])
+        for _ in range(len(cand)):
+            self._waiting.popleft()
+        self._waiting.extendleft(reversed([r for i, r in enumerate(cand) if i not in chosen]))
+        return [cand[i] for i in order[lo:hi]]
+
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots (one batched, left-padded forward)."""
+        """Prefill one batch of waiting requests into free slots ``[m, m + k)`` (one forward)."""
         free = self.cfg.max_batch - len(self._running)
         if free <= 0 or not self._waiting:
             return
-        batch: list[_Request] = []
-        longest = 0
-        while self._waiting and len(batch) < free:
-            r = self._waiting[0]
-            n = len(r.prompt) + len(r.out_ids)
-            if batch and max(longest, n) * (len(batch) + 1) > self.cfg.max_prefill_tokens:
-                break
-            longest = max(longest, n)
-            batch.append(self._waiting.popleft())
+        batch = self._pick_prefill(free)
         seqs = [r.prompt + r.out_ids for r in batch]
-        ids = torch.zeros((len(batch), longest), dtype=torch.long)
-        pad = torch.empty(len(batch), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, longest - len(s) :] = torch.tensor(s, dtype=torch.long)
-            pad[i] = longest - len(s)
+        longest = max(len(s) for s in seqs)
         base = len(self._running)
         for i, r in enumerate(batch):
             r.slot, r.epoch = base + i, self._epoch
             self._running.append(r)
-        self._cache.slot_ids = torch.arange(base, base + len(batch), device=self.device)
-        logits = self._fwd.prefill(ids.to(self.device), pad.to(self.device), self._cache, self.dtype)
+        self._cache.base = base
+        if self._fwd.head is not None:  # right-padded, no mask (the model's own causal / sliding mask)
+            ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs], dtype=torch.long)
+            last = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)
+            logits = self._fwd.prefill_right(ids.to(self.device), last.to(self.device), self._cache)
+        else:
+            ids = torch.tensor([[0] * (longest - len(s)) + s for s in seqs], dtype=torch.long)
+            pad = torch.tensor([longest - len(s) for s in seqs], dtype=torch.long)
+            logits = self._fwd.prefill(ids.to(self.device), pad.to(self.device), self._cache, self.dtype)
         self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
+        self.stats["prefill_padded_tokens"] += longest * len(seqs)
         self.stats["prefill_forwards"] += 1
         self._dirty = True
         count = torch.tensor([len(r.out_ids) for r in batch], dtype=torch.long, device=self.device)

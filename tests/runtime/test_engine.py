@@ -431,6 +431,128 @@ def test_concurrent_requests_under_load_all_complete_correctly():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Batched prefill (right-padded, length-sorted) and its scheduling
+
+PREFILL_PROMPTS = [[(7 * i + 3 * j) % (V - 1) + 1 for j in range(n)] for i, n in enumerate([1, 9, 4, 17, 12, 6])]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "gpt2", "mistral"])
+def test_batched_prefill_equals_one_at_a_time_prefill(kind):
+    """One right-padded prefill of rows of different lengths == each row alone: logits, KV and sampled logps.
+
+    Mistral's window (6) is shorter than most rows, so the model's own sliding mask is exercised too.
+    """
+    model = tiny_model(kind, seed=5)
+    ref = copy.deepcopy(model)  # untouched attention implementation, for the full-forward reference
+    eng = Engine(model, EngineConfig(max_batch=8, max_seq_len=32))
+    longest = max(len(p) for p in PREFILL_PROMPTS)
+    ids = torch.tensor([p + [0] * (longest - len(p)) for p in PREFILL_PROMPTS])
+    last = torch.tensor([len(p) - 1 for p in PREFILL_PROMPTS])
+    with torch.no_grad():
+        eng._cache.base = 0
+        batched = eng._fwd.prefill_right(ids, last, eng._cache)
+        kv_b = [(k[: len(ids)].clone(), v[: len(ids)].clone()) for k, v in zip(eng._cache.k, eng._cache.v)]
+        for i, p in enumerate(PREFILL_PROMPTS):
+            eng._cache.base = i
+            single = eng._fwd.prefill_right(torch.tensor([p]), torch.tensor([len(p) - 1]), eng._cache)
+            torch.testing.assert_close(batched[i : i + 1], single, atol=1e-5, rtol=0)
+            full = ref(torch.tensor([p])).logits[:, -1]
+            torch.testing.assert_close(batched[i : i + 1], full, atol=1e-5, rtol=0)
+            for (kb, vb), kc, vc in zip(kv_b, eng._cache.k, eng._cache.v):
+                torch.testing.assert_close(kb[i, :, : len(p)], kc[i, :, : len(p)], atol=1e-5, rtol=0)
+                torch.testing.assert_close(vb[i, :, : len(p)], vc[i, :, : len(p)], atol=1e-5, rtol=0)
+    # Through the engine: all joiners queued while paused go in ONE prefill forward; sampled log-probs and
+    # the greedy continuations equal the one-at-a-time reference.
+    sp = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)]
+    with eng:
+        eng.pause("in_place")
+        futs = [eng.submit(p, s) for p, s in zip(PREFILL_PROMPTS, sp)]
+        wait_for(lambda: eng.num_waiting == len(futs), 5)
+        eng.continue_generation()
+        outs = [f.result(30) for f in futs]
+        assert eng.stats["prefill_forwards"] == 1
+        alone = [eng.generate(p, s, timeout=30) for p, s in zip(PREFILL_PROMPTS, sp)]
+    for p, o, a in zip(PREFILL_PROMPTS, outs, alone):
+        assert o.output_ids == a.output_ids
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), torch.tensor(a.output_logprobs), atol=1e-5,
+                                   rtol=0)
+        tf = teacher_forced(ref, p, o.output_ids).gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), tf, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_left_padded_fallback_prefill_matches_teacher_forcing(kind):
+    """Models without an output-embedding module use the left-padded, explicit-mask prefill; still exact."""
+    model = tiny_model(kind, seed=7)
+    ref = copy.deepcopy(model)
+    eng = Engine(model, EngineConfig(max_batch=8, max_seq_len=48))
+    eng._fwd.head = None
+    sp = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)]
+    with eng:
+        eng.pause("in_place")
+        futs = [eng.submit(p, s) for p, s in zip(PREFILL_PROMPTS, sp)]
+        wait_for(lambda: eng.num_waiting == len(futs), 5)
+        eng.continue_generation()
+        outs = [f.result(30) for f in futs]
+        assert eng.stats["prefill_forwards"] == 1
+    for p, o in zip(PREFILL_PROMPTS, outs):
+        tf = teacher_forced(ref, p, o.output_ids).gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), tf, atol=1e-5, rtol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 60), min_size=1, max_size=24),
+    free=st.integers(1, 16),
+    budget=st.integers(1, 400),
+)
+def test_prefill_batches_respect_budget_keep_the_head_and_queue_order(lens, free, budget):
+    from rlcore.runtime.engine import _Request
+
+    eng = Engine(_PICK_MODEL, EngineConfig(max_batch=16, max_seq_len=64, max_prefill_tokens=budget))
+    reqs = [_Request(f"r{i}", [1] * n, SamplingParams(), 0, None) for i, n in enumerate(lens)]
+    eng._waiting.extend(reqs)
+    seen: list[str] = []
+    while eng._waiting:
+        head = eng._waiting[0]
+        before = [r.rid for r in eng._waiting]
+        batch = eng._pick_prefill(free)
+        assert head in batch and 1 <= len(batch) <= free
+        assert len(batch) == 1 or len(batch) * max(len(r.prompt) for r in batch) <= budget
+        assert all(before.index(r.rid) < free for r in batch)  # only the first `free` are candidates
+        picked = {r.rid for r in batch}
+        assert [r.rid for r in eng._waiting] == [x for x in before if x not in picked]  # order kept
+        seen += picked
+    assert sorted(seen) == sorted(r.rid for r in reqs)
+
+
+_PICK_MODEL = tiny_model("qwen2", seed=0)
+
+
+@pytest.mark.parametrize("defer", [0, 3])
+def test_prefill_is_deferred_while_decoding_until_enough_joiners_or_steps(defer):
+    """``_should_admit``: at once when nothing decodes; with ``m`` decoding rows, when ``>= m // 16`` joiners
+    would get a free slot or after ``prefill_defer_steps`` deferred steps; never without a free slot."""
+    from rlcore.runtime.engine import _Request
+
+    eng = Engine(_PICK_MODEL, EngineConfig(max_batch=40, max_seq_len=64, prefill_defer_steps=defer))
+    req = [_Request(f"r{i}", [1], SamplingParams(), 0, None) for i in range(60)]
+    assert not eng._should_admit()  # nothing waits
+    eng._waiting.append(req[0])
+    assert eng._should_admit()  # nothing decodes
+    eng._running = req[1:33]  # 32 decoding rows: 2 joiners are enough
+    decisions = [eng._should_admit() for _ in range(defer + 1)]
+    assert decisions == [False] * defer + [True]
+    eng._waiting.append(req[33])
+    assert eng._should_admit()
+    eng._running = req[1:40]  # 2 joiners wait but only 1 free slot: below 39 // 16, so deferred again
+    decisions = [eng._should_admit() for _ in range(defer + 1)]
+    assert decisions == [False] * defer + [True]
+    eng._running = req[20:60]  # no free slot
+    assert not eng._should_admit()
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Distributed weight update (gloo, 2 processes on 127.0.0.1)
 
 
