@@ -60,6 +60,8 @@ class Config:
     """Longest sequence."""
     steps: int = 3
     """Timed steps per section (after one warm-up step)."""
+    sections: str = ""
+    """Comma-separated section names to run (default: all)."""
     attn: str = "sdpa"
     """attn_implementation for both sides (sdpa, eager, flash_attention_2 if installed)."""
     seed: int = 0
@@ -277,6 +279,11 @@ def main(cfg: Config) -> dict:
         "rlcore_rl_step_recomputed_prox": lambda: rlcore_with_fallback("recompute"),
         "rlcore_rl_step_interpolated_prox_chunked_logp": lambda: bench_rlcore(cfg, batch, "interpolate", "chunked"),
     }
+    if cfg.sections:
+        unknown = set(cfg.sections.split(",")) - set(sections)
+        if unknown:
+            raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from {sorted(sections)}")
+        sections = {k: v for k, v in sections.items() if k in cfg.sections.split(",")}
     for name, fn in sections.items():
         try:
             result[name] = fn()

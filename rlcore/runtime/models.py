@@ -262,6 +262,17 @@ def varlen_attention(
             )
     if kernel is None:
         return varlen_attention_reference(q, k, v, cu_seqlens, scale=scale, window=window)
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        # Flash kernels take half precision only. Under CUDA autocast, q/k/v arrive in fp32 because the rotary
+        # embedding promotes them: run the kernel in the autocast dtype, as the matmuls around it do. A plain
+        # fp32 model keeps exact fp32 attention through the per-sequence loop; neither marks the kernel broken.
+        if torch.is_autocast_enabled("cuda"):
+            dt = torch.get_autocast_dtype("cuda")
+            out = varlen_attention(
+                q.to(dt), k.to(dt), v.to(dt), cu_seqlens, max_seqlen, scale=scale, window=window, kernel=kernel
+            )
+            return out.to(q.dtype)
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale=scale, window=window)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     native = _KERNEL_STATE.get("native_gqa", True)

@@ -334,3 +334,21 @@ def test_real_torch_varlen_signature_is_called_correctly(monkeypatch):
     msg = str(rec[0].message)
     assert "TypeError" not in msg and "ValueError" not in msg, msg  # argument plumbing was accepted
     torch.testing.assert_close(out, dense_reference(q, k, v, cu, scale=0.2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_inputs_use_autocast_dtype_or_exact_loop_without_breaking_the_kernel(monkeypatch):
+    """Regression (H200 run): fp32 q/k/v under autocast made the flash kernel raise and marked it broken for
+    the rest of the process; now they run in the autocast dtype, and plain fp32 takes the exact loop."""
+    monkeypatch.setattr(models, "_KERNEL_STATE", {})
+    q, k, v = (torch.randn(7, h, 64, device="cuda") for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda")
+    ref = dense_reference(q.cpu(), k.cpu(), v.cpu(), cu.cpu())  # the reference builds its mask on the CPU
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = models.varlen_attention(q, k, v, cu, 4)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-2, rtol=2e-2)
+    exact = models.varlen_attention(q, k, v, cu, 4)
+    torch.testing.assert_close(exact.cpu(), ref, atol=1e-4, rtol=1e-4)
+    assert not models._KERNEL_STATE.get("broken")
