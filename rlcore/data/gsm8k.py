@@ -9,10 +9,20 @@ A row becomes ``{"messages": [{"role": "user", "content": ...}], "answer": "<num
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
-"""Default location of ``train.jsonl`` and ``test.jsonl``."""
+
+def _default_dir() -> Path:
+    """``$RLCORE_GSM8K_DIR``, else ``shared/data/gsm8k`` beside the checkout, else ``/work/shared/data/gsm8k``."""
+    if os.environ.get("RLCORE_GSM8K_DIR"):
+        return Path(os.environ["RLCORE_GSM8K_DIR"])
+    beside = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+    return beside if beside.is_dir() else Path("/work/shared/data/gsm8k")
+
+
+GSM8K_DIR = _default_dir()
+"""Default location of ``train.jsonl`` and ``test.jsonl`` (override with ``RLCORE_GSM8K_DIR`` or a path flag)."""
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 """Appended to every question (the prompt suffix AReaL's GSM8K examples use)."""

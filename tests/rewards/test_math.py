@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlcore.data.gsm8k import GSM8K_DIR
 from rlcore.rewards import math as gm
 
-GSM8K_TRAIN = Path("/work/shared/data/gsm8k/train.jsonl")
+GSM8K_TRAIN = GSM8K_DIR / "train.jsonl"
 
 
 def with_commas(n: int) -> str:
