@@ -12,14 +12,13 @@ value head at its last token (the appended eos), so the head must read the whole
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
 import torch
 import tyro
 
 from rlcore import tiny as tiny_lib
-from rlcore.data import gsm8k, microbatch, trajectory
+from rlcore.data import gsm8k, microbatch, preference, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.runtime import loop, models, step, train_state, workflows
 
@@ -76,35 +75,6 @@ SMOKE = Config(
 )
 
 
-def solution_pair(solution: str, rng: random.Random) -> tuple[str, str]:
-    """(chosen, rejected) targets: the cleaned worked solution, and the same with a wrong boxed answer."""
-    body, final = solution.rsplit("####", 1)
-    body = re.sub(r"<<[^>]*>>", "", body).strip()
-    final = final.strip().replace(",", "")
-    try:
-        wrong = str(int(float(final)) + rng.choice([-10, -2, -1, 1, 2, 10]))
-    except ValueError:
-        wrong = final + "1"
-    return (f"{body}\nThe answer is \\boxed{{{final}}}.", f"{body}\nThe answer is \\boxed{{{wrong}}}.")
-
-
-def make_pair(tok, item: dict, rng: random.Random) -> dict[str, torch.Tensor]:
-    """``(2 l)`` rows [chosen, rejected] = prompt ++ target ++ eos (``loss_mask`` on the response)."""
-    prompt = workflows.prompt_ids(tok, item)
-    rows = []
-    for text in solution_pair(item["solution"], rng):
-        target = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids = torch.tensor([prompt + target])
-        rows.append(
-            {
-                "input_ids": ids,
-                "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-                "loss_mask": torch.tensor([[False] * len(prompt) + [True] * len(target)]),
-            }
-        )
-    return trajectory.concat(rows)
-
-
 @torch.no_grad()
 def scores(critic: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Score ``(b,)`` = value head at each row's last real token (one unpadded forward per row)."""
@@ -128,12 +98,12 @@ def main(cfg: Config) -> dict[str, float]:
     train = [
         p
         for r in gsm8k.load(f"{cfg.data_dir}/train.jsonl", limit=cfg.train_limit)
-        if fits(p := make_pair(tok, r, rng))
+        if fits(p := preference.make_pair(tok, workflows.prompt_ids(tok, r), r["solution"], rng))
     ]
     test = [
         p
         for r in gsm8k.load(f"{cfg.data_dir}/test.jsonl", limit=cfg.eval_limit)
-        if fits(p := make_pair(tok, r, rng))
+        if fits(p := preference.make_pair(tok, workflows.prompt_ids(tok, r), r["solution"], rng))
     ]
     if not train:
         raise ValueError(f"no training pair fits max_seq_len={cfg.max_seq_len}; raise --max-seq-len")
