@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from rlcore.objectives import ppo, sapo
-from tests.strategies import GARBAGE, TokenBatch, extreme_token_batches, pad_columns, token_batches
+from tests.strategies import (
+    TokenBatch,
+    check_masked_zero_grad_and_finite,
+    check_permutation_padding_and_microbatch,
+    extreme_token_batches,
+    token_batches,
+)
 
 # the costliest properties (torch.func transforms on every example) run half the profile's examples
 heavy = settings(max_examples=max(settings().max_examples // 2, 10))
@@ -98,43 +104,13 @@ def test_gate_bounds_and_monotonicity(r, a, tau_pos, tau_neg):
 @heavy
 @given(extreme_token_batches(), configs())
 def test_masked_tokens_get_exactly_zero_grad_and_everything_is_finite(b, cfg):
-    out, metrics = run(b, cfg)
-    g = grad(b, cfg)
-    assert torch.isfinite(out) and torch.isfinite(g).all()
-    assert (g[~b.mask] == 0).all()
-    assert all(torch.isfinite(v) for v in metrics.values())
-    b16 = TokenBatch(
-        *(x.to(torch.bfloat16) for x in (b.logp, b.logp_prox, b.logp_behav, b.adv)), b.mask, b.lengths
-    )
-    g16 = grad(b16, cfg)
-    assert torch.isfinite(run(b16, cfg)[0]) and torch.isfinite(g16).all() and (g16[~b.mask] == 0).all()
+    check_masked_zero_grad_and_finite(b, cfg, run, grad)
 
 
 @heavy
 @given(token_batches(), configs(), st.data())
 def test_permutation_padding_and_microbatch_invariance(b, cfg, data):
-    rows = b.mask.shape[0]
-    full, g_full = run(b, cfg)[0], grad(b, cfg)
-    perm = torch.tensor(data.draw(st.permutations(range(rows))))
-    shuffled = TokenBatch(*(x[perm] for x in (b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask)), b.lengths)
-    torch.testing.assert_close(run(shuffled, cfg)[0], full)
-    torch.testing.assert_close(grad(shuffled, cfg), g_full[perm])
-    value = data.draw(st.sampled_from(GARBAGE))
-    padded = TokenBatch(
-        *(pad_columns(x, 2, value) for x in (b.logp, b.logp_prox, b.logp_behav, b.adv)),
-        pad_columns(b.mask, 2, False),
-        b.lengths,
-    )
-    torch.testing.assert_close(run(padded, cfg)[0], full)
-    torch.testing.assert_close(grad(padded, cfg)[:, : b.mask.shape[1]], g_full)
-    s = data.draw(st.integers(0, rows))
-    denom = b.mask.sum() if cfg.agg == "token_mean" else (b.mask.sum(-1) > 0).sum()
-    parts = [
-        TokenBatch(*(x[sl] for x in (b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask)), b.lengths)
-        for sl in (slice(0, s), slice(s, rows))
-    ]
-    torch.testing.assert_close(sum(run(p, cfg, denom=denom)[0] for p in parts), full)
-    torch.testing.assert_close(torch.cat([grad(p, cfg, denom=denom) for p in parts]), g_full)
+    check_permutation_padding_and_microbatch(b, cfg, data, run, grad)
 
 
 @given(token_batches(), configs())
