@@ -32,6 +32,9 @@ from transformers import (
 
 COUNTDOWN_ALPHABET = "0123456789+-*:="
 """Characters of the countdown task: digits, the three operators, ``:`` and ``=``."""
+BOXED_ALPHABET = COUNTDOWN_ALPHABET + ",\\boxed{}"
+"""Countdown with worked steps and a ``\\boxed{}`` answer (rlcore.data.countdown.worked_solution): adds ``,``,
+the backslash, the letters of ``boxed`` and the braces."""
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 """Special tokens; they take ids 0, 1, 2 in this order."""
 CHAT_TEMPLATE = (

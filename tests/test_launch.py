@@ -132,3 +132,121 @@ def test_engine_commands():
         launch.engine_command("embedded", "/m", "127.0.0.1", 1234, 2)
     with pytest.raises(ValueError, match="--engine"):
         launch.engine_command("vllm", "/m", "127.0.0.1", 1234, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where the engines reach rank 0 for the NCCL weight broadcast
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_weight_sync_host_is_loopback_for_local_engines(monkeypatch):
+    import socket
+
+    from rlcore.runtime import loop
+
+    monkeypatch.delenv(loop.ENV_SYNC_HOST, raising=False)
+    local = ["127.0.0.1:30000", "localhost:30001", f"{socket.gethostname()}:30002", "[::1]:30003"]
+    assert loop.weight_sync_host(local) == "127.0.0.1"
+    monkeypatch.setenv(loop.ENV_SYNC_HOST, "10.1.2.3")
+    assert loop.weight_sync_host(local) == "10.1.2.3"
+
+
+def test_weight_sync_host_routes_towards_a_remote_engine(monkeypatch):
+    """A remote engine gets this node's routable address, never loopback; no route -> an error naming the fix."""
+    import ipaddress
+
+    from rlcore.runtime import loop
+
+    monkeypatch.delenv(loop.ENV_SYNC_HOST, raising=False)
+    try:
+        host = loop.weight_sync_host(["127.0.0.1:1", "192.0.2.7:30000"])  # TEST-NET-1: routed, never answered
+    except RuntimeError as e:
+        assert loop.ENV_SYNC_HOST in str(e) and "192.0.2.7" in str(e)
+    else:
+        assert not ipaddress.ip_address(host).is_loopback
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On 2 GPUs: engine server on GPU 0, torchrun trainer on GPU 1, the GSM8K experiment unchanged
+# ----------------------------------------------------------------------------------------------------------
+
+GSM8K_ROWS = [
+    ("Tom has 3 apples and buys 4 more. How many apples does he have?", "3+4=<<3+4=7>>7\n#### 7"),
+    ("A box holds 6 pens. How many pens are in 2 boxes?", "6*2=<<6*2=12>>12\n#### 12"),
+    ("Ann read 10 pages on Monday and half as many on Tuesday. How many pages in total?", "10/2=5\n10+5=15\n#### 15"),
+    ("Sam had 9 cookies and ate 2. How many are left?", "9-2=<<9-2=7>>7\n#### 7"),
+]
+
+
+def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = ()) -> None:
+    """Run experiments/gsm8k_grpo.py for 3 steps under ``rlcore.launch --alloc engines:1+trainer:1`` and check it."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    from rlcore import tiny
+    from rlcore.runtime import loop
+
+    root = Path(__file__).resolve().parent.parent
+    model = tmp_path / "model"
+    tok = loop.load_tokenizer(loop.TINY)
+    tiny.build_model(tok, model_cfg, seed=0).save_pretrained(str(model))
+    tok.save_pretrained(str(model))
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    for split in ("train", "test"):
+        rows = "".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_ROWS)
+        (data / f"{split}.jsonl").write_text(rows)
+    cmd = [
+        sys.executable, "-m", "rlcore.launch", "--alloc", "engines:1+trainer:1", "--model", str(model), "--",
+        "experiments/gsm8k_grpo.py", "grpo", "--model", str(model), "--data-dir", str(data), "--steps", "3",
+        "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "32", "--eval-limit", "4",
+        "--eval-every", "0", "--no-progress", "--engine.max-seq-len", "1024", "--engine.publish", publish,
+        "--engine.disk-root", str(tmp_path / "weights"), "--export-dir", str(tmp_path / "out"), *extra,
+    ]  # fmt: skip
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", NCCL_CUMEM_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    print(f"launcher ({publish}) rc={proc.returncode} in {time.perf_counter() - t0:.1f}s\n", proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    before = load_file(str(model / "model.safetensors"))
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    leftovers = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if str(model).encode() in (d / "cmdline").read_bytes():
+                    leftovers.append(int(d.name))
+            except OSError:
+                continue
+    assert not leftovers, f"processes survived the launcher: {leftovers}"
+
+
+def test_launcher_cpu_broadcast_publish_under_torchrun(tmp_path):
+    """Weight broadcast from a torchrun trainer to a separate rlcore.serve (gloo here, NCCL on GPUs): the group's
+    store must be hosted by trainer rank 0 even though torchrun's agent hosts the default store (~20 s)."""
+    from rlcore import tiny
+
+    _launch_gsm8k(tmp_path, "distributed", tiny.TinyModelConfig(max_positions=1024), ("--threads", "1"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+    reason="needs 2 CUDA devices",
+)
+@pytest.mark.parametrize("publish", ["disk", "distributed"])
+def test_launcher_two_gpus_runs_gsm8k_grpo(tmp_path, publish):
+    """``rlcore.launch --alloc engines:1+trainer:1``: rlcore.serve on GPU 0, the trainer under torchrun on GPU 1,
+    three async GRPO steps of experiments/gsm8k_grpo.py with weights published over disk or NCCL; the exported
+    policy has moved and no child outlives the launcher."""
+    from rlcore import tiny
+
+    cfg = tiny.TinyModelConfig(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=768,
+                               max_positions=1024)
+    _launch_gsm8k(tmp_path, publish, cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -159,3 +160,49 @@ def test_tiny_cpu_main_job_smoke():
     assert out["steps"] >= 1
     assert out["version_stats/staleness_max"] <= mod.SMOKE.max_staleness
     assert 0.0 <= out["greedy_success_end"] <= 1.0 and 0.0 <= out["rollout/reward"] <= 1.0
+
+
+def test_sft_warmstart_worked_format_learns_the_box(tmp_path):
+    """answer_format='worked': the tokenizer covers '\\boxed{}', the answers are worked steps, greedy eval scores
+    the box; a few dozen steps on a tiny model already learn to close the box on some problems."""
+    spec = importlib.util.spec_from_file_location("sft_warmstart", ROOT / "experiments" / "sft_warmstart.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sft_warmstart"] = mod
+    spec.loader.exec_module(mod)
+    task = cd.CountdownConfig(num_count=3, max_target=30)
+    p = cd.Problem(numbers=(3, 4, 5), target=23, solution="3+4*5")
+    assert mod.answer_text(p, "worked") == "4*5=20,3+20=23\\boxed{3+4*5}"
+    assert len(mod.answer_text(p, "worked")) + 1 <= mod.answer_budget(task, "worked")
+    tok = mod.tokenizer_for("worked")
+    assert tok.unk_token_id not in tok(mod.answer_text(p, "worked")).input_ids
+    cfg = mod.Config(out_dir=str(tmp_path), max_steps=4, eval_every=2, dev_size=16, heldout_size=16, batch_size=16,
+                     threads=1, answer_format="worked", task=task, warmup_steps=2)
+    out = mod.main(cfg)
+    assert out["steps"] <= 4 and 0.0 <= out["heldout_greedy_success"] <= 1.0
+    assert tiny.load_tokenizer(tmp_path)("\\boxed{1}").input_ids == tok("\\boxed{1}").input_ids
+
+
+def test_gpu_learning_run_smoke_pipeline(tmp_path, monkeypatch):
+    """experiments/gpu_learning_run.py --smoke on CPU: SFT, two RL runs (grpo eta 0, dppo eta 1), summary, plot.
+
+    The smoke SFT model is too small to ever solve a problem, so the reward is swapped for one with variance
+    (odd completion length) to make every rl_step update the weights."""
+    spec = importlib.util.spec_from_file_location("gpu_learning_run", ROOT / "experiments" / "gpu_learning_run.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_learning_run"] = mod
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod.countdown_reward, "boxed_reward_fn", lambda completion, item: float(len(completion) % 2))
+    with pytest.raises(ValueError, match="runs entry 'ppo:x'"):
+        mod.parse_run("ppo:x")
+    summary = mod.main(mod.Config(smoke=True, out_dir=str(tmp_path), devices=("cpu",)))
+    assert (tmp_path / "sft" / "config.json").exists() and summary["sft"]["steps"] >= 1
+    assert set(summary["runs"]) == {"grpo:0", "dppo:1"}
+    for spec_, r in summary["runs"].items():
+        assert r["steps"] >= 1, spec_
+        assert 0.0 <= r["greedy_start"] <= 1.0 and 0.0 <= r["greedy_end"] <= 1.0
+        assert r["samples_per_s"] > 0
+        curve = json.loads((tmp_path / f"rl_{r['objective']}_eta{r['eta']}.json").read_text())["curve"]
+        assert len(curve) >= 2 and curve[0]["t"] == 0.0
+        assert all(b["t"] >= a["t"] and b["samples"] >= a["samples"] for a, b in zip(curve, curve[1:]))
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "curves.png").stat().st_size > 1000

@@ -111,6 +111,34 @@ def _value(expr: str) -> int:
     return total + sign * term
 
 
+def worked_solution(expr: str) -> str:
+    """Step-by-step evaluation of a bracket-free ``+ - *`` expression, then the expression in ``\\boxed{}``.
+
+    Products first (left to right), then the sums and differences left to right, each step written as
+    ``a op b=value`` and separated by ``,``; the checked answer is the boxed expression. Example:
+    ``worked_solution("3+4*5-2") == "4*5=20,3+20=23,23-2=21\\boxed{3+4*5-2}"``; a single digit has no steps.
+    This is the "reasoning" answer format of the GPU learning run (experiments/gpu_learning_run.py).
+    """
+    if not expr or len(expr) % 2 == 0 or not all(c.isdigit() for c in expr[::2]) or not set(expr[1::2]) <= set("+-*"):
+        raise ValueError(f"expr must alternate single digits and '+-*', like '7*5+9-3'; got {expr!r}")
+    steps: list[str] = []
+    # terms: [sign, value] with products folded in first
+    terms: list[tuple[str, int]] = [("+", int(expr[0]))]
+    for op, digit in zip(expr[1::2], expr[2::2]):
+        if op == "*":
+            sign, value = terms[-1]
+            steps.append(f"{value}*{digit}={value * int(digit)}")
+            terms[-1] = (sign, value * int(digit))
+        else:
+            terms.append((op, int(digit)))
+    total = terms[0][1]
+    for sign, value in terms[1:]:
+        new = total + value if sign == "+" else total - value
+        steps.append(f"{total}{sign}{value}={new}")
+        total = new
+    return ",".join(steps) + "\\boxed{" + expr + "}"
+
+
 def problems(
     seed: int, *, split: Literal["train", "heldout"], cfg: CountdownConfig = CountdownConfig()
 ) -> Iterator[Problem]:

@@ -82,6 +82,34 @@ def reward(
         return 0.0
 
 
+def boxed_reward(
+    completion: str, numbers: Sequence[int], target: int, *, cfg: CountdownRewardConfig = CountdownRewardConfig()
+) -> float:
+    """``reward`` of the content of the last ``\\boxed{...}`` in ``completion`` (0.0 when there is none).
+
+    The text before the box (worked steps, rlcore.data.countdown.worked_solution) is not checked.
+    Example: ``boxed_reward("7*5=35,35+9=44,44-3=41\\boxed{7*5+9-3}", (3, 5, 7, 9), 41) == 1.0``.
+    """
+    try:
+        start = completion.rfind("\\boxed{")
+        if start < 0:
+            return 0.0
+        end = completion.find("}", start)
+        if end < 0:
+            return 0.0
+        return reward(completion[start + len("\\boxed{") : end], numbers, target, cfg=cfg)
+    except Exception:
+        return 0.0
+
+
+def boxed_reward_fn(completion: str, item: Mapping) -> float:
+    """Workflow-facing ``boxed_reward``: ``item`` has ``numbers`` and ``target``; a malformed row gives 0.0."""
+    try:
+        return boxed_reward(completion, item["numbers"], item["target"])
+    except Exception:
+        return 0.0
+
+
 def reward_fn(completion: str, item: Mapping) -> float:
     """Workflow-facing form ``(completion, item)`` (rlcore.runtime.workflows ``RewardFn``).
 

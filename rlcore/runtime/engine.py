@@ -512,9 +512,16 @@ def init_custom_process_group(
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    from urllib.parse import urlparse
+
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
+    # A TCPStore built here rather than through c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+    # rendezvous makes every rank a client of the agent's store, so rank 0 would never host this group's store.
+    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
     store = dist.PrefixStore(group_name, store)
     opt_name = (
         "backend_options"

@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import ipaddress
 import math
 import os
+import socket
 import string
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ TINY = "tiny"
 TINY_ALPHABET = "".join(c for c in string.printable if c not in "\x0b\x0c\r")
 """Printable ASCII (GSM8K text encodes without ``<unk>``)."""
 ENV_ADDRS = "RLCORE_ENGINE_ADDRS"
+ENV_SYNC_HOST = "RLCORE_WEIGHT_SYNC_HOST"
 """Environment variable with comma-separated engine addresses (set by ``rlcore.launch``)."""
 
 
@@ -188,6 +191,43 @@ def engine_addresses(setup: EngineSetup) -> list[str]:
     return [a.strip() for a in os.environ.get(ENV_ADDRS, "").split(",") if a.strip()]
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
+
+
+def weight_sync_host(addrs: list[str]) -> str:
+    """The address the engines reach the trainer's rank 0 at for the NCCL weight-broadcast group.
+
+    ``$RLCORE_WEIGHT_SYNC_HOST`` when set; ``127.0.0.1`` when every engine is on this machine (loopback or one of
+    this host's own names); otherwise the local address of the interface that routes to the first remote engine
+    (a UDP ``connect``, which sends nothing). Raises with the fix when no route is found.
+    """
+    if os.environ.get(ENV_SYNC_HOST):
+        return os.environ[ENV_SYNC_HOST]
+    hosts = [a.rsplit(":", 1)[0].strip("[]") for a in addrs]
+    local_names = {"localhost", socket.gethostname(), socket.getfqdn()}
+    remote = [h for h in hosts if not (h in local_names or _is_loopback(h))]
+    if not remote:
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((remote[0], 9))
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise RuntimeError(
+            f"cannot find a local address that reaches engine host {remote[0]!r} ({e}); set "
+            f"{ENV_SYNC_HOST} to this node's address on the engines' network"
+        ) from e
+
+
 @contextlib.contextmanager
 def open_engines(model: nn.Module, tokenizer: Any, setup: EngineSetup, *, seed: int = 0) -> Iterator[Engines]:
     """Start an embedded engine on a copy of ``model`` (the trainer keeps its own), or connect to remote servers.
@@ -228,7 +268,11 @@ def open_engines(model: nn.Module, tokenizer: Any, setup: EngineSetup, *, seed: 
     with engine_client.connect(addrs) as control:
         control.wait_until_healthy(timeout=300.0)
         targets: list[Any] = [control]
-        group = weight_sync.connect_broadcast([control]) if pub.mode == "distributed" else None
+        group = (
+            weight_sync.connect_broadcast([control], master_address=weight_sync_host(addrs))
+            if pub.mode == "distributed"
+            else None
+        )
         if group is not None:
             targets = [group]
         try:

@@ -121,3 +121,31 @@ def test_dataset_is_lazy_reproducible_and_in_split():
         d[10_000]
     with pytest.raises(ValueError, match="size"):
         cd.CountdownDataset(0)
+
+
+@given(configs, st.integers(0, 2**32 - 1))
+def test_worked_solution_steps_are_correct_and_its_box_scores_one(cfg, seed):
+    """Every step 'a op b=c' is true arithmetic, the steps chain to the target, and the boxed part scores 1."""
+    p = cd.random_problem(random.Random(seed), cfg=cfg)
+    text = cd.worked_solution(p.solution)
+    steps, _, boxed = text.partition("\\boxed{")
+    assert boxed == p.solution + "}"
+    assert cr.boxed_reward(text, p.numbers, p.target) == 1.0
+    values = []
+    for s in steps.split(",") if steps else []:
+        lhs, value = s.rsplit("=", 1)
+        a, op, b = next((lhs[:i], lhs[i], lhs[i + 1 :]) for i in range(1, len(lhs)) if lhs[i] in "+-*")
+        assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] == int(value), s
+        values.append(int(value))
+    assert len(values) == len(p.solution) // 2  # one step per operator
+    if values:
+        assert values[-1] == p.target
+
+
+def test_worked_solution_example_and_errors():
+    assert cd.worked_solution("3+4*5-2") == "4*5=20,3+20=23,23-2=21\\boxed{3+4*5-2}"
+    assert cd.worked_solution("3-9+8") == "3-9=-6,-6+8=2\\boxed{3-9+8}"
+    assert cd.worked_solution("7") == "\\boxed{7}"
+    for bad in ("", "3+", "34+1", "3/4", "(3+4)"):
+        with pytest.raises(ValueError, match="expr must alternate"):
+            cd.worked_solution(bad)

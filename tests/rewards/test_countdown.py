@@ -133,3 +133,22 @@ def test_workflow_form_reads_the_item():
     assert cr.reward_fn("7*5+9", item) == 0.0
     assert cr.reward_fn("7*5+9-3", {"prompt": "3579:41="}) == 0.0
     assert cr.reward_fn("7*5+9-3", None) == 0.0  # type: ignore[arg-type]
+
+
+def test_boxed_reward_scores_the_last_box_only():
+    nums, target = (3, 5, 7, 9), 41
+    assert cr.boxed_reward("7*5=35,35+9=44,44-3=41\\boxed{7*5+9-3}", nums, target) == 1.0
+    assert cr.boxed_reward("anything at all\\boxed{7*5+9-3}", nums, target) == 1.0  # steps are not checked
+    assert cr.boxed_reward("\\boxed{7*5+9-3}\\boxed{7*5}", nums, target) == 0.0  # the last box counts
+    assert cr.boxed_reward("\\boxed{7*5}\\boxed{7*5+9-3}", nums, target) == 1.0
+    assert cr.boxed_reward("7*5+9-3", nums, target) == 0.0  # no box
+    assert cr.boxed_reward("\\boxed{7*5+9-3", nums, target) == 0.0  # unclosed
+    assert cr.boxed_reward("\\boxed{7*7+9-3}", nums, target) == 0.0  # 7 used twice
+    assert cr.boxed_reward_fn("\\boxed{7*5+9-3}", {"numbers": list(nums), "target": target}) == 1.0
+    assert cr.boxed_reward_fn("\\boxed{7*5+9-3}", {"numbers": list(nums)}) == 0.0  # malformed row
+
+
+@given(st.text(max_size=80), st.lists(st.integers(-5, 12), max_size=6), st.integers(-50, 200))
+def test_boxed_reward_never_raises_and_is_binary(text, numbers, target):
+    assert cr.boxed_reward(text, numbers, target) in (0.0, 1.0)
+    assert cr.boxed_reward("\\boxed{" + text, numbers, target) in (0.0, 1.0)

@@ -1,7 +1,8 @@
-"""torchrun worker for tests/runtime/test_fsdp.py: one rl_step on FSDP2-sharded tiny Qwen2 (gloo, CPU).
+"""torchrun worker for tests/runtime/test_fsdp.py: one rl_step on FSDP2-sharded tiny Qwen2.
 
-Usage: torchrun --nproc_per_node N tests/runtime/fsdp_worker.py OUT.pt
-Rank 0 writes ``{"delta": {name: full param change}, "loss": global loss}`` to OUT.pt.
+Usage: torchrun --nproc_per_node N tests/runtime/fsdp_worker.py OUT.pt [cpu|cuda]
+``cpu`` (default): gloo on CPU. ``cuda``: NCCL, one GPU per rank, float32 compute everywhere (no autocast, FSDP
+param_dtype float32, TF32 off) so 1 and 2 ranks may be compared tightly. Rank 0 writes ``{"delta": {name: full param change}, "loss": global loss}`` to OUT.pt.
 """
 
 import dataclasses
@@ -16,10 +17,15 @@ from rlcore.runtime import fsdp, step  # noqa: E402
 from tests.runtime import test_step as common  # noqa: E402
 
 
-def run(out_path: str) -> None:
+def run(out_path: str, device: str = "cpu") -> None:
     torch.set_num_threads(1)
     info = fsdp.setup_distributed()
-    st = common.with_sgd(common.fresh_state(seed=0))
+    kw = {}
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        kw = dict(device=info.device, compute_dtype=None, fsdp_cfg=fsdp.FSDPConfig(param_dtype="float32"))
+    st = common.with_sgd(common.fresh_state(seed=0, **kw))
     before = {k: fsdp.full_tensor(v.detach()).clone() for k, v in st.model.named_parameters()}
     batch = common.make_batch(4, n=8, stale=True)
     lengths = batch["attention_mask"].sum(1).tolist()
@@ -32,7 +38,7 @@ def run(out_path: str) -> None:
         torch.distributed.all_reduce(loss)
     after = {k: fsdp.full_tensor(v.detach()).clone() for k, v in st.model.named_parameters()}
     if info.rank == 0:
-        torch.save({"delta": {k: after[k] - before[k] for k in after}, "loss": float(loss), "step": st2.step,
+        torch.save({"delta": {k: (after[k] - before[k]).cpu() for k in after}, "loss": float(loss), "step": st2.step,
                     "sharded": fsdp.is_sharded(st.model)}, out_path)
     if info.world_size > 1:
         torch.distributed.barrier()
@@ -40,4 +46,4 @@ def run(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1])
+    run(sys.argv[1], *sys.argv[2:3])

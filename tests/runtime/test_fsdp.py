@@ -4,6 +4,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,28 @@ def test_torchrun_two_ranks_match_one_rank(tmp_path):
     for k in a["delta"]:
         assert torch.allclose(a["delta"][k], b["delta"][k], atol=1e-5), k
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_torchrun_two_gpus_match_one_gpu(tmp_path):
+    """The same check on 2 GPUs with NCCL (float32 compute, so the comparison can stay tight)."""
+    ref = tmp_path / "ref.pt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="0")
+    one = [sys.executable, str(ROOT / "tests/runtime/fsdp_worker.py"), str(ref), "cuda"]
+    proc = subprocess.run(one, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "two.pt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="0,1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests/runtime/fsdp_worker.py"), str(out), "cuda"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = torch.load(ref), torch.load(out)
+    assert b["sharded"] and not a["sharded"]
+    assert abs(a["loss"] - b["loss"]) < 1e-5
+    for k in a["delta"]:
+        torch.testing.assert_close(b["delta"][k], a["delta"][k], atol=1e-5, rtol=1e-4, msg=k)
 
 
 def test_sharded_state_dict_and_publish_gather_full_tensors(monkeypatch):

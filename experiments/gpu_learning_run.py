@@ -1,0 +1,396 @@
+"""A learning run on GPU: SFT-warm a ~76M Qwen2 on worked Countdown, then RL with GRPO and decoupled PPO.
+
+Stage 1 (SFT, experiments/sft_warmstart.py with ``answer_format="worked"``): a 12-layer, width-768 Qwen2
+(GQA 12/4 heads, SwiGLU 2048, character tokenizer; ~76M parameters) is trained from scratch on generated
+5-digit Countdown problems whose answers are worked steps ending in a boxed expression::
+
+    prompt  "35791:142="     answer  "7*9=63,63*3=189,189-5=184,...\\boxed{7*9*3-5...}"
+
+and stopped on purpose once greedy success on a dev set reaches ``sft_stop_at``, so RL has room to climb.
+
+Stage 2 (RL, one run per entry of ``runs``, each on its own GPU when there are several): the whole library in
+one process per run, as in the CPU main job (experiments/tiny_cpu.py) but on a GPU:
+
+    RolloutController (staleness eta) -> EngineClient (in-process) -> Engine (bf16, CUDA graphs, own thread)
+      -> rlvr episodes, boxed countdown reward -> groups of G -> rl_step -> publish_weights (bf16 copy) -> ...
+
+Runs are ``"grpo:ETA"`` (GRPO: PPO clip against the behaviour log-probs the engine returned, i.e. the coupled
+objective, as a synchronous implementation would compute it) or ``"dppo:ETA"`` (decoupled PPO: proximal
+log-probs recomputed by the trainer, behaviour weight pi_prox / pi_behav for the staleness). Every run gets the
+same wall-clock budget; greedy success on ``eval_prompts`` held-out problems is measured every
+``eval_every_s`` seconds with generation and training paused, and the evaluation time is not counted.
+
+Run (2 x H200, ~9 min):  python experiments/gpu_learning_run.py --out-dir $OUT/learn
+Smoke (CPU, ~30 s):      python experiments/gpu_learning_run.py --smoke
+Writes: OUT_DIR/sft/ (model), OUT_DIR/rl_<run>.json (curves), OUT_DIR/summary.json, OUT_DIR/curves.png.
+Results: docs/results.md#gpu-learning-run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import math
+import multiprocessing as mp
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+from transformers import AutoModelForCausalLM
+
+from rlcore import tiny
+from rlcore.advantages import normalize
+from rlcore.data import countdown, microbatch, trajectory
+from rlcore.data.loader import PromptLoader
+from rlcore.objectives import ppo
+from rlcore.rewards import countdown as countdown_reward
+from rlcore.runtime import engine as engine_lib
+from rlcore.runtime import engine_client, metrics, models, rollout, step, train_state, weight_sync, workflows
+
+HERE = Path(__file__).resolve().parent
+
+
+def _sft_module():
+    """experiments/sft_warmstart.py as a module (experiments are files, not a package)."""
+    if "sft_warmstart" in sys.modules:
+        return sys.modules["sft_warmstart"]
+    spec = importlib.util.spec_from_file_location("sft_warmstart", HERE / "sft_warmstart.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sft_warmstart"] = mod  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+MODEL = tiny.TinyModelConfig(
+    num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, intermediate_size=2048, max_positions=192,
+)
+TASK = countdown.CountdownConfig(num_count=5, max_number=9, max_target=199)
+
+
+@dataclass(frozen=True)
+class Config:
+    """SFT warm start, then RL runs (GRPO / decoupled PPO x staleness) with held-out accuracy vs wall-clock."""
+
+    out_dir: str = "runs/gpu_learning"
+    """Where the SFT model, per-run curves, the summary and the plot go."""
+    stage: Literal["all", "sft", "rl", "plot"] = "all"
+    """``all``: SFT (unless ``out_dir/sft`` exists and ``reuse_sft``), then every run, then the plot."""
+    smoke: bool = False
+    """Tiny model, tiny budgets, CPU-friendly: checks the pipeline in well under a minute."""
+    seed: int = 0
+    """Seeds the model init, the problem streams and the engines' sampling."""
+    model: tiny.TinyModelConfig = MODEL
+    """Shape of the Qwen2 decoder trained from scratch."""
+    task: countdown.CountdownConfig = TASK
+    """Countdown size: 5 digits, targets up to 199."""
+    # --- SFT
+    reuse_sft: bool = True
+    """Skip SFT when ``out_dir/sft`` already holds a model."""
+    sft_batch: int = 256
+    """Problems per SFT step."""
+    sft_lr: float = 5e-4
+    """Adam learning rate of SFT (after warm-up)."""
+    sft_warmup: int = 50
+    """Linear warm-up steps of SFT."""
+    sft_max_steps: int = 3000
+    """Give up SFT after this many steps."""
+    sft_stop_at: float = 0.25
+    """Stop SFT once greedy success on the dev set reaches this (leaves room for RL)."""
+    sft_eval_every: int = 25
+    """SFT steps between dev evaluations."""
+    sft_dev_size: int = 500
+    """Dev prompts (train split, never trained on) for the SFT stopping rule."""
+    # --- RL
+    runs: tuple[str, ...] = ("grpo:0", "dppo:4", "grpo:4", "dppo:0")
+    """``objective:eta`` entries; objective ``grpo`` (coupled, behaviour log-probs) or ``dppo`` (decoupled PPO)."""
+    run: str = ""
+    """Stage ``rl``: run only this entry (default: all of ``runs`` in turn)."""
+    devices: tuple[str, ...] = ()
+    """Stage ``all``: devices to spread runs over, one run per device at a time (default: every GPU, else cpu)."""
+    minutes: float = 2.5
+    """Training wall-clock per run, evaluation excluded."""
+    prompts_per_step: int = 64
+    """B: prompt groups per training step."""
+    group_size: int = 8
+    """G: samples per prompt."""
+    lr: float = 2e-5
+    """Adam learning rate of RL."""
+    clip: float = 0.2
+    """PPO clip epsilon (both sides)."""
+    temperature: float = 1.0
+    """Sampling temperature (and the train step's)."""
+    tokens_per_microbatch: int = 32768
+    """Packed tokens per micro-batch of the train step."""
+    eval_prompts: int = 1000
+    """Held-out prompts for the greedy success curve."""
+    eval_every_s: float = 15.0
+    """Training seconds between evaluations."""
+    log_dir: str = ""
+    """TensorBoard directory (default: ``out_dir/tb``)."""
+
+
+SMOKE = dict(
+    smoke=True,
+    model=tiny.TinyModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                               max_positions=64),
+    task=countdown.CountdownConfig(num_count=3, max_target=30),
+    sft_batch=32, sft_max_steps=40, sft_eval_every=20, sft_dev_size=32, sft_lr=3e-3, sft_warmup=0,
+    runs=("grpo:0", "dppo:1"), minutes=0.05, prompts_per_step=4, group_size=4, eval_prompts=32, eval_every_s=1.0,
+    lr=1e-3, tokens_per_microbatch=1024,
+)
+
+
+def parse_run(spec: str) -> tuple[str, int]:
+    """``"dppo:4"`` -> ``("dppo", 4)``; errors name the field and the accepted form."""
+    name, sep, eta = spec.partition(":")
+    if not sep or name not in ("grpo", "dppo") or not eta.isdigit():
+        raise ValueError(f"runs entry {spec!r} must look like 'grpo:0' or 'dppo:4' (objective grpo|dppo, eta >= 0)")
+    return name, int(eta)
+
+
+def run_file(out_dir: str, spec: str) -> Path:
+    name, eta = parse_run(spec)
+    return Path(out_dir) / f"rl_{name}_eta{eta}.json"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 1: SFT
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sft(cfg: Config, device: str) -> dict[str, float]:
+    """Warm start into ``out_dir/sft`` (experiments/sft_warmstart.py, worked answers)."""
+    mod = _sft_module()
+    scfg = mod.Config(
+        out_dir=str(Path(cfg.out_dir) / "sft"), seed=cfg.seed, model=cfg.model, task=cfg.task,
+        batch_size=cfg.sft_batch, lr=cfg.sft_lr, max_steps=cfg.sft_max_steps, eval_every=cfg.sft_eval_every,
+        stop_at=cfg.sft_stop_at, dev_size=cfg.sft_dev_size, heldout_size=cfg.eval_prompts,
+        threads=1 if device == "cpu" else 0, answer_format="worked", device=device, warmup_steps=cfg.sft_warmup,
+    )
+    return mod.main(scfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 2: one RL run
+# ----------------------------------------------------------------------------------------------------------
+
+
+def informative(group: dict[str, torch.Tensor]) -> bool:
+    """An all-equal group has zero GRPO advantage everywhere: the trainer skips it."""
+    r = group["rewards"]
+    return bool((r != r[0]).any())
+
+
+def rl_run(cfg: Config, spec: str, device: str) -> dict:
+    """Train from ``out_dir/sft`` with one objective and staleness bound; returns (and writes) the curve."""
+    name, eta = parse_run(spec)
+    mod = _sft_module()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    sft_dir = Path(cfg.out_dir) / "sft"
+    tok = tiny.load_tokenizer(sft_dir)
+    policy = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
+    heldout = countdown.heldout_set(cfg.eval_prompts, cfg=cfg.task)
+    budget = mod.answer_budget(cfg.task, "worked")
+    B, G = cfg.prompts_per_step, cfg.group_size
+    engine = engine_lib.Engine(
+        copy.deepcopy(policy),
+        engine_lib.EngineConfig(max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1,
+                                device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed),
+    )
+    state = train_state.init_train_state(policy, train_state.OptimConfig(lr=cfg.lr, weight_decay=0.0), device=device)
+    decoupled = name == "dppo"
+    step_cfg = step.RLStepConfig(
+        objective="ppo",
+        objective_cfg=ppo.PPOConfig(clip_low=cfg.clip, clip_high=cfg.clip, decoupled=decoupled, agg="token_mean"),
+        prox="recompute" if decoupled else "behav",
+        temperature=cfg.temperature,
+        reward_norm=dataclasses.replace(normalize.GRPO, group_size=G),
+        group_size=G,
+        max_grad_norm=1.0,
+        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
+        pad_to_multiple=128 if cuda else None,
+    )
+    publish_cfg = weight_sync.PublishConfig(
+        mode="state_dict", dtype="bfloat16" if cuda else "float32", pause_mode="in_place"
+    )
+    episode = workflows.rlvr(
+        tok, countdown_reward.boxed_reward_fn,
+        workflows.WorkflowConfig(max_new_tokens=budget, temperature=cfg.temperature),
+    )
+    rollout_cfg = rollout.RolloutConfig(batch_size=B, group_size=G, max_staleness=eta)
+    loader = PromptLoader(countdown.CountdownDataset(1_000_000, seed=cfg.seed, cfg=cfg.task), seed=cfg.seed)
+    log_dir = Path(cfg.log_dir or Path(cfg.out_dir) / "tb") / f"{name}_eta{eta}"
+
+    def evaluate() -> float:
+        return mod.greedy_success(models.hf_module(state.model), tok, heldout, cfg.task, "worked")
+
+    curve: list[dict[str, float]] = []
+    samples = gen_tokens = 0
+    with (
+        engine,
+        rollout.RolloutController(engine_client.EngineClient(engine), episode, loader, rollout_cfg) as ctl,
+        metrics.MetricsLogger(metrics.LoggerConfig(log_dir=str(log_dir))) as logger,
+    ):
+        curve.append({"t": 0.0, "step": 0, "samples": 0, "greedy": evaluate(), "reward": math.nan})
+        logger.log(0, {"eval/greedy_success": curve[-1]["greedy"]})
+        print(f"[{spec}] start greedy {curve[-1]['greedy']:.3f}", flush=True)
+        train_s, t_mark, next_eval = 0.0, time.perf_counter(), cfg.eval_every_s
+        rewards: list[float] = []
+        while train_s < cfg.minutes * 60:
+            groups = ctl.prepare_batch()
+            roll = dict(ctl.last_metrics)
+            rewards.append(float(roll.get("rollout/reward", math.nan)))
+            batch = [g for g in groups if informative(g)]
+            m: dict = {}
+            if batch:
+                state, m = step.rl_step(state, trajectory.concat(batch), cfg=step_cfg)
+            state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
+            samples += B * G
+            gen_tokens += sum(int(g["loss_mask"].sum()) for g in groups)
+            now = time.perf_counter()
+            train_s += now - t_mark
+            t_mark = now
+            m = {k: float(v) for k, v in m.items()} | roll | {"time/train_s": train_s}
+            if train_s >= next_eval or train_s >= cfg.minutes * 60:
+                next_eval += cfg.eval_every_s
+                # Freeze everything while evaluating: the clock stops and no rollout progresses.
+                ctl.pause()
+                engine.pause("in_place")
+                g = evaluate()
+                engine.continue_generation()
+                ctl.resume()
+                curve.append({"t": train_s, "step": state.step, "samples": samples, "greedy": g,
+                              "reward": sum(rewards) / len(rewards)})
+                rewards.clear()
+                m["eval/greedy_success"] = g
+                partial = {"run": spec, "objective": name, "eta": eta, "partial": True, "curve": curve}
+                run_file(cfg.out_dir, spec).with_suffix(".partial.json").write_text(json.dumps(partial) + "\n")
+                print(f"[{spec}] t={train_s:6.1f}s step {state.step:4d} greedy {g:.3f} "
+                      f"reward {curve[-1]['reward']:.3f} stale {roll.get('version_stats/staleness_max', 0):.0f}",
+                      flush=True)
+                t_mark = time.perf_counter()
+            logger.log(state.step, m)
+    tail = [c["greedy"] for c in curve[-2:]]
+    result = {
+        "run": spec, "objective": name, "eta": eta, "device": device,
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "steps": state.step, "samples": samples, "train_seconds": train_s,
+        "samples_per_s": samples / max(train_s, 1e-9), "gen_tokens_per_s": gen_tokens / max(train_s, 1e-9),
+        "greedy_start": curve[0]["greedy"], "greedy_end": sum(tail) / len(tail),
+        "greedy_best": max(c["greedy"] for c in curve), "curve": curve,
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "task")},
+    }
+    result["greedy_gain"] = result["greedy_end"] - result["greedy_start"]
+    run_file(cfg.out_dir, spec).write_text(json.dumps(result, indent=1) + "\n")
+    run_file(cfg.out_dir, spec).with_suffix(".partial.json").unlink(missing_ok=True)
+    print(f"[{spec}] done: {result['greedy_start']:.3f} -> {result['greedy_end']:.3f} "
+          f"({result['greedy_gain']:+.3f}) in {train_s:.0f}s, {state.step} steps, "
+          f"{result['samples_per_s']:.0f} samples/s", flush=True)
+    return result
+
+
+def _worker(cfg: Config, specs: list[str], device: str) -> None:
+    for spec in specs:
+        try:
+            rl_run(cfg, spec, device)
+        except Exception:  # one failed run must not hide the others' results
+            traceback.print_exc()
+            run_file(cfg.out_dir, spec).with_suffix(".error").write_text(traceback.format_exc())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Summary and plot
+# ----------------------------------------------------------------------------------------------------------
+
+
+def summarize(cfg: Config) -> dict:
+    """Collect every run's JSON into ``summary.json`` and draw ``curves.png`` (if matplotlib is there)."""
+    out = Path(cfg.out_dir)
+    runs = {}
+    for spec in cfg.runs:
+        f = run_file(cfg.out_dir, spec)
+        if f.exists():
+            runs[spec] = json.loads(f.read_text())
+        elif f.with_suffix(".partial.json").exists():  # a run cut short: its curve so far
+            runs[spec] = json.loads(f.with_suffix(".partial.json").read_text())
+    sft_info = json.loads((out / "sft" / "warmstart.json").read_text()) if (out / "sft" / "warmstart.json").exists() else {}
+    summary = {
+        "sft": {k: v for k, v in sft_info.items() if k != "config"},
+        "runs": {s: {k: v for k, v in r.items() if k not in ("curve", "config")} for s, r in runs.items()},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return summary
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs.values():
+        c = r["curve"]
+        label = f"{'GRPO' if r['objective'] == 'grpo' else 'decoupled PPO'}, eta={r['eta']}"
+        style = "-" if r["objective"] == "dppo" else "--"
+        axes[0].plot([p["t"] for p in c], [100 * p["greedy"] for p in c], style, marker=".", label=label)
+        axes[1].plot([p["samples"] / 1000 for p in c], [100 * p["greedy"] for p in c], style, marker=".", label=label)
+    axes[0].set_xlabel("training wall-clock (s, evaluation excluded)")
+    axes[1].set_xlabel("trained samples (thousands)")
+    for ax in axes:
+        ax.set_ylabel("held-out greedy success (%)")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Countdown (5 digits, worked answers), ~76M Qwen2 SFT-warmed, RL on one H200 per run")
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=120)
+    plt.close(fig)
+    return summary
+
+
+def main(cfg: Config) -> dict:
+    if cfg.smoke:
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in SMOKE.items() if k != "smoke"})
+    for spec in cfg.runs:
+        parse_run(spec)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    devices = list(cfg.devices) or (
+        [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
+    )
+    if cfg.stage in ("all", "sft") and not (cfg.reuse_sft and (out / "sft" / "config.json").exists()):
+        sft(cfg, devices[0])
+    if cfg.stage == "rl":
+        for spec in [cfg.run] if cfg.run else cfg.runs:
+            rl_run(cfg, spec, devices[0])
+    if cfg.stage == "all":
+        if len(devices) == 1:
+            _worker(cfg, list(cfg.runs), devices[0])
+        else:  # one process per device, each running its share of the runs in turn
+            ctx = mp.get_context("spawn")
+            procs = [
+                ctx.Process(target=_worker, args=(cfg, list(cfg.runs[i :: len(devices)]), d))
+                for i, d in enumerate(devices)
+            ]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+    summary = summarize(cfg)
+    print(json.dumps(summary, indent=1), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
