@@ -208,7 +208,8 @@ def rl_run(cfg: Config, spec: str, device: str) -> dict:
     engine = engine_lib.Engine(
         copy.deepcopy(policy),
         engine_lib.EngineConfig(max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1,
-                                device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed),
+                                device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed,
+                                capture_at_start=True),  # the trainer shares this GPU and this process
     )
     state = train_state.init_train_state(policy, train_state.OptimConfig(lr=cfg.lr, weight_decay=0.0), device=device)
     decoupled = name == "dppo"

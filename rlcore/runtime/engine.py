@@ -80,6 +80,10 @@ class EngineConfig:
     """Compute dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
     cuda_graph: bool = True
     """Capture the decode step in CUDA graphs (one per power-of-two batch bucket); ignored on CPU."""
+    capture_at_start: bool = False
+    """Capture every graph bucket in ``start`` instead of on first use. Set it when a trainer shares the GPU and
+    the process (the embedded engine next to training): a lazy capture can collide with the trainer's
+    synchronisations and fall back to eager decode. Costs a few seconds and the graphs' logits buffers."""
     seed: int = 0
     """Seeds the per-request seeds drawn for requests that do not bring their own."""
     grouped_decode_attention: bool = True
@@ -508,11 +512,10 @@ def init_custom_process_group(
     with this same recipe, concurrently. Returns the group handle for ``torch.distributed.broadcast``.
     """
     import datetime
+    from urllib.parse import urlparse
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
-
-    from urllib.parse import urlparse
 
     timeout = datetime.timedelta(seconds=timeout_s)
     url = urlparse(init_method)
@@ -659,8 +662,16 @@ class Engine:
         return cls(str(path), cfg, **kwargs)
 
     def start(self) -> Engine:
-        """Start the scheduler thread (idempotent)."""
+        """Start the scheduler thread (idempotent); with ``cfg.capture_at_start`` capture every CUDA graph first."""
         if self._thread is None:
+            if self.cfg.capture_at_start and self._static_mode == "graph":
+                try:
+                    self.capture_graphs()
+                except Exception:
+                    traceback.print_exc()
+                    print("[rlcore.engine] CUDA graph capture at start failed; graphs will be captured lazily",
+                          flush=True)
+                    self._graphs.clear()
             self._thread = threading.Thread(target=self._loop, name="rlcore-engine", daemon=True)
             self._thread.start()
         return self
@@ -1179,7 +1190,8 @@ class Engine:
                 return self._static_decode(m, graph=self._static_mode == "graph")
             except Exception:
                 traceback.print_exc()
-                print("[rlcore.engine] CUDA graph capture failed; falling back to eager decode", flush=True)
+                print("[rlcore.engine] CUDA graph capture failed; falling back to eager decode (with a trainer on "
+                      "this GPU in this process, set EngineConfig.capture_at_start=True)", flush=True)
                 self._static_mode = None
                 self._graphs.clear()
         kv_len = min(self.max_seq_len, self._max_pos + 1)
@@ -1194,19 +1206,30 @@ class Engine:
         """
         b = _bucket(m, self.cfg.max_batch)
         kv = min(max(_bucket(self._max_pos + 1, self.max_seq_len), 32), self.max_seq_len)
-        st = self._static
-        if not st:
-            st["ids"] = torch.zeros((self.cfg.max_batch, 1), dtype=torch.long, device=self.device)
-            st["pos"] = torch.zeros((self.cfg.max_batch,), dtype=torch.long, device=self.device)
+        st = self._static_buffers()
         st["ids"][:m, 0].copy_(self._tok)
         st["pos"][:m].copy_(self._pos)
         st["ids"][m:b].zero_()
         st["pos"][m:b].zero_()
-        ids, pos = st["ids"][:b], st["pos"][:b]
         if not graph:
-            return self._fwd.decode(ids, pos, self._cache, kv, self.dtype)[:m]
+            return self._fwd.decode(st["ids"][:b], st["pos"][:b], self._cache, kv, self.dtype)[:m]
+        g = self._graph(b, kv)
+        g[0].replay()
+        return g[1][:m]
+
+    def _static_buffers(self) -> dict[str, torch.Tensor]:
+        st = self._static
+        if not st:
+            st["ids"] = torch.zeros((self.cfg.max_batch, 1), dtype=torch.long, device=self.device)
+            st["pos"] = torch.zeros((self.cfg.max_batch,), dtype=torch.long, device=self.device)
+        return st
+
+    def _graph(self, b: int, kv: int) -> tuple[Any, torch.Tensor]:
+        """The CUDA graph of the decode step for ``b`` rows and ``kv`` key columns, captured on first use."""
         g = self._graphs.get((b, kv))
         if g is None:
+            st = self._static_buffers()
+            ids, pos = st["ids"][:b], st["pos"][:b]
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):
@@ -1220,8 +1243,38 @@ class Engine:
                 out = self._fwd.decode(ids, pos, self._cache, kv, self.dtype)
             g = self._graphs[(b, kv)] = (cg, out)
             self.stats["graphs_captured"] += 1
-        g[0].replay()
-        return g[1][:m]
+        return g
+
+    def capture_graphs(self) -> int:
+        """Capture the decode step of every (batch, key-length) bucket now; returns how many graphs exist.
+
+        Called by ``start`` when ``cfg.capture_at_start`` (before any request, so the idle rows' writes to column 0
+        of free slots are harmless). Needed when a trainer runs on the same GPU in the same process: CUDA forbids
+        a capture while another thread synchronises the legacy default stream (``.item()``, ``.tolist()``), so
+        lazy capture next to a training step fails (and the engine falls back to slower eager decode).
+        """
+        if self._static_mode != "graph" or self._running:
+            return len(self._graphs)
+        kvs, kv = [], 32
+        while True:
+            kvs.append(min(kv, self.max_seq_len))
+            if kv >= self.max_seq_len:
+                break
+            kv *= 2
+        bs, b = [], 1
+        while True:
+            bs.append(min(b, self.cfg.max_batch))
+            if b >= self.cfg.max_batch:
+                break
+            b *= 2
+        with torch.no_grad(), torch.cuda.device(self.device):
+            self._static_buffers()["ids"].zero_()
+            self._static["pos"].zero_()
+            for b in bs:
+                for kv in kvs:
+                    self._graph(b, kv)
+            torch.cuda.synchronize(self.device)
+        return len(self._graphs)
 
     def _sample_and_commit(
         self, logits: torch.Tensor, rows: list[_Request], params: tuple, count: torch.Tensor

@@ -250,7 +250,10 @@ def open_engines(model: nn.Module, tokenizer: Any, setup: EngineSetup, *, seed: 
             raise ValueError(
                 f"EngineSetup.publish={mode!r} needs remote engines; use 'auto' with the embedded engine"
             )
-        ecfg = engine_lib.EngineConfig(max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, seed=seed)
+        # capture_at_start: the trainer shares this GPU and process, and a lazy graph capture can collide with it.
+        ecfg = engine_lib.EngineConfig(
+            max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, seed=seed, capture_at_start=True
+        )
         # A separate copy: the trainer's parameters change in place during a step, the engine's only on publish.
         with engine_lib.Engine(copy.deepcopy(model).eval(), ecfg, tokenizer=tokenizer) as eng:
             dtype = (

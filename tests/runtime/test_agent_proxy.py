@@ -11,7 +11,6 @@ import json
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 import torch
 from hypothesis import given
@@ -32,6 +31,8 @@ from rlcore.runtime.agent_proxy import (
 from rlcore.runtime.engine_client import ClientConfig, EngineClient
 from rlcore.runtime.protocol import ModelResponse
 from tests.runtime.conftest_tokenizer import char_chat_tokenizer
+
+openai = pytest.importorskip("openai", reason="the agent-proxy tests drive the server with the official openai client")
 
 ADMIN = "test-admin"
 CCFG = ClientConfig(timeout_s=60, retries=0, seed=0)

@@ -610,6 +610,41 @@ def test_update_weights_from_distributed_gloo():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_at_start_keeps_graphs_next_to_a_trainer_thread_on_the_same_gpu():
+    """Every bucket is captured in start(); a thread that keeps synchronising the same GPU (as rl_step does with
+    .item()) while the engine decodes no longer forces the eager fallback, and outputs equal eager decode."""
+    import threading
+
+    model = tiny_model("qwen2", seed=3)
+    cfg = EngineConfig(max_batch=8, max_seq_len=64, device="cuda", dtype="float32", capture_at_start=True)
+    stop = threading.Event()
+
+    def trainer() -> None:
+        x = torch.randn(256, 256, device="cuda")
+        while not stop.is_set():
+            float((x @ x).sum().item())
+
+    outs = {}
+    for graph in (True, False):
+        with Engine(copy.deepcopy(model), dataclasses.replace(cfg, cuda_graph=graph)) as eng:
+            if graph:
+                assert eng.stats["graphs_captured"] == 4 * 2  # batch 1, 2, 4, 8 x keys 32, 64
+            t = threading.Thread(target=trainer)
+            t.start()
+            try:
+                outs[graph] = [eng.submit(p, greedy(30)).result(60) for p in PROMPTS]
+            finally:
+                stop.set()
+                t.join()
+                stop.clear()
+            if graph:
+                assert eng._static_mode == "graph" and eng.stats["graphs_captured"] == 8
+    for a, b in zip(outs[True], outs[False]):
+        assert a.output_ids == b.output_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "gpt2"])
 def test_cuda_graph_decode_matches_eager_and_teacher_forcing(kind):
     model = tiny_model(kind, seed=2)
