@@ -33,7 +33,7 @@ def run(out_path: str, device: str = "cpu") -> None:
     local = microbatch.select_rows(batch, rows)
     cfg = step.RLStepConfig(prox="recompute", mb=microbatch.MicroBatchConfig(max_tokens_per_mb=13))
     st2, m = step.rl_step(st, local, cfg=dataclasses.replace(cfg))
-    loss = torch.tensor([float(m["ppo_actor/loss"])], dtype=torch.float64)
+    loss = torch.tensor([float(m["ppo_actor/loss"])], dtype=torch.float64, device=info.device)
     if info.world_size > 1:
         torch.distributed.all_reduce(loss)
     after = {k: fsdp.full_tensor(v.detach()).clone() for k, v in st.model.named_parameters()}
