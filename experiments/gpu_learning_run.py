@@ -348,7 +348,7 @@ def summarize(cfg: Config) -> dict:
         axes[0].plot([p["t"] for p in c], [100 * p["greedy"] for p in c], style, marker=".", label=label)
         axes[1].plot([p["samples"] / 1000 for p in c], [100 * p["greedy"] for p in c], style, marker=".", label=label)
     axes[0].set_xlabel("training wall-clock (s, evaluation excluded)")
-    axes[1].set_xlabel("trained samples (thousands)")
+    axes[1].set_xlabel("samples generated and consumed (thousands)")
     for ax in axes:
         ax.set_ylabel("held-out greedy success (%)")
         ax.grid(alpha=0.3)

@@ -22,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"
 FILES = ("gsm8k_grpo", "sft", "dpo", "reward_model", "distill", "multi_turn", "agent", "eval")
+HELP_ONLY = ("tiny_cpu", "sft_warmstart", "gpu_learning_run")  # smoke-tested in tests/test_tiny.py
 
 ROWS = [  # GSM8K format: a question, a worked solution with calculator annotations, '#### answer'
     ("Tom has 3 apples and buys 4 more. How many apples does he have?", "3+4=<<3+4=7>>7\n#### 7"),
@@ -237,7 +238,7 @@ def test_every_cli_help_exits_zero():
         "        raise AssertionError(f'{argv} did not exit')\n"
         "    print('=== ok', ' '.join(argv[1:]), argv[0], flush=True)\n"
     )
-    files = [str(EXP / f"{f}.py") for f in FILES]
+    files = [str(EXP / f"{f}.py") for f in FILES + HELP_ONLY]
     res = subprocess.run(
         [sys.executable, "-c", code, *files],
         capture_output=True,
@@ -247,7 +248,7 @@ def test_every_cli_help_exits_zero():
         env={**__import__("os").environ, "COLUMNS": "200"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("=== ok") == len(FILES) + 2
+    assert res.stdout.count("=== ok") == len(FILES) + len(HELP_ONLY) + 2
     assert "--objective.clip-low" in res.stdout and "--ckpt-dir" in res.stdout and "--teacher" in res.stdout
 
 
