@@ -26,7 +26,7 @@ from rlcore.advantages import normalize
 from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
-from rlcore.objectives import gspo, ppo, sapo
+from rlcore.objectives import cispo, gspo, ppo, sapo
 from rlcore.objectives import icepop as icepop_lib
 from rlcore.objectives import kpop as kpop_lib
 from rlcore.objectives import m2po as m2po_lib
@@ -63,8 +63,9 @@ class Config:
     """Sampling temperature; the trainer uses the same one."""
     max_staleness: int = 2
     """Max head off-policyness eta: a group is trained at most eta versions after it started (0 = synchronous)."""
-    objective: ppo.PPOConfig | gspo.GSPOConfig | sapo.SAPOConfig = ppo.PPOConfig(clip_low=0.4)
-    """Surrogate: PPO (token, decoupled), GSPO (sequence ratio) or SAPO (soft gate); the preset picks the type."""
+    objective: ppo.PPOConfig | gspo.GSPOConfig | sapo.SAPOConfig | cispo.CISPOConfig = ppo.PPOConfig(clip_low=0.4)
+    """Surrogate: PPO (token, decoupled), GSPO (sequence ratio), SAPO (soft gate) or CISPO (clipped IS weight,
+    stop-gradient); the preset picks the type."""
     prox: Literal["recompute", "interpolate", "behav"] = "recompute"
     """Proximal log-probs: recompute (forward before the update), version interpolation, or behaviour (coupled)."""
     shaping: shaping_lib.ShapingConfig = shaping_lib.ShapingConfig(reward_bias=-0.5, reward_scaling=10.0)
@@ -129,6 +130,7 @@ OBJECTIVE_NAMES = {
     ppo.DAPOConfig: "dapo",
     gspo.GSPOConfig: "gspo",
     sapo.SAPOConfig: "sapo",
+    cispo.CISPOConfig: "cispo",
 }
 """Key of ``rlcore.objectives.OBJECTIVES`` for each objective config type."""
 
@@ -182,6 +184,10 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "sapo": (
         "SAPO: soft sigmoid gate vs the behaviour policy, no RS",
         dataclasses.replace(BASE, objective=sapo.SAPOConfig(), prox="behav", rejection=None),
+    ),
+    "cispo": (
+        "CISPO: REINFORCE through a clipped, stop-gradient IS weight in [0, 5]; every token keeps its gradient",
+        dataclasses.replace(BASE, objective=cispo.CISPOConfig()),
     ),
     "icepop": (
         "IcePop: keep tokens with pi_prox/pi_behav in [0.5, 5]",

@@ -99,11 +99,12 @@ def test_presets_mirror_the_recipe_table():
     assert p["icepop"].keep_masks == (p["icepop"].icepop,) and p["kpop"].kpop.upper == 2.0
     assert p["sapo"].prox == "behav" and p["sapo"].rejection is None
     assert type(p["gspo"].objective).__name__ == "GSPOConfig"
+    assert type(p["cispo"].objective).__name__ == "CISPOConfig" and p["cispo"].objective.clip_high == 4.0
     for name, cfg in p.items():  # every preset keeps the baseline's advantage normalisation and reward scale
         assert cfg.adv_norm == base.adv_norm and cfg.shaping.reward_scaling == 10.0, name
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "sapo", "ppo"])
+@pytest.mark.parametrize("name", ["grpo", "gspo", "sapo", "cispo", "ppo"])
 def test_gsm8k_learning_signal(name, data_dir, monkeypatch):
     """With a reward that varies inside groups, every step has non-zero advantages, a gradient and an update."""
     monkeypatch.setattr(GSM, "reward_fn", lambda text, item: float(sum(map(ord, text)) % 7) / 6.0)
