@@ -262,11 +262,19 @@ def build_setup(args: argparse.Namespace) -> Setup:
     mcfg = qwen2_config(**shapes)
     mcfg._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
+    fp32_master = bool(args.fp32_master) and train_dev.type == "cuda"
     with torch.device(train_dev):
-        hf = AutoModelForCausalLM.from_config(mcfg, dtype=dtype, attn_implementation="sdpa")
-    eng_model = copy.deepcopy(hf).to(engine_dev)
+        hf = AutoModelForCausalLM.from_config(
+            mcfg, dtype=torch.float32 if fp32_master else dtype, attn_implementation="sdpa"
+        )
+    eng_model = copy.deepcopy(hf).to(engine_dev, dtype=dtype)
     state = train_state.init_train_state(hf, _optim_cfg(args), device=train_dev)
-    state.model.to(dtype)
+    if not fp32_master:  # bf16 parameters and optimizer; else fp32 masters with a bf16 autocast forward
+        state.model.to(dtype)
+    if args.compile:
+        from rlcore.runtime import fsdp
+
+        fsdp.compile_decoder_layers(state.model)
     init_sd = {n: t.detach().clone() for n, t in weight_sync.hf_named_tensors(state.model)}
     max_batch = max(args.max_batch, 1)
     ecfg = engine_lib.EngineConfig(
@@ -290,6 +298,9 @@ def setup_summary(s: Setup) -> dict:
     """JSON-friendly description of a Setup."""
     return {"build_s": s.build_s, "engine_device": str(s.engine_dev), "train_device": str(s.train_dev),
             "dtype": str(s.dtype), "engine_max_batch": s.engine.cfg.max_batch,
+            "train_param_dtype": str(next(s.state.model.parameters()).dtype),
+            "train_compute_dtype": str(getattr(s.state.model, "compute_dtype", None)),
+            "compile": bool(s.args.compile), "prox": s.args.prox,
             "engine_max_seq_len": s.engine.max_seq_len, "graphs_captured": s.engine.stats.get("graphs_captured", 0),
             "cuda_graph_active": s.engine._static_mode == "graph",
             "params": sum(p.numel() for p in s.state.model.parameters())}
@@ -357,7 +368,7 @@ def reset(setup: Setup) -> None:
 
 
 def step_config(args: argparse.Namespace, train_dev: torch.device):
-    """Decoupled PPO, recomputed proximal log-probs, GRPO group normalisation."""
+    """Decoupled PPO (proximal log-probs per --prox), GRPO group normalisation."""
     from rlcore.advantages import normalize
     from rlcore.data import microbatch
     from rlcore.objectives import ppo
@@ -366,7 +377,7 @@ def step_config(args: argparse.Namespace, train_dev: torch.device):
     return step.RLStepConfig(
         objective="ppo",
         objective_cfg=ppo.PPOConfig(decoupled=True),
-        prox="recompute",
+        prox=args.prox,
         reward_norm=dataclasses.replace(normalize.GRPO, group_size=args.group_size),
         group_size=args.group_size,
         mb=microbatch.MicroBatchConfig(max_tokens_per_mb=args.mb_tokens),
@@ -800,6 +811,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=32768, help="engine prefill token budget")
     p.add_argument("--mb-tokens", type=int, default=16384, help="trainer micro-batch token budget")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
+    p.add_argument("--fp32-master", action="store_true",
+                   help="trainer keeps fp32 parameters/optimizer and autocasts the forward to bf16")
+    p.add_argument("--compile", action="store_true", help="torch.compile every decoder layer of the trainer")
+    p.add_argument("--prox", choices=("recompute", "interpolate", "behav"), default="recompute",
+                   help="proximal log-probs of decoupled PPO")
     p.add_argument("--publish", choices=("direct", "library"), default="direct",
                    help="direct: device-to-device copy; library: weight_sync.publish_weights (CPU staging)")
     p.add_argument("--pause-mode", choices=("abort", "in_place", "retract"), default="abort",

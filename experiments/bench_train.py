@@ -23,6 +23,8 @@ Sections (each builds its own model; memory is freed between sections; the HF ba
   rlcore_rl_step_interpolated_prox_fp32_master   varlen, fp32 parameters/optimizer + bf16 autocast forward
   rlcore_rl_step_recomputed_prox         varlen, with the extra no-grad proximal forward
   rlcore_rl_step_interpolated_prox_chunked_logp   varlen, chunked torch log-probs instead of the Triton kernel
+  rlcore_rl_step_interpolated_prox_fp32_master_compiled   fp32 masters, every decoder layer torch.compile'd
+  profile_fp32_master                    fp32 masters, plus one profiled step: the top device kernels
 """
 
 from __future__ import annotations
@@ -150,11 +152,16 @@ def timed(fn, steps: int) -> float:
 
 
 def bench_rlcore(
-    cfg: Config, batch, prox: str, logp_backend: str = "auto", attention: str = "auto", fp32_master: bool = False
+    cfg: Config, batch, prox: str, logp_backend: str = "auto", attention: str = "auto", fp32_master: bool = False,
+    compile_layers: bool = False, profile: bool = False,
 ) -> dict:
-    """rlcore ``rl_step`` with bf16 parameters (or fp32 masters + bf16 autocast when ``fp32_master``)."""
+    """rlcore ``rl_step`` with bf16 parameters (or fp32 masters + bf16 autocast when ``fp32_master``).
+
+    ``compile_layers``: ``fsdp.compile_decoder_layers`` first. ``profile``: after timing, one more step under
+    ``torch.profiler``; the 25 most expensive device kernels go into the result (``profile_top``).
+    """
     from rlcore.data import microbatch
-    from rlcore.runtime import models, step, train_state
+    from rlcore.runtime import fsdp, models, step, train_state
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" and not fp32_master else torch.float32
@@ -167,15 +174,36 @@ def bench_rlcore(
     rcfg = step.RLStepConfig(prox=prox, mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.mb_tokens),
                              pad_to_multiple=None if cfg.smoke else 256)
     holder = {"st": st, "m": None}
+    n_compiled = fsdp.compile_decoder_layers(st.model) if compile_layers else 0
 
     def run():
         holder["st"], holder["m"] = step.rl_step(holder["st"], batch, cfg=rcfg)
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    t_first = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if compile_layers:
+            run()  # compilation (dynamic shapes) before the timed warm-up + steps
+        first_s = time.perf_counter() - t_first
         sec = timed(run, cfg.steps)
+    top = []
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with torch_profile(activities=acts) as prof:
+            run()
+            sync()
+        key = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+        events.sort(key=lambda e: getattr(e, "self_" + key, 0), reverse=True)  # kernels, not wrappers
+        total = sum(getattr(e, "self_" + key, 0) for e in events) or 1.0
+        top = [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, key) / 1e3,
+                "self_ms": getattr(e, "self_" + key, 0) / 1e3,
+                "self_share": getattr(e, "self_" + key, 0) / total} for e in events[:40]]
     n_params = sum(p.numel() for p in st.model.parameters())
     lengths = batch["attention_mask"].sum(1).tolist()
     fl = flops_per_step(n_params, st.model.config, lengths, extra_forward=prox == "recompute")
@@ -188,7 +216,10 @@ def bench_rlcore(
            "sec_per_step": sec, "tokens_per_s": sum(lengths) / sec, "tflops": fl / sec / 1e12,
            "mfu": fl / sec / 1e12 / PEAK_TFLOPS, "n_params": n_params,
            "loss": float(holder["m"]["ppo_actor/loss"]),
-           "n_microbatches": len(microbatch.allocate(lengths, rcfg.mb))}
+           "n_microbatches": len(microbatch.allocate(lengths, rcfg.mb)),
+           "compiled_layers": n_compiled, "first_step_s": first_s}
+    if top:
+        out["profile_top"] = top
     if torch.cuda.is_available():
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -278,6 +309,12 @@ def main(cfg: Config) -> dict:
         "rlcore_rl_step_interpolated_prox_fp32_master": lambda: bench_rlcore(cfg, batch, "interpolate", fp32_master=True),
         "rlcore_rl_step_recomputed_prox": lambda: rlcore_with_fallback("recompute"),
         "rlcore_rl_step_interpolated_prox_chunked_logp": lambda: bench_rlcore(cfg, batch, "interpolate", "chunked"),
+        "rlcore_rl_step_interpolated_prox_fp32_master_compiled": lambda: bench_rlcore(
+            cfg, batch, "interpolate", attention=main_attn, fp32_master=True, compile_layers=True
+        ),
+        "profile_fp32_master": lambda: bench_rlcore(
+            cfg, batch, "interpolate", attention=main_attn, fp32_master=True, profile=True
+        ),
     }
     if cfg.sections:
         unknown = set(cfg.sections.split(",")) - set(sections)

@@ -218,6 +218,51 @@ def sample_tokens(
     return ids.squeeze(-1), logp_all.gather(-1, ids).squeeze(-1)
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties on the logits of tokens generated so far.
+
+    Args:
+      logits: ``(b v)`` next-token logits (before temperature and top-k / top-p).
+      counts: ``(b v)`` how often each token occurs in the row's output so far (prompt tokens are not counted,
+        as in SGLang).
+      frequency: ``(b,)`` OpenAI ``frequency_penalty``; subtracts ``frequency * count``.
+      presence: ``(b,)`` OpenAI ``presence_penalty``; subtracts ``presence`` from every seen token.
+      repetition: ``(b,)`` CTRL / HF ``repetition_penalty`` (> 0, 1 = off); a seen token's logit is divided by
+        it when positive and multiplied by it otherwise.
+    Returns:
+      ``(b v)`` penalised logits, same dtype as ``logits``. Rows with ``(0, 0, 1)`` come back bit-identical.
+    """
+    seen = counts > 0
+    rep = repetition[:, None].to(logits.dtype)
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, scaled, logits)
+    out = out - frequency[:, None].to(logits.dtype) * counts.to(logits.dtype)
+    return out - presence[:, None].to(logits.dtype) * seen.to(logits.dtype)
+
+
+def mask_banned(logits: torch.Tensor, banned: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Set the logits of ``banned`` token ids to ``-inf`` in the ``active`` rows (``min_new_tokens``).
+
+    Args:
+      logits: ``(b v)``.
+      banned: ``(b w)`` int64 token ids per row, padded with ``v`` (the padding id bans nothing).
+      active: ``(b,)`` bool; inactive rows are returned unchanged.
+    Returns:
+      ``(b v)`` logits with ``-inf`` at each active row's banned ids.
+    """
+    b, v = logits.shape
+    idx = torch.where(active[:, None], banned, torch.full_like(banned, v))
+    ext = torch.cat([logits, logits.new_zeros((b, 1))], dim=-1)
+    ext = ext.scatter(-1, idx, torch.full(idx.shape, -math.inf, dtype=logits.dtype, device=logits.device))
+    return ext[:, :v]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # KV store behind the HF Cache interface
 
@@ -493,6 +538,45 @@ class _Request:
     epoch: int = -1
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
+    stops: tuple[str, ...] = ()
+    """Stop strings (normalised from ``sampling.stop``)."""
+    stop_window: int = 0
+    """Output tokens decoded per step to look for a stop string (0: the request has none)."""
+    penalized: bool = False
+    """Uses a frequency / presence / repetition penalty (its token counts live in ``Engine._counts``)."""
+    on_token: Callable[[int, float, int], None] | None = None
+    """Called on the loop thread with ``(token id, log-prob, version)`` after each committed token."""
+
+
+@dataclass
+class _LogitProc:
+    """Per-batch logit processing for the rows that need it (None fields: no row of that kind)."""
+
+    pen_rows: torch.Tensor | None = None
+    """``(k,)`` batch rows with penalties."""
+    pen_slots: torch.Tensor | None = None
+    """``(k,)`` their KV slots (rows of ``Engine._counts``)."""
+    frequency: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    mn_rows: torch.Tensor | None = None
+    """``(j,)`` batch rows with ``min_new_tokens > 0`` and something to ban."""
+    mn_min: torch.Tensor | None = None
+    """``(j,)`` their ``min_new_tokens``."""
+    mn_banned: torch.Tensor | None = None
+    """``(j w)`` eos + stop token ids per row, padded with the vocabulary size."""
+
+
+def stop_strings(sampling: SamplingParams) -> tuple[str, ...]:
+    """``sampling.stop`` as a tuple (a bare string is one stop string)."""
+    stop = sampling.stop
+    if not stop:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _uses_penalty(sp: SamplingParams) -> bool:
+    return sp.frequency_penalty != 0 or sp.presence_penalty != 0 or sp.repetition_penalty != 1
 
 
 def _bucket(m: int, cap: int) -> int:
@@ -649,6 +733,8 @@ class Engine:
         self._static_mode: str | None = "graph" if (cfg.cuda_graph and self.device.type == "cuda") else None
         self._pool = None
         self._static: dict[str, torch.Tensor] = {}
+        self._counts: torch.Tensor | None = None  # (max_batch, vocab) output-token counts, for penalties only
+        self._hook_errors = 0
         self._thread: threading.Thread | None = None
         self._stop = False
         self._error: BaseException | None = None
@@ -736,13 +822,28 @@ class Engine:
     # -- submission ---------------------------------------------------------------------------------------------
 
     def submit(
-        self, input_ids: Iterable[int], sampling: SamplingParams = SamplingParams(), rid: str | None = None
+        self,
+        input_ids: Iterable[int],
+        sampling: SamplingParams = SamplingParams(),
+        rid: str | None = None,
+        on_token: Callable[[int, float, int], None] | None = None,
     ) -> cf.Future:
-        """Queue one request; the future resolves to a ``GenerateOutput`` (aborts resolve too, never raise)."""
+        """Queue one request; the future resolves to a ``GenerateOutput`` (aborts resolve too, never raise).
+
+        ``on_token(token_id, logprob, version)``, when given, is called on the engine's loop thread after
+        every generated token, before the future resolves (streaming). It must be quick and must not block; an
+        exception it raises is printed and otherwise ignored.
+        """
         prompt = [int(t) for t in input_ids]
         self._validate(prompt, sampling)
         seed = int(sampling.seed) if sampling.seed is not None else self._rng.getrandbits(62)
-        req = _Request(rid or uuid.uuid4().hex, prompt, sampling, seed, cf.Future())
+        req = _Request(rid or uuid.uuid4().hex, prompt, sampling, seed, cf.Future(), on_token=on_token)
+        req.stops = stop_strings(sampling)
+        if req.stops:
+            # A stop string completed by the newest token starts within its last len(utf-8 bytes) tokens
+            # (every token decodes to at least one byte), so one more token of context is enough.
+            req.stop_window = max(len(x.encode("utf-8")) for x in req.stops) + 1
+        req.penalized = _uses_penalty(sampling)
         if self._thread is None:
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
         self._inbox.append(("req", req))
@@ -783,6 +884,27 @@ class Engine:
             raise EngineError(f"sampling_params.top_p must be in (0, 1], got {sp.top_p}")
         if sp.top_k == 0 or sp.top_k < -1:
             raise EngineError(f"sampling_params.top_k must be -1 (off) or >= 1, got {sp.top_k}")
+        stops = stop_strings(sp)
+        if not all(isinstance(x, str) and x for x in stops):
+            raise EngineError(f"sampling_params.stop must be non-empty strings, got {sp.stop!r}")
+        if stops and self.tokenizer is None:
+            raise EngineError(
+                "sampling_params.stop (stop strings) needs a tokenizer to decode the output; this engine has "
+                "none: start it with a tokenizer (--tokenizer DIR) or use stop_token_ids"
+            )
+        if not (0 <= sp.min_new_tokens <= sp.max_new_tokens):
+            raise EngineError(
+                f"sampling_params.min_new_tokens must be in [0, max_new_tokens={sp.max_new_tokens}], "
+                f"got {sp.min_new_tokens}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            x = getattr(sp, name)
+            if not (math.isfinite(x) and -2 <= x <= 2):
+                raise EngineError(f"sampling_params.{name} must be in [-2, 2] (0 = off), got {x}")
+        if not (math.isfinite(sp.repetition_penalty) and sp.repetition_penalty > 0):
+            raise EngineError(
+                f"sampling_params.repetition_penalty must be > 0 (1 = off), got {sp.repetition_penalty}"
+            )
 
     # -- control (each runs on the loop thread between two forward passes) ---------------------------------------
 
@@ -981,6 +1103,8 @@ class Engine:
             if s != last:
                 moved = self._running[last]
                 self._cache.move_slot(last, s)
+                if moved.penalized and self._counts is not None:
+                    self._counts[s].copy_(self._counts[last])
                 self._running[s] = moved
                 moved.slot = s
             self._running.pop()
@@ -1149,7 +1273,21 @@ class Engine:
         self.stats["prefill_forwards"] += 1
         self._dirty = True
         count = torch.tensor([len(r.out_ids) for r in batch], dtype=torch.long, device=self.device)
+        if any(r.penalized for r in batch):
+            self._reset_counts([r for r in batch if r.penalized])
         self._sample_and_commit(logits, batch, self._params(batch), count)
+
+    def _reset_counts(self, rs: list[_Request]) -> None:
+        """Recount the output tokens of penalised requests into their (new) slots' rows of ``_counts``."""
+        dev = self.device
+        if self._counts is None:
+            self._counts = torch.zeros((self.cfg.max_batch, self.vocab_size), dtype=torch.float32, device=dev)
+        self._counts.index_fill_(0, torch.tensor([r.slot for r in rs], dtype=torch.long, device=dev), 0.0)
+        slots = [r.slot for r in rs for _ in r.out_ids]
+        if slots:
+            ids = [t for r in rs for t in r.out_ids]
+            where = (torch.tensor(slots, device=dev), torch.tensor(ids, device=dev))
+            self._counts.index_put_(where, torch.ones(len(ids), device=dev), accumulate=True)
 
     def _rebuild(self) -> None:
         rs, dev = self._running, self.device
@@ -1169,7 +1307,63 @@ class Engine:
         top_k = torch.tensor(ks, dtype=torch.long, device=dev)
         seed = torch.tensor([r.seed for r in rs], dtype=torch.long, device=dev)
         filtered = any((r.sampling.top_p < 1 or k > 0) and r.sampling.temperature > 0 for r, k in zip(rs, ks))
-        return temp, top_p, top_k, seed, filtered
+        return temp, top_p, top_k, seed, filtered, self._logit_proc(rs)
+
+    def _logit_proc(self, rs: list[_Request]) -> _LogitProc | None:
+        """Penalty / ``min_new_tokens`` settings of the rows that use them; None (no work) when none does."""
+        dev = self.device
+        pen = [i for i, r in enumerate(rs) if r.penalized]
+        mn: list[int] = []
+        banned: list[list[int]] = []
+        for i, r in enumerate(rs):
+            if r.sampling.min_new_tokens > 0:
+                ban = sorted(self.eos_ids | set(r.sampling.stop_token_ids))
+                if ban:
+                    mn.append(i)
+                    banned.append(ban)
+        if not pen and not mn:
+            return None
+        def i64(xs: list) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.long, device=dev)
+
+        def f32(xs: list) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.float32, device=dev)
+
+        proc = _LogitProc()
+        if pen:
+            sps = [rs[i].sampling for i in pen]
+            proc.pen_rows, proc.pen_slots = i64(pen), i64([rs[i].slot for i in pen])
+            proc.frequency = f32([sp.frequency_penalty for sp in sps])
+            proc.presence = f32([sp.presence_penalty for sp in sps])
+            proc.repetition = f32([sp.repetition_penalty for sp in sps])
+        if mn:
+            w = max(len(b) for b in banned)
+            proc.mn_rows, proc.mn_min = i64(mn), i64([rs[i].sampling.min_new_tokens for i in mn])
+            proc.mn_banned = i64([b + [self.vocab_size] * (w - len(b)) for b in banned])
+        return proc
+
+    def _process_logits(self, logits: torch.Tensor, proc: _LogitProc, count: torch.Tensor) -> torch.Tensor:
+        """Penalties and ``min_new_tokens`` masks on the rows that use them (float32, out of place).
+
+        Runs after the (graph-captured) forward on the sampling side; rows without these features keep their
+        logits bit for bit. No host synchronisation.
+        """
+        x = logits.to(torch.float32)
+        if proc.pen_rows is not None:
+            assert self._counts is not None
+            sub = apply_penalties(
+                x.index_select(0, proc.pen_rows),
+                self._counts.index_select(0, proc.pen_slots),
+                proc.frequency,
+                proc.presence,
+                proc.repetition,
+            )
+            x = x.index_copy(0, proc.pen_rows, sub)
+        if proc.mn_rows is not None:
+            active = count.index_select(0, proc.mn_rows) < proc.mn_min
+            sub = mask_banned(x.index_select(0, proc.mn_rows), proc.mn_banned, active)
+            x = x.index_copy(0, proc.mn_rows, sub)
+        return x
 
     def _decode(self) -> None:
         t0 = time.perf_counter()
@@ -1280,8 +1474,18 @@ class Engine:
         self, logits: torch.Tensor, rows: list[_Request], params: tuple, count: torch.Tensor
     ) -> None:
         """Sample one token per row (``logits (m v)``), append it, finish rows that stop."""
-        temp, top_p, top_k, seed, filtered = params
+        temp, top_p, top_k, seed, filtered, proc = params
+        if proc is not None:
+            logits = self._process_logits(logits, proc, count)
         ids, logp = sample_tokens(logits, temp, top_p, top_k, counter_uniform(seed, count), filtered=filtered)
+        if proc is not None and proc.pen_rows is not None:
+            assert self._counts is not None
+            k = proc.pen_rows.shape[0]
+            self._counts.index_put_(
+                (proc.pen_slots, ids.index_select(0, proc.pen_rows)),
+                torch.ones(k, dtype=torch.float32, device=ids.device),
+                accumulate=True,
+            )
         if not self._dirty:  # decode: advance the device-side row state without rebuilding it
             self._tok = ids
             self._pos = self._pos + 1
@@ -1296,9 +1500,13 @@ class Engine:
             r.out_ver.append(ver)
             if not r.t_first:
                 r.t_first = now
+            if r.on_token is not None:
+                self._notify(r, t, lp, ver)
             sp = r.sampling
             if t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_ids):
                 done.append((r, {"type": "stop", "matched": t}))
+            elif r.stop_window and (hit := self._match_stop(r)) is not None:
+                done.append((r, {"type": "stop", "matched": hit}))
             elif len(r.out_ids) >= sp.max_new_tokens or len(r.prompt) + len(r.out_ids) >= limit:
                 done.append((r, {"type": "length", "length": len(r.out_ids)}))
         if done:
@@ -1306,6 +1514,22 @@ class Engine:
             for r, reason in done:
                 r.slot = -1
                 self._finish(r, reason)
+
+    def _match_stop(self, r: _Request) -> str | None:
+        """The first of ``r.stops`` found in the decoded last ``stop_window`` tokens of the output."""
+        tail = self.tokenizer.decode(r.out_ids[-r.stop_window :], skip_special_tokens=False)
+        for x in r.stops:
+            if x in tail:
+                return x
+        return None
+
+    def _notify(self, r: _Request, t: int, lp: float, ver: int) -> None:
+        try:
+            r.on_token(t, lp, ver)
+        except Exception:  # a broken listener must not stop the engine
+            self._hook_errors += 1
+            if self._hook_errors <= 3:
+                traceback.print_exc()
 
 
 def _safetensors_files(path: str | os.PathLike) -> list[str]:
@@ -1333,8 +1557,11 @@ __all__ = [
     "EngineError",
     "GenerateOutput",
     "SlotCache",
+    "apply_penalties",
     "counter_uniform",
     "init_custom_process_group",
+    "mask_banned",
     "parse_dtype",
     "sample_tokens",
+    "stop_strings",
 ]

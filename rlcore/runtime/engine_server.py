@@ -10,8 +10,10 @@ event loop keeps serving while weights load or a process group rendezvous.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
+import uuid
 from typing import Any
 
 from aiohttp import web
@@ -97,19 +99,73 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
     seed = sp.get("sampling_seed", sp.get("seed"))
     if seed is not None:
         kw["seed"] = _int(seed, "sampling_params.sampling_seed")
-    for key in ("frequency_penalty", "presence_penalty", "min_new_tokens"):
-        if sp.get(key) not in (None, 0, 0.0):
-            raise BadRequest(
-                f"sampling_params.{key} is not supported by the embedded engine; send 0 or omit it"
-            )
-    if sp.get("stop"):
-        raise BadRequest("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
-    if sp.get("n") not in (None, 1):
-        raise BadRequest("sampling_params.n must be 1; send one request per sample")
+        if not -(1 << 63) <= kw["seed"] < (1 << 63):
+            raise BadRequest("sampling_params.sampling_seed must fit in a signed 64-bit integer")
+    stop = sp.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise BadRequest("sampling_params.stop must be a non-empty string or a list of non-empty strings")
+        kw["stop"] = tuple(stops)
+    if sp.get("stop_regex"):
+        raise BadRequest(
+            "sampling_params.stop_regex is not supported by the embedded engine; use stop (plain strings)"
+        )
+    if sp.get("no_stop_trim") is not None:
+        if not isinstance(sp["no_stop_trim"], bool):
+            raise BadRequest("sampling_params.no_stop_trim must be true or false")
+        kw["no_stop_trim"] = sp["no_stop_trim"]
+    if sp.get("min_new_tokens") is not None:
+        kw["min_new_tokens"] = _int(sp["min_new_tokens"], "sampling_params.min_new_tokens", 0)
+        if kw["min_new_tokens"] > kw.get("max_new_tokens", SamplingParams.max_new_tokens):
+            raise BadRequest("sampling_params.min_new_tokens must be <= max_new_tokens")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if sp.get(key) is not None:
+            kw[key] = _float(sp[key], f"sampling_params.{key}")
+            if not -2 <= kw[key] <= 2:
+                raise BadRequest(f"sampling_params.{key} must be in [-2, 2] (0 = off)")
+    if sp.get("repetition_penalty") is not None:
+        kw["repetition_penalty"] = _float(sp["repetition_penalty"], "sampling_params.repetition_penalty")
+        if kw["repetition_penalty"] <= 0:
+            raise BadRequest("sampling_params.repetition_penalty must be > 0 (1 = off)")
+    parse_n(sp)
     return SamplingParams(**kw)
 
 
-def generate_response(engine: Engine, out: GenerateOutput, return_logprob: bool) -> dict:
+def parse_n(sp: Any) -> int:
+    """``sampling_params.n``: how many independent samples of each prompt (default 1)."""
+    if not isinstance(sp, dict) or sp.get("n") is None:
+        return 1
+    return _int(sp["n"], "sampling_params.n", 1)
+
+
+def parallel_sampling(sp: SamplingParams, n: int) -> list[SamplingParams]:
+    """The ``n`` per-sample settings of one prompt: sample ``j`` gets seed ``seed + j`` (wrapped to int64)
+    when the request has a seed, else none (the engine draws a fresh one per sample)."""
+    if sp.seed is None or n == 1:
+        return [sp] * n
+    return [
+        dataclasses.replace(sp, seed=((sp.seed + j + (1 << 63)) % (1 << 64)) - (1 << 63)) for j in range(n)
+    ]
+
+
+def response_text(engine: Engine, out: GenerateOutput, no_stop_trim: bool = False) -> str | None:
+    """Decoded output (None without a tokenizer). After a stop-string match the text ends before the match, or
+    right after it with ``no_stop_trim`` (SGLang's detokenizer rule); the token ids are never trimmed."""
+    if engine.tokenizer is None:
+        return None
+    text = engine.tokenizer.decode(out.output_ids, skip_special_tokens=False)
+    matched = out.finish_reason.get("matched")
+    if out.finish_reason.get("type") == "stop" and isinstance(matched, str):
+        pos = text.find(matched)
+        if pos >= 0:
+            text = text[: pos + len(matched)] if no_stop_trim else text[:pos]
+    return text
+
+
+def generate_response(
+    engine: Engine, out: GenerateOutput, return_logprob: bool, no_stop_trim: bool = False
+) -> dict:
     """SGLang's /generate response body for one finished request."""
     meta: dict[str, Any] = {
         "id": out.rid,
@@ -124,17 +180,56 @@ def generate_response(engine: Engine, out: GenerateOutput, return_logprob: bool)
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)]
     body: dict[str, Any] = {"output_ids": list(out.output_ids), "meta_info": meta}
-    if engine.tokenizer is not None:
-        body["text"] = engine.tokenizer.decode(out.output_ids, skip_special_tokens=False)
+    text = response_text(engine, out, no_stop_trim)
+    if text is not None:
+        body["text"] = text
     return body
 
 
-async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
-    if p.get("stream"):
-        return _err(400, "stream must be false: the embedded engine returns whole responses")
+def _partial_response(
+    engine: Engine, rid: str, prompt_len: int, toks: list[tuple[int, float, int]], return_logprob: bool
+) -> dict:
+    """A streaming chunk of a running request: cumulative ``text`` / ``output_ids`` (SGLang's default)."""
+    ids = [t for t, _, _ in toks]
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": None,
+        "prompt_tokens": prompt_len,
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "weight_version": str(engine.version),
+        "output_token_versions": [v for _, _, v in toks],
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for t, lp, _ in toks]
+    body: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
+    if engine.tokenizer is not None:
+        body["text"] = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    return body
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A validated /generate request, expanded to one engine request per (prompt, sample)."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    rids: list[str | None]
+    batched: bool
+    """Answer with a list (batched input, or ``n > 1``)."""
+    return_logprob: bool
+    no_stop_trim: bool
+
+
+def _plan(engine: Engine, p: dict) -> _Plan:
+    """Parse and validate a /generate payload (raises ``BadRequest`` / ``EngineError``); nothing is queued."""
     if p.get("image_data"):
-        return _err(400, "image_data is not supported by the embedded engine (text-only models)")
-    sp = parse_sampling_params(p.get("sampling_params"))
+        raise BadRequest("image_data is not supported by the embedded engine (text-only models)")
+    if p.get("stream") is not None and not isinstance(p["stream"], bool):
+        raise BadRequest("stream must be true or false")
+    raw_sp = p.get("sampling_params")
+    sp = parse_sampling_params(raw_sp)
+    n = parse_n(raw_sp)
     return_logprob = bool(p.get("return_logprob", False))
     if p.get("input_ids") is not None:
         raw = p["input_ids"]
@@ -144,32 +239,131 @@ async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
         )
     elif p.get("text") is not None:
         if engine.tokenizer is None:
-            return _err(400, "text input needs a tokenizer; this engine has none, send input_ids")
+            raise BadRequest("text input needs a tokenizer; this engine has none, send input_ids")
         raw = p["text"]
         batched = isinstance(raw, list)
         texts = raw if batched else [raw]
         if not texts or not all(isinstance(t, str) for t in texts):
-            return _err(400, "text must be a string or a non-empty list of strings")
+            raise BadRequest("text must be a string or a non-empty list of strings")
         prompts = [list(engine.tokenizer(t)["input_ids"]) for t in texts]
     else:
-        return _err(400, "missing input_ids (list of token ids) or text")
-    rids = p.get("rid")
-    if batched:
-        if rids is None:
-            rids = [None] * len(prompts)
-        if not isinstance(rids, list) or len(rids) != len(prompts):
-            return _err(400, "rid must be a list with one id per prompt for batched input")
+        raise BadRequest("missing input_ids (list of token ids) or text")
+    rid = p.get("rid")
+    if rid is None:
+        base: list[str | None] = [None] * len(prompts)
+    elif isinstance(rid, str):
+        base = [f"{rid}_{i}" for i in range(len(prompts))] if batched else [rid]  # SGLang's batch prefix rule
+    elif batched and isinstance(rid, list) and len(rid) == len(prompts):
+        base = rid
     else:
-        rids = [rids]
-    for r in rids:
-        if r is not None and not isinstance(r, str):
-            return _err(400, "rid must be a string")
+        raise BadRequest("rid must be a string, or for batched input a list with one string per prompt")
+    if not all(r is None or isinstance(r, str) for r in base):
+        raise BadRequest("rid must be a string (or a list of strings)")
     for x in prompts:  # validate all before queuing any, so a bad batch runs nothing
         engine._validate(x, sp)
-    futs = [engine.submit(x, sp, r) for x, r in zip(prompts, rids)]
+    # n > 1: prompt-major order (all samples of prompt 0, then of prompt 1, ...), as SGLang returns them.
+    samples = parallel_sampling(sp, n)
+    rids = [r if n == 1 or r is None else f"{r}_{j}" for r in base for j in range(n)]
+    if len(set(r for r in rids if r is not None)) != sum(r is not None for r in rids):
+        raise BadRequest("rid values must be distinct")
+    return _Plan(
+        prompts=[x for x in prompts for _ in range(n)],
+        params=samples * len(prompts),
+        rids=rids,
+        batched=batched or n > 1,
+        return_logprob=return_logprob,
+        no_stop_trim=sp.no_stop_trim,
+    )
+
+
+async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
+    if p.get("stream"):
+        return _err(
+            400,
+            "stream: true is served over HTTP only (make_app / python -m rlcore.serve); in-process callers "
+            "pass on_token= to Engine.submit",
+        )
+    plan = _plan(engine, p)
+    futs = [engine.submit(x, s, r) for x, s, r in zip(plan.prompts, plan.params, plan.rids)]
     outs = [await asyncio.wrap_future(f) for f in futs]
-    bodies = [generate_response(engine, o, return_logprob) for o in outs]
-    return 200, (bodies if batched else bodies[0])
+    bodies = [generate_response(engine, o, plan.return_logprob, plan.no_stop_trim) for o in outs]
+    return 200, (bodies if plan.batched else bodies[0])
+
+
+async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.StreamResponse:
+    """``/generate`` with ``stream: true``: Server-Sent Events in SGLang's shape.
+
+    One ``data: {json}\n\n`` event per step with new tokens, carrying the *cumulative* ``text``,
+    ``output_ids`` and ``meta_info`` (``finish_reason`` null until the last event of a request, which is
+    the finished response, stop-trimmed), then ``data: [DONE]\n\n``. Batched input (or ``n > 1``)
+    interleaves the requests' events and adds ``"index"`` (position in the non-streaming answer list).
+    Bad input is a JSON 4xx before the stream starts. A client that disconnects has its requests aborted.
+    """
+    try:
+        plan = _plan(engine, p)
+    except (BadRequest, EngineError) as e:
+        status, body = _err(400, str(e))
+        return web.json_response(body, status=status)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    futs, rids = [], []
+    for k, (x, s, r) in enumerate(zip(plan.prompts, plan.params, plan.rids)):
+        rid = r or uuid.uuid4().hex
+
+        def on_token(t: int, lp: float, v: int, k: int = k) -> None:  # engine loop thread
+            loop.call_soon_threadsafe(queue.put_nowait, (k, (t, lp, v)))
+
+        fut = engine.submit(x, s, rid, on_token=on_token)
+        fut.add_done_callback(lambda f, k=k: loop.call_soon_threadsafe(queue.put_nowait, (k, None)))
+        futs.append(fut)
+        rids.append(rid)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    toks: list[list[tuple[int, float, int]]] = [[] for _ in futs]
+    open_reqs = set(range(len(futs)))
+    finished = False
+    try:
+        await resp.prepare(request)
+        while open_reqs:
+            try:
+                first = await asyncio.wait_for(queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if request.transport is None or request.transport.is_closing():
+                    break
+                continue
+            items = [first]
+            while not queue.empty():  # coalesce what arrived meanwhile: one event per request per wake-up
+                items.append(queue.get_nowait())
+            changed: dict[int, bool] = {}
+            for k, item in items:
+                if item is None:
+                    changed[k] = True
+                elif k in open_reqs:
+                    toks[k].append(item)
+                    changed.setdefault(k, False)
+            for k, done in changed.items():
+                if k not in open_reqs:
+                    continue
+                if done:
+                    open_reqs.discard(k)
+                    body = generate_response(engine, futs[k].result(), plan.return_logprob, plan.no_stop_trim)
+                else:
+                    n_prompt = len(plan.prompts[k])
+                    body = _partial_response(engine, rids[k], n_prompt, toks[k], plan.return_logprob)
+                if plan.batched:
+                    body["index"] = k
+                await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        if not open_reqs:
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            finished = True
+    except (ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        if not finished:  # client gone (or the handler was cancelled): free the engine's slots
+            for rid, fut in zip(rids, futs):
+                if not fut.done():
+                    await asyncio.to_thread(engine.abort, rid)
+    return resp
 
 
 def _ok(message: str, **extra: Any) -> tuple[int, dict]:
@@ -391,7 +585,7 @@ def make_app(engine: Engine) -> web.Application:
     """aiohttp application serving ``engine`` with SGLang's endpoints (the engine must be started)."""
 
     def route(ep: str):
-        async def view(request: web.Request) -> web.Response:
+        async def view(request: web.Request) -> web.StreamResponse:
             payload: Any = {}
             if request.method == "POST" and request.can_read_body:
                 raw = await request.read()
@@ -401,6 +595,8 @@ def make_app(engine: Engine) -> web.Application:
                     except (ValueError, UnicodeDecodeError):
                         status, body = _err(400, "the request body is not valid JSON")
                         return web.json_response(body, status=status)
+            if ep == "generate" and isinstance(payload, dict) and payload.get("stream") is True:
+                return await stream_generate(engine, payload, request)
             status, body = await handle(engine, ep, payload)
             return web.json_response(body, status=status)
 
@@ -421,4 +617,15 @@ def make_app(engine: Engine) -> web.Application:
     return app
 
 
-__all__ = ["ENGINE_KEY", "BadRequest", "generate_response", "handle", "make_app", "parse_sampling_params"]
+__all__ = [
+    "ENGINE_KEY",
+    "BadRequest",
+    "generate_response",
+    "handle",
+    "make_app",
+    "parallel_sampling",
+    "parse_n",
+    "parse_sampling_params",
+    "response_text",
+    "stream_generate",
+]

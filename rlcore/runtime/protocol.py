@@ -31,6 +31,20 @@ class SamplingParams:
     """Do not stop on the model's eos token."""
     seed: int | None = None
     """Per-request sampling seed (SGLang's ``sampling_seed``)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends once the decoded output contains one (needs the engine's tokenizer). The
+    tokens are all returned; the server's ``text`` is cut before the match unless ``no_stop_trim``."""
+    no_stop_trim: bool = False
+    """Keep the matched stop string at the end of the returned ``text`` (SGLang's ``no_stop_trim``)."""
+    min_new_tokens: int = 0
+    """The eos ids and ``stop_token_ids`` cannot be sampled before this many tokens (logits set to -inf)."""
+    frequency_penalty: float = 0.0
+    """OpenAI rule, in [-2, 2]: subtract ``frequency_penalty * count`` from each generated token's logit."""
+    presence_penalty: float = 0.0
+    """OpenAI rule, in [-2, 2]: subtract ``presence_penalty`` from the logit of every generated token."""
+    repetition_penalty: float = 1.0
+    """CTRL rule, > 0 (1 = off): the logit of a token generated so far is divided by it when positive and
+    multiplied by it otherwise. Penalties change the sampling distribution: RL should leave all three off."""
 
     def to_sglang(self) -> dict:
         """The ``sampling_params`` JSON object SGLang's /generate expects."""
@@ -45,6 +59,19 @@ class SamplingParams:
         }
         if self.seed is not None:
             d["sampling_seed"] = int(self.seed)
+        # Newer fields are sent only when set, so the JSON of existing callers is unchanged.
+        if self.stop:
+            d["stop"] = [self.stop] if isinstance(self.stop, str) else [str(s) for s in self.stop]
+        if self.no_stop_trim:
+            d["no_stop_trim"] = True
+        if self.min_new_tokens:
+            d["min_new_tokens"] = int(self.min_new_tokens)
+        if self.frequency_penalty:
+            d["frequency_penalty"] = float(self.frequency_penalty)
+        if self.presence_penalty:
+            d["presence_penalty"] = float(self.presence_penalty)
+        if self.repetition_penalty != 1.0:
+            d["repetition_penalty"] = float(self.repetition_penalty)
         return d
 
 
