@@ -19,7 +19,9 @@ captured once in a CUDA graph (fixed shapes: the mask always spans ``max_seq_len
 Sampling convention (documented in docs/engine.md): the reported log-prob of a sampled token is its log-prob
 under the distribution it was actually drawn from, i.e. ``logits / T`` restricted to the top-k / top-p set and
 renormalised; with ``top_p = 1`` and ``top_k = -1`` this is exactly ``log_softmax(logits / T)``. Greedy
-(``T = 0``) reports ``log_softmax(logits)`` at the argmax (no filtering).
+(``T = 0``) reports ``log_softmax(logits)`` at the argmax (no filtering). Requests that set penalties or
+``min_new_tokens`` have their logits changed first (``apply_penalties``, ``mask_banned``), on the sampling side
+after the forward, and report log-probs of that changed distribution; other rows are not touched.
 
 Concurrency invariants:
 - only the loop thread touches the model, the KV store and the request tables;
@@ -1287,7 +1289,8 @@ class Engine:
         if slots:
             ids = [t for r in rs for t in r.out_ids]
             where = (torch.tensor(slots, device=dev), torch.tensor(ids, device=dev))
-            self._counts.index_put_(where, torch.ones(len(ids), device=dev), accumulate=True)
+            ones = torch.ones(len(ids), dtype=torch.float32, device=dev)
+            self._counts.index_put_(where, ones, accumulate=True)
 
     def _rebuild(self) -> None:
         rs, dev = self._running, self.device
@@ -1323,6 +1326,7 @@ class Engine:
                     banned.append(ban)
         if not pen and not mn:
             return None
+
         def i64(xs: list) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.long, device=dev)
 

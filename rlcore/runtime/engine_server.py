@@ -277,6 +277,8 @@ def _plan(engine: Engine, p: dict) -> _Plan:
 
 
 async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
+    if p.get("stream") is not None and not isinstance(p["stream"], bool):
+        raise BadRequest("stream must be true or false")
     if p.get("stream"):
         return _err(
             400,
@@ -306,15 +308,16 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
         return web.json_response(body, status=status)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+
+    def post(item: tuple) -> None:  # called on the engine's loop thread
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
     futs, rids = [], []
     for k, (x, s, r) in enumerate(zip(plan.prompts, plan.params, plan.rids)):
         rid = r or uuid.uuid4().hex
-
-        def on_token(t: int, lp: float, v: int, k: int = k) -> None:  # engine loop thread
-            loop.call_soon_threadsafe(queue.put_nowait, (k, (t, lp, v)))
-
-        fut = engine.submit(x, s, rid, on_token=on_token)
-        fut.add_done_callback(lambda f, k=k: loop.call_soon_threadsafe(queue.put_nowait, (k, None)))
+        fut = engine.submit(x, s, rid, on_token=lambda t, lp, v, k=k: post((k, (t, lp, v))))
+        fut.add_done_callback(lambda f, k=k: post((k, None)))
         futs.append(fut)
         rids.append(rid)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -356,7 +359,7 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             finished = True
-    except (ConnectionError, asyncio.CancelledError):
+    except ConnectionError:  # the client went away mid-write
         pass
     finally:
         if not finished:  # client gone (or the handler was cancelled): free the engine's slots

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import multiprocessing as mp
 import random
 import socket
@@ -23,9 +24,11 @@ from rlcore.runtime.engine import (
     Engine,
     EngineConfig,
     EngineError,
+    apply_penalties,
     counter_uniform,
     grouped_decode_attention,
     init_custom_process_group,
+    mask_banned,
     sample_tokens,
 )
 from rlcore.runtime.protocol import SamplingParams
@@ -663,3 +666,184 @@ def test_cuda_graph_decode_matches_eager_and_teacher_forcing(kind):
         tf = teacher_forced(model, p, o.output_ids)
         lp = tf.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(o.output_logprobs), lp, atol=1e-3, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# SGLang sampling extras: stop strings, min_new_tokens, penalties, streaming hook
+
+
+def word_tokenizer():
+    """Word-level tokenizer over the tiny vocabulary: id ``i >= 3`` is ``w{i}``, decoded with spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, V)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def test_apply_penalties_equals_a_hand_computed_row():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0]])
+    counts = torch.tensor([[2.0, 1.0, 0.0, 3.0, 0.0]])
+    f, p, r = torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([2.0])
+    got = apply_penalties(logits, counts, f, p, r)
+    # seen tokens 0, 1, 3: repetition (/2 if > 0, *2 otherwise), then - 0.5 * count - 0.25
+    want = torch.tensor([[2.0 / 2 - 1.0 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, -3.0 * 2 - 1.5 - 0.25, 1.0]])
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # Negative (rewarding) penalties and repetition < 1 follow the same rule.
+    got = apply_penalties(logits, counts, torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([0.5]))
+    want = torch.tensor([[4.0 + 2.0 + 2.0, -0.5 + 1.0 + 2.0, 0.5, -1.5 + 3.0 + 2.0, 1.0]])
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@settings(max_examples=30)
+@given(st.integers(1, 4), st.integers(2, 9), st.randoms(use_true_random=False))
+def test_neutral_penalties_and_inactive_masks_leave_logits_bit_identical(b, v, rnd):
+    g = torch.Generator().manual_seed(rnd.randint(0, 1 << 30))
+    logits = torch.randn(b, v, generator=g) * 5
+    counts = torch.randint(0, 4, (b, v), generator=g).float()
+    zeros, ones = torch.zeros(b), torch.ones(b)
+    assert torch.equal(apply_penalties(logits, counts, zeros, zeros, ones), logits)
+    banned = torch.randint(0, v + 1, (b, 3), generator=g)
+    active = torch.rand(b, generator=g) < 0.5
+    out = mask_banned(logits, banned, active)
+    for i in range(b):
+        ban = {int(t) for t in banned[i] if t < v} if active[i] else set()
+        for j in range(v):
+            assert (out[i, j] == -math.inf) if j in ban else (out[i, j] == logits[i, j])
+
+
+def test_stop_string_spanning_two_tokens_ends_generation_and_keeps_the_tokens():
+    model = tiny_model("qwen2", seed=3)
+    tok = word_tokenizer()
+    with Engine(model, EngineConfig(max_batch=4), tokenizer=tok) as eng:
+        free = eng.generate([5, 6, 7], greedy(12), timeout=30)
+        stop = tok.decode(free.output_ids[3:5])  # "wA wB": two tokens
+        k = next(i for i in range(1, 13) if stop in tok.decode(free.output_ids[:i]))
+        out = eng.generate([5, 6, 7], greedy(12, stop=(stop, "never-said")), timeout=30)
+        assert out.output_ids == free.output_ids[:k]
+        assert out.output_logprobs == free.output_logprobs[:k]
+        assert out.finish_reason == {"type": "stop", "matched": stop}
+        one = eng.generate([5, 6, 7], greedy(12, stop=tok.decode(free.output_ids[2:3])), timeout=30)
+        assert one.finish_reason["type"] == "stop" and len(one.output_ids) <= 3
+        with pytest.raises(EngineError, match="stop"):
+            eng.submit([1], greedy(2, stop=("",)))
+    with Engine(model, EngineConfig(max_batch=2)) as eng, pytest.raises(EngineError, match="tokenizer"):
+        eng.submit([1], greedy(2, stop=("w5",)))
+
+
+def _engine_with_eos(model, eos: int, **kw) -> Engine:
+    eng = Engine(model, EngineConfig(max_batch=4), **kw)
+    eng.eos_ids = frozenset([eos])
+    return eng
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids_and_reports_the_masked_logprobs():
+    model = tiny_model("qwen2", seed=4)
+    with Engine(model, EngineConfig(max_batch=4)) as eng:
+        free = eng.generate([9, 10], greedy(6), timeout=30)
+    eos = free.output_ids[0]  # the greedy first token becomes eos: without the mask generation ends at once
+    with _engine_with_eos(model, eos) as eng:
+        assert eng.generate([9, 10], SamplingParams(max_new_tokens=6, temperature=0), timeout=30).output_ids == [eos]
+        sp = SamplingParams(max_new_tokens=6, temperature=0, min_new_tokens=4, stop_token_ids=(free.output_ids[1],))
+        out = eng.generate([9, 10], sp, timeout=30)
+        sampled = [
+            eng.generate([9, 10], dataclasses.replace(sp, temperature=1.0, seed=s), timeout=30) for s in range(6)
+        ]
+    banned = [eos, free.output_ids[1]]
+    for o, t in [(out, 0.0)] + [(o, 1.0) for o in sampled]:
+        assert len(o.output_ids) >= 4 and not set(o.output_ids[:4]) & set(banned)
+        logits = model(torch.tensor([[9, 10] + o.output_ids])).logits[0, 1:-1].detach()
+        for i, (tid, lp) in enumerate(zip(o.output_ids, o.output_logprobs)):
+            row = logits[i].clone()
+            if i < 4:
+                row[banned] = -math.inf
+            ref = torch.log_softmax(row / (t or 1.0), -1)[tid]
+            assert abs(lp - ref.item()) < 1e-4
+    assert out.output_ids[:4] != [eos] * 4
+
+
+def test_penalised_greedy_decoding_equals_a_reference_loop_while_slots_move():
+    model = tiny_model("qwen2", seed=5)
+    pen = [
+        SamplingParams(max_new_tokens=14, temperature=0, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(max_new_tokens=14, temperature=0, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(max_new_tokens=14, temperature=0, ignore_eos=True, presence_penalty=-2.0),
+        SamplingParams(
+            max_new_tokens=14, temperature=0, ignore_eos=True, frequency_penalty=0.7, presence_penalty=0.4,
+            repetition_penalty=1.3,
+        ),
+    ]
+    lens = [3, 14, 7, 9, 5]  # plain requests of different lengths leave early, so penalised rows change slots
+    with Engine(model, EngineConfig(max_batch=3, prefill_defer_steps=0)) as eng:
+        futs = [eng.submit(PROMPTS[i % 5], sp) for i, sp in enumerate(pen)]
+        futs += [eng.submit(p, greedy(n)) for p, n in zip(PROMPTS, lens)]
+        outs = [f.result(60) for f in futs]
+        base = [eng.generate(p, greedy(n), timeout=30) for p, n in zip(PROMPTS, lens)]
+        unpenalised = [eng.generate(PROMPTS[i], greedy(14), timeout=30).output_ids for i in range(len(pen))]
+    for i, (sp, o) in enumerate(zip(pen, outs)):
+        prompt, ids = PROMPTS[i % 5], []
+        for _ in range(14):
+            logits = model(torch.tensor([prompt + ids])).logits[0, -1:].detach()
+            counts = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=V).float()[None]
+            row = apply_penalties(
+                logits, counts, torch.tensor([sp.frequency_penalty]), torch.tensor([sp.presence_penalty]),
+                torch.tensor([sp.repetition_penalty]),
+            )[0]
+            t = int(row.argmax())
+            assert abs(o.output_logprobs[len(ids)] - torch.log_softmax(row, -1)[t].item()) < 1e-4
+            ids.append(t)
+        assert o.output_ids == ids
+    assert sum(o.output_ids != u for o, u in zip(outs, unpenalised)) >= 2  # the penalties did change paths
+    for o, b in zip(outs[4:], base):  # rows without penalties: same tokens as without penalised neighbours
+        assert o.output_ids == b.output_ids
+
+
+def test_plain_rows_are_bit_identical_next_to_penalised_rows():
+    model = tiny_model("qwen2", seed=6)
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True, seed=11)
+    other = dict(max_new_tokens=10, temperature=1.0, ignore_eos=True, seed=12)
+    runs = []
+    for extra in (
+        {},
+        {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0},
+        {"frequency_penalty": 1.0, "repetition_penalty": 1.5, "presence_penalty": -1.0},
+        {"min_new_tokens": 10, "stop_token_ids": (3, 4, 5)},
+    ):
+        with Engine(model, EngineConfig(max_batch=2)) as eng:
+            eng.pause("in_place")  # both join one prefill and decode together: the same batches every run
+            a = eng.submit([1, 2, 3], sp)
+            b = eng.submit([4, 5, 6], SamplingParams(**other, **extra))
+            eng.continue_generation()
+            runs.append((a.result(30), b.result(30)))
+    for a, _ in runs[1:]:
+        assert a.output_ids == runs[0][0].output_ids and a.output_logprobs == runs[0][0].output_logprobs
+    assert runs[1][1].output_logprobs == runs[0][1].output_logprobs  # neutral settings: no processing at all
+    assert runs[2][1].output_logprobs != runs[0][1].output_logprobs  # the neighbour really was processed
+
+
+def test_on_token_streams_every_token_before_the_future_resolves():
+    model = tiny_model("qwen2", seed=7)
+    seen: list[tuple[int, float, int]] = []
+    with Engine(model, EngineConfig(max_batch=2), version=3) as eng:
+        fut = eng.submit([1, 2], greedy(9), on_token=lambda t, lp, v: seen.append((t, lp, v)))
+        out = fut.result(30)
+        bad = eng.submit([1, 2], greedy(3), on_token=lambda *a: 1 / 0).result(30)  # a broken hook is ignored
+        assert len(bad.output_ids) == 3 and eng.alive
+    assert [t for t, _, _ in seen] == out.output_ids and [lp for _, lp, _ in seen] == out.output_logprobs
+    assert {v for _, _, v in seen} == {3}
+
+
+def test_penalty_counts_are_rebuilt_when_a_retracted_request_is_prefilled_again():
+    model = tiny_model("qwen2", seed=8)
+    sp = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, frequency_penalty=2.0)
+    with Engine(model, EngineConfig(max_batch=2)) as eng:
+        ref = eng.generate([3, 4], sp, timeout=30)
+        fut = eng.submit([3, 4], sp, rid="p")
+        wait_for(lambda: (eng.num_generated("p") or 0) >= 3)
+        eng.pause("retract")
+        k = eng.num_generated("p")
+        eng.continue_generation()
+        out = fut.result(30)
+    assert 3 <= k < 30 and out.output_ids == ref.output_ids

@@ -235,9 +235,22 @@ BAD = [
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"stop_token_ids": 5}}, "stop_token_ids"),
     ({"input_ids": [1], "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
-    ({"input_ids": [1], "sampling_params": {"n": 2}}, "n"),
-    ({"input_ids": [1], "stream": True}, "stream"),
-    ({"input_ids": [[1], [2]], "rid": "one"}, "rid"),
+    ({"input_ids": [1], "sampling_params": {"n": 0}}, "n"),
+    ({"input_ids": [1], "sampling_params": {"n": 1.5}}, "n"),
+    ({"input_ids": [1], "stream": "yes"}, "stream"),
+    ({"input_ids": [1], "stream": True, "sampling_params": {"top_p": 2}}, "top_p"),
+    ({"input_ids": [[1], [2]], "rid": ["one"]}, "rid"),
+    ({"input_ids": [[1], [2]], "rid": ["same", "same"]}, "rid"),
+    ({"input_ids": [1], "sampling_params": {"stop": ""}}, "stop"),
+    ({"input_ids": [1], "sampling_params": {"stop": ["w3", 4]}}, "stop"),
+    ({"input_ids": [1], "sampling_params": {"stop_regex": "w[0-9]"}}, "stop_regex"),
+    ({"input_ids": [1], "sampling_params": {"no_stop_trim": 1}}, "no_stop_trim"),
+    ({"input_ids": [1], "sampling_params": {"min_new_tokens": -1}}, "min_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}}, "frequency_penalty"),
+    ({"input_ids": [1], "sampling_params": {"presence_penalty": "high"}}, "presence_penalty"),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"input_ids": [1], "sampling_params": {"sampling_seed": 1 << 70}}, "sampling_seed"),
 ]
 
 
@@ -290,6 +303,12 @@ json_values = st.recursive(
                     "stop_token_ids",
                     "return_logprob",
                     "mode",
+                    "stop",
+                    "no_stop_trim",
+                    "min_new_tokens",
+                    "frequency_penalty",
+                    "repetition_penalty",
+                    "stream",
                 ]
             ),
             c,
@@ -419,3 +438,210 @@ def test_engine_client_in_process_across_a_weight_update(engine):
         lp = torch.tensor(o.output_logprobs)
         torch.testing.assert_close(lp[:k], lo[:k], atol=1e-4, rtol=0)
         torch.testing.assert_close(lp[k:], ln[k:], atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# SGLang extras over HTTP: stop strings, n > 1, min_new_tokens, penalties, streaming
+
+
+async def sse(http, payload) -> tuple[int, list]:
+    """POST /generate with stream: true; returns the status and the decoded ``data:`` events (``"[DONE]"`` kept)."""
+    events = []
+    async with http.post("/generate", json=payload) as r:
+        if r.content_type != "text/event-stream":
+            return r.status, [await r.json()]
+        buf = b""
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                assert ev.startswith(b"data: "), ev
+                data = ev[len(b"data: ") :]
+                events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return r.status, events
+
+
+def _no_timing(body: dict) -> dict:
+    """The body without the fields that differ between two runs of one request (latency, generated rid)."""
+    return {**body, "meta_info": {k: v for k, v in body["meta_info"].items() if k not in ("e2e_latency", "id")}}
+
+
+def test_stop_strings_are_trimmed_from_text_and_reported_as_matched(engine):
+    tok = engine.tokenizer
+    free = engine.generate([3, 4, 5], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True), timeout=30)
+    stop = tok.decode(free.output_ids[4:6])  # spans two tokens
+    full_text = tok.decode(free.output_ids)
+    k = next(i for i in range(1, 11) if stop in tok.decode(free.output_ids[:i]))
+    sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+    async def body(http):
+        trimmed = await post(http, "/generate", {"input_ids": [3, 4, 5], "sampling_params": {**sp, "stop": stop}})
+        kept = await post(
+            http,
+            "/generate",
+            {"input_ids": [3, 4, 5], "sampling_params": {**sp, "stop": ["zzz", stop], "no_stop_trim": True},
+             "return_logprob": True},
+        )
+        no_tok = await post(http, "/generate", {"input_ids": [3], "sampling_params": {"stop": "x"}})
+        return trimmed, kept, no_tok
+
+    (s1, trimmed), (s2, kept), (s3, _) = serve(engine, body)
+    assert s1 == s2 == s3 == 200
+    pos = tok.decode(free.output_ids[:k]).find(stop)
+    for r in (trimmed, kept):
+        assert r["output_ids"] == free.output_ids[:k]  # tokens are never trimmed
+        assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert trimmed["text"] == full_text[:pos] and kept["text"] == full_text[: pos + len(stop)]
+    assert len(kept["meta_info"]["output_token_logprobs"]) == k
+
+    bare = Engine(tiny_model(), EngineConfig(max_batch=2, max_seq_len=96))  # no tokenizer
+    with bare:
+        status, err = asyncio.run(bare.handle("/generate", {"input_ids": [3], "sampling_params": {"stop": "w3"}}))
+    assert status == 400 and "tokenizer" in err["error"]["message"] and "stop" in err["error"]["message"]
+
+
+def test_n_samples_use_derived_seeds_come_prompt_major_and_are_abortable(engine):
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 123}
+
+    async def body(http):
+        four = await post(http, "/generate", {"input_ids": [3, 4], "sampling_params": {**sp, "n": 4}, "rid": "q"})
+        two_by_two = await post(http, "/generate", {"input_ids": [[3, 4], [9]], "sampling_params": {**sp, "n": 2}})
+        long = {"max_new_tokens": 80, "temperature": 1.0, "ignore_eos": True, "n": 3}
+        task = asyncio.create_task(post(http, "/generate", {"input_ids": [5], "sampling_params": long, "rid": "x"}))
+        while engine.num_generated("x_1") is None or engine.num_generated("x_1") < 2:
+            await asyncio.sleep(0.005)
+        await post(http, "/pause_generation", {"mode": "in_place"})
+        await post(http, "/abort_request", {"rid": "x_1"})
+        await post(http, "/continue_generation", {})
+        return four, two_by_two, await task
+
+    (s1, four), (s2, two_by_two), (s3, three) = serve(engine, body)
+    assert s1 == s2 == s3 == 200 and len(four) == 4 and len(two_by_two) == 4
+    refs = [
+        engine.generate(
+            [3, 4], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=123 + j), timeout=30
+        )
+        for j in range(4)
+    ]
+    assert [r["output_ids"] for r in four] == [r.output_ids for r in refs]
+    assert len({tuple(r["output_ids"]) for r in four}) == 4
+    assert [r["meta_info"]["id"] for r in four] == ["q_0", "q_1", "q_2", "q_3"]
+    other = [
+        engine.generate(
+            [9], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=123 + j), timeout=30
+        ).output_ids
+        for j in range(2)
+    ]
+    # prompt-major: [prompt 0 sample 0, prompt 0 sample 1, prompt 1 sample 0, prompt 1 sample 1]
+    assert [r["output_ids"] for r in two_by_two] == [refs[0].output_ids, refs[1].output_ids, *other]
+    assert [r["meta_info"]["finish_reason"]["type"] for r in three] == ["length", "abort", "length"]
+    assert [r["meta_info"]["id"] for r in three] == ["x_0", "x_1", "x_2"]
+
+
+def test_min_new_tokens_and_penalties_over_http_match_the_engine(engine):
+    cases = [
+        {"max_new_tokens": 12, "temperature": 1.0, "min_new_tokens": 8, "sampling_seed": 5},
+        {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "frequency_penalty": 1.2,
+         "presence_penalty": 0.5},
+        {"max_new_tokens": 12, "temperature": 0.8, "ignore_eos": True, "repetition_penalty": 1.6,
+         "sampling_seed": 2},
+    ]
+
+    async def body(http):
+        return [
+            await post(http, "/generate", {"input_ids": [3, 4], "sampling_params": c, "return_logprob": True})
+            for c in cases
+        ]
+
+    got = serve(engine, body)
+    from rlcore.runtime.engine_server import parse_sampling_params
+
+    for (status, r), c in zip(got, cases):
+        assert status == 200
+        ref = engine.generate([3, 4], parse_sampling_params(c), timeout=30)
+        assert r["output_ids"] == ref.output_ids
+        lps = [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]
+        assert lps == pytest.approx(ref.output_logprobs, abs=1e-6)
+    assert 1 not in got[0][1]["output_ids"][:8]  # eos (id 1) masked for the first 8 tokens
+
+
+@settings(max_examples=30)
+@given(
+    stop=st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    trim=st.booleans(),
+    mn=st.integers(0, 5),
+    fp=st.sampled_from([0.0, -2.0, 0.5, 2.0]),
+    pp=st.sampled_from([0.0, 1.0]),
+    rp=st.sampled_from([1.0, 0.5, 1.3]),
+)
+def test_sampling_params_round_trip_through_sglang_json(stop, trim, mn, fp, pp, rp):
+    from rlcore.runtime.engine_server import parse_sampling_params
+
+    base = SamplingParams(max_new_tokens=9, temperature=0.7, seed=3)
+    assert set(base.to_sglang()) == {
+        "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+        "sampling_seed",
+    }  # existing callers send exactly what they sent before
+    sp = SamplingParams(
+        max_new_tokens=9, temperature=0.7, seed=3, stop=tuple(stop), no_stop_trim=trim, min_new_tokens=mn,
+        frequency_penalty=fp, presence_penalty=pp, repetition_penalty=rp,
+    )
+    assert parse_sampling_params(json.loads(json.dumps(sp.to_sglang()))) == sp
+
+
+def test_streaming_events_are_cumulative_and_end_with_the_full_response(engine):
+    tok = engine.tokenizer
+    sp = {"max_new_tokens": 9, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 8}
+    free = engine.generate([3, 4], SamplingParams(max_new_tokens=9, temperature=1.0, ignore_eos=True, seed=8))
+    stop = tok.decode(free.output_ids[5:7])
+
+    async def body(http):
+        payload = {"input_ids": [3, 4], "sampling_params": sp, "return_logprob": True}
+        whole = await post(http, "/generate", payload)
+        streamed = await sse(http, {**payload, "stream": True})
+        stopped = await sse(http, {**payload, "stream": True, "sampling_params": {**sp, "stop": stop}})
+        batch = await sse(http, {"input_ids": [[3, 4], [7]], "sampling_params": {**sp, "n": 2}, "stream": True})
+        bad = await sse(http, {**payload, "stream": True, "sampling_params": {"temperature": -1}})
+        return whole, streamed, stopped, batch, bad
+
+    (s0, whole), (s1, events), (s2, stopped), (s3, batch), (s4, bad) = serve(engine, body)
+    assert s0 == s1 == s2 == s3 == 200 and s4 == 400 and "temperature" in bad[0]["error"]["message"]
+    assert events[-1] == "[DONE]" and len(events) >= 3  # at least one partial event before the final one
+    chunks, final = events[:-2], events[-2]
+    assert _no_timing(final) == _no_timing(whole)  # the last event is the non-streaming response
+    prev = 0
+    for c in chunks:  # cumulative prefixes of the final output, growing, not finished yet
+        n = len(c["output_ids"])
+        assert prev < n <= 9 and c["output_ids"] == whole["output_ids"][:n]
+        assert c["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"][:n]
+        assert c["meta_info"]["finish_reason"] is None and c["text"] == tok.decode(c["output_ids"])
+        prev = n
+    assert stopped[-2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped[-2]["text"] == tok.decode(free.output_ids)[: tok.decode(free.output_ids).find(stop)]
+    finals = {}
+    for ev in batch[:-1]:
+        if ev["meta_info"]["finish_reason"] is not None:
+            finals[ev["index"]] = ev
+    assert batch[-1] == "[DONE]" and sorted(finals) == [0, 1, 2, 3]
+    assert finals[0]["output_ids"] == free.output_ids
+    status, err = asyncio.run(engine.handle("/generate", {"input_ids": [3], "stream": True}))
+    assert status == 400 and "on_token" in err["error"]["message"]  # in process: stream through Engine.submit
+
+
+def test_stream_disconnect_aborts_the_request(engine):
+    async def body(http):
+        payload = {"input_ids": [3], "rid": "gone", "stream": True,
+                   "sampling_params": {"max_new_tokens": 80, "temperature": 1.0, "ignore_eos": True}}
+        async with http.post("/generate", json=payload) as r:
+            await r.content.readuntil(b"\n\n")  # the request is running
+            await post(http, "/pause_generation", {"mode": "in_place"})  # hold it: only an abort can end it
+            assert engine.num_generated("gone") is not None
+        # leaving the block closes the connection
+        t0 = time.time()
+        while engine.num_generated("gone") is not None and time.time() - t0 < 10:
+            await asyncio.sleep(0.02)
+        ended = engine.num_generated("gone") is None
+        await post(http, "/continue_generation", {})
+        return ended
+
+    assert serve(engine, body)
