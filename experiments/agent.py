@@ -137,7 +137,7 @@ def main(cfg: Config) -> dict[str, float]:
     tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
     train = gsm8k.load(f"{cfg.data_dir}/train.jsonl", limit=cfg.train_limit)
     model = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
-    state = train_state.init_train_state(model, cfg.optim)
+    state = train_state.init_train_state(model, cfg.optim, compile_layers=cfg.run.compile)
     step_cfg = step.RLStepConfig(
         objective="ppo",
         objective_cfg=cfg.objective,

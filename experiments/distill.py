@@ -121,7 +121,7 @@ def main(cfg: Config) -> dict[str, float]:
         raise ValueError(
             "--teacher has a different vocabulary size than --model; distillation needs one tokenizer"
         )
-    state = train_state.init_train_state(student, cfg.optim)
+    state = train_state.init_train_state(student, cfg.optim, compile_layers=cfg.run.compile)
     teacher = models.PolicyModel(models.frozen_copy(teacher_hf)).to(next(state.model.parameters()).device)
     step_cfg = step.RLStepConfig(
         objective="ppo",

@@ -113,7 +113,7 @@ def main(cfg: Config) -> dict[str, float]:
         raise ValueError(f"no training pair fits max_seq_len={cfg.max_seq_len}; raise --max-seq-len")
     model = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     # The reference is the initial policy, frozen (rebuilt, not checkpointed, on resume).
-    state = train_state.init_train_state(model, cfg.optim, ref=True)
+    state = train_state.init_train_state(model, cfg.optim, ref=True, compile_layers=cfg.run.compile)
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)
     step_cfg = step.PairStepConfig(
         dpo=cfg.dpo,

@@ -256,7 +256,9 @@ def main(cfg: Config) -> dict[str, float]:
         else cfg.shaping
     )
     need_ref = cfg.gae.kl_ctl > 0  # KL-in-reward needs the frozen initial policy
-    state = train_state.init_train_state(model, cfg.optim, ref=need_ref, critic=cfg.critic)
+    state = train_state.init_train_state(
+        model, cfg.optim, ref=need_ref, critic=cfg.critic, compile_layers=cfg.run.compile
+    )
     step_cfg = step.RLStepConfig(
         objective=OBJECTIVE_NAMES[type(cfg.objective)],
         objective_cfg=cfg.objective,

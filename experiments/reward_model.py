@@ -109,7 +109,7 @@ def main(cfg: Config) -> dict[str, float]:
         raise ValueError(f"no training pair fits max_seq_len={cfg.max_seq_len}; raise --max-seq-len")
     hf = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     # A CriticModel as TrainState.model: rm_step trains it, checkpoint saves it like any policy.
-    state = train_state.init_train_state(models.CriticModel(hf.train()), cfg.optim)
+    state = train_state.init_train_state(models.CriticModel(hf.train()), cfg.optim, compile_layers=cfg.run.compile)
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)
     step_cfg = step.PairStepConfig(
         max_grad_norm=cfg.max_grad_norm,

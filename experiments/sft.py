@@ -115,7 +115,7 @@ def main(cfg: Config) -> dict[str, float]:
     if not train:
         raise ValueError(f"no training row fits max_seq_len={cfg.max_seq_len}; raise --max-seq-len")
     model = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
-    state = train_state.init_train_state(model, cfg.optim)
+    state = train_state.init_train_state(model, cfg.optim, compile_layers=cfg.run.compile)
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)
     mb = microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb)
     step_cfg = step.SFTStepConfig(mb=mb, max_grad_norm=cfg.max_grad_norm)

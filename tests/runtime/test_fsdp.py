@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.runtime import fsdp
+from rlcore.runtime import step as step_lib
 from tests.runtime import fsdp_worker
 from tests.runtime import test_step as common
 
@@ -134,3 +135,30 @@ def test_sharded_state_dict_and_publish_gather_full_tensors(monkeypatch):
         assert all(torch.equal(sink.got[0][k], expected[k]) for k in expected)
     finally:
         dist.destroy_process_group()
+
+
+def test_compile_layers_keeps_names_and_compiles_every_block():
+    """compile_layers=True wraps each decoder layer's forward in place: same parameter names (so checkpoints and
+    weight publishing are unaffected), every block marked compiled, nothing compiled yet (lazy)."""
+    plain = common.fresh_state(seed=0)
+    st = common.fresh_state(seed=0, compile_layers=True)
+    assert [n for n, _ in st.model.named_parameters()] == [n for n, _ in plain.model.named_parameters()]
+    layers = fsdp.decoder_layers(st.model)
+    assert layers and all(getattr(m, "_compiled_call_impl", None) is not None for m in layers)
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in fsdp.decoder_layers(plain.model))
+
+
+@pytest.mark.slow
+def test_compiled_layers_step_matches_eager():
+    """One rl_step with torch.compile'd decoder layers == eager (CPU inductor; ~1-2 min of compilation)."""
+    torch.set_num_threads(1)
+    batch = common.make_batch(4, n=8, stale=True)
+    out = {}
+    for comp in (False, True):
+        st = common.with_sgd(common.fresh_state(seed=0, compile_layers=comp))
+        before = {k: v.detach().clone() for k, v in st.model.named_parameters()}
+        _, m = step_lib.rl_step(st, batch, cfg=step_lib.RLStepConfig(prox="recompute"))
+        out[comp] = (float(m["ppo_actor/loss"]), {k: v.detach() - before[k] for k, v in st.model.named_parameters()})
+    assert abs(out[True][0] - out[False][0]) < 1e-5
+    for k, d in out[False][1].items():
+        torch.testing.assert_close(out[True][1][k], d, atol=1e-5, rtol=1e-4, msg=k)
