@@ -51,9 +51,11 @@ def train_step(ax) -> None:
         ("HF padded\nbaseline", final["hf_padded_baseline"]),
         ("rl_step, varlen\nbf16 params", final["rlcore_rl_step_interpolated_prox"]),
         ("rl_step, varlen\nfp32 master + autocast", fix["rlcore_rl_step_interpolated_prox_fp32_master"]),
+        ("same, layers\ntorch.compile'd", load("session2/bench_train_s2.json")[
+            "rlcore_rl_step_interpolated_prox_fp32_master_compiled"]),
     ]
     vals = [100 * r["mfu"] for _, r in rows]
-    bars = ax.bar([n for n, _ in rows], vals, color=["#999999", "#dd8452", "#4c72b0", "#55a868"])
+    bars = ax.bar([n for n, _ in rows], vals, color=["#999999", "#dd8452", "#4c72b0", "#55a868", "#8172b3"])
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}%", ha="center", va="bottom")
     ax.axhline(45, ls="--", color="k", lw=1)
@@ -64,13 +66,17 @@ def train_step(ax) -> None:
 
 def trl(ax) -> None:
     sec = load("bench_trl.json")["sections"]
-    names = ["TRL GRPOTrainer\n(HF generate)", "rlcore η=0\n(1 GPU)", "rlcore η=4\n(1 GPU)"]
-    vals = [sec["trl"]["samples_per_s"], sec["rlcore"]["eta0"]["samples_per_s"], sec["rlcore"]["eta4"]["samples_per_s"]]
-    bars = ax.bar(names, vals, color=["#999999", "#4c72b0", "#55a868"])
+    two = load("session2/bench_async_trlshape.json")["sections"]["async"]
+    fast = load("session2/bench_async_trlshape_fast.json")["sections"]["async"]
+    names = ["TRL GRPOTrainer\n(HF generate)", "rlcore η=0\n(1 GPU)", "rlcore η=4\n(1 GPU)",
+             "rlcore η=4\n(2 GPUs)", "η=4, 2 GPUs\ncompiled trainer"]
+    vals = [sec["trl"]["samples_per_s"], sec["rlcore"]["eta0"]["samples_per_s"], sec["rlcore"]["eta4"]["samples_per_s"],
+            two["eta4"]["samples_per_s"], fast["eta4"]["samples_per_s"]]
+    bars = ax.bar(names, vals, color=["#999999", "#4c72b0", "#55a868", "#dd8452", "#8172b3"])
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom")
-    ax.set(ylabel="samples / s", title="GRPO end to end vs TRL (1×H200, 128×256 tok/step)")
-    ax.tick_params(axis="x", labelsize=8)
+    ax.set(ylabel="samples / s", title="GRPO end to end vs TRL (H200s, 128×256 tok/step)")
+    ax.tick_params(axis="x", labelsize=7)
 
 
 if __name__ == "__main__":
