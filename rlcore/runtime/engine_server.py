@@ -292,6 +292,22 @@ async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
     return 200, (bodies if plan.batched else bodies[0])
 
 
+async def next_stream_items(queue: asyncio.Queue, request: web.Request) -> list | None:
+    """The next items a streaming handler must send: waits for one, then takes whatever else arrived meanwhile
+    (one event per request per wake-up). None once the client has disconnected (checked every second)."""
+    while True:
+        try:
+            first = await asyncio.wait_for(queue.get(), timeout=1.0)
+            break
+        except asyncio.TimeoutError:
+            if request.transport is None or request.transport.is_closing():
+                return None
+    items = [first]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
 async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.StreamResponse:
     """``/generate`` with ``stream: true``: Server-Sent Events in SGLang's shape.
 
@@ -327,15 +343,9 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
     try:
         await resp.prepare(request)
         while open_reqs:
-            try:
-                first = await asyncio.wait_for(queue.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if request.transport is None or request.transport.is_closing():
-                    break
-                continue
-            items = [first]
-            while not queue.empty():  # coalesce what arrived meanwhile: one event per request per wake-up
-                items.append(queue.get_nowait())
+            items = await next_stream_items(queue, request)
+            if items is None:  # the client went away
+                break
             changed: dict[int, bool] = {}
             for k, item in items:
                 if item is None:
@@ -582,10 +592,13 @@ POST_ROUTES = (
     "get_model_info",
     "health_generate",
 )
+OPENAI_ROUTES = ("v1/completions", "v1/chat/completions")
+"""OpenAI-compatible POST endpoints, answered by ``rlcore.runtime.openai_api``."""
 
 
 def make_app(engine: Engine) -> web.Application:
-    """aiohttp application serving ``engine`` with SGLang's endpoints (the engine must be started)."""
+    """aiohttp application serving ``engine`` with SGLang's endpoints and the OpenAI-compatible
+    ``/v1/completions`` and ``/v1/chat/completions`` (the engine must be started)."""
 
     def route(ep: str):
         async def view(request: web.Request) -> web.StreamResponse:
@@ -610,6 +623,10 @@ def make_app(engine: Engine) -> web.Application:
         app.router.add_get("/" + ep, route(ep))
     for ep in POST_ROUTES:
         app.router.add_post("/" + ep, route(ep))
+    from rlcore.runtime import openai_api  # imports this module: bind late
+
+    for ep in OPENAI_ROUTES:
+        app.router.add_post("/" + ep, openai_api.make_view(engine, ep))
 
     async def unknown(request: web.Request) -> web.Response:
         status, body = _err(404, f"unknown endpoint {request.method} {request.path}")
