@@ -70,8 +70,8 @@ class RunConfig:
     threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
     compile: bool = False
-    """``torch.compile`` each decoder layer of the trainer (GPU runs: ~1.3-1.5x faster packed train step on
-    Qwen2-0.5B shapes, ~10 s of compilation first; docs/benchmarks.md)."""
+    """Training experiments: ``torch.compile`` each decoder layer of the trainer (GPU runs: ~1.3-1.5x faster
+    packed train step on Qwen2-0.5B shapes, ~10 s of compilation first; docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.resume and not self.ckpt_dir:
