@@ -30,6 +30,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -440,6 +441,52 @@ def _autocast_dtype(compute_dtype: torch.dtype | None, x: torch.Tensor) -> torch
     return compute_dtype if (compute_dtype is not None and x.is_cuda) else None
 
 
+def logit_transform(config: Any) -> tuple[float, float | None]:
+    """``(scale, softcap)`` a HF causal LM applies after its LM head: ``logits = cap·tanh(scale·z / cap)``.
+
+    ``z = hidden @ W.T (+ b)``. Cohere multiplies by ``logit_scale``, Granite divides by ``logits_scaling``,
+    Gemma 2/3 soft-cap with ``final_logit_softcapping``; every other model returns ``(1.0, None)``. The trainer
+    must apply the same transform as the HF forward the engine samples from, or its log-probs differ from the
+    behaviour log-probs (greedy decoding hides the difference: both transforms are monotone).
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = 1.0
+    if isinstance(getattr(cfg, "logit_scale", None), (int, float)):
+        scale *= float(cfg.logit_scale)
+    if isinstance(getattr(cfg, "logits_scaling", None), (int, float)) and cfg.logits_scaling:
+        scale /= float(cfg.logits_scaling)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return scale, (float(cap) if isinstance(cap, (int, float)) and cap > 0 else None)
+
+
+def _softcapped_logp_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    temperature: float, scale: float, cap: float, chunk: int = 4096, ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets`` and entropy under ``softmax(cap·tanh(scale·z / cap) / T)``, ``(T,)`` float32.
+
+    Not fusable into the log-prob kernel (tanh), so the logits are formed ``chunk`` tokens at a time, each chunk
+    under activation checkpointing: at most one chunk's ``(chunk, V)`` logits are alive in forward and backward.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    from rlcore import ops
+
+    def piece(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.nn.functional.linear(h, weight, bias).float() * scale
+        z = cap * torch.tanh(z / cap)
+        keep = t != ignore_index  # ignored targets give 0, as in ops.logp_entropy_from_hidden
+        logp = ops.token_logp(z, t.clamp(min=0), temperature)
+        ent = ops.entropy_from_logits(z, temperature)
+        return torch.where(keep, logp, 0.0), torch.where(keep, ent, 0.0)
+
+    outs = [
+        checkpoint(piece, hidden[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+        for i in range(0, hidden.shape[0], chunk)
+    ]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
 class PolicyModel(nn.Module):
     """Causal LM returning per-token log-probs and entropies of a packed stream (the FSDP2 root).
 
@@ -491,8 +538,12 @@ class PolicyModel(nn.Module):
         if cd is not None:  # the LM-head matmul runs in the compute dtype too (grads flow to the fp32 masters)
             hidden, weight = hidden.to(cd), weight.to(cd)
             bias = None if bias is None else bias.to(cd)
+        scale, cap = logit_transform(self.hf.config)
+        if cap is not None:
+            return _softcapped_logp_entropy(hidden, weight, bias, targets, temperature, scale, cap)
+        # a logit scale s is a temperature: softmax(s·z / T) = softmax(z / (T / s))
         return ops.logp_entropy_from_hidden(
-            hidden, weight, targets, temperature=temperature, bias=bias, backend=self.logp_backend
+            hidden, weight, targets, temperature=temperature / scale, bias=bias, backend=self.logp_backend
         )
 
 
