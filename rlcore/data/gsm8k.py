@@ -1,8 +1,9 @@
 """GSM8K as a list of prompt rows for the rollout workflows.
 
 Each jsonl line holds ``question`` and ``answer`` (a worked solution ending in ``#### <number>``).
-A row becomes ``{"messages": [{"role": "user", "content": ...}], "answer": "<number>",
-"question": ..., "solution": ...}``; ``messages`` is what the workflows template, ``answer`` is what
+A row becomes ``{"messages": [{"role": "user", "content": ...}], "prompt": "Question: ...\nAnswer:",
+"answer": "<number>", "question": ..., "solution": ...}``; ``messages`` is what the workflows template (the raw
+``prompt`` is used instead when the tokenizer has no chat template, i.e. a base model), ``answer`` is what
 ``rlcore.rewards.math.gsm8k_reward`` checks against.
 """
 
@@ -49,6 +50,7 @@ def parse_row(line: str, *, path: str | Path = "<string>", lineno: int = 1, inst
         raise ValueError(f"{where}: field 'answer' has an empty final answer after '####'; expected a number")
     return {
         "messages": [{"role": "user", "content": raw["question"].strip() + instruction}],
+        "prompt": "Question: " + raw["question"].strip() + instruction + "\nAnswer:",
         "answer": final.replace(",", ""),
         "question": raw["question"],
         "solution": solution,

@@ -702,11 +702,14 @@ class Engine:
         mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         max_pos = getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
         self.max_seq_len = min(cfg.max_seq_len, int(max_pos)) if max_pos else cfg.max_seq_len
+        # eos ids of the generation config and of the model config together (instruct models often list their
+        # end-of-turn token in one and the end-of-text token in the other)
         gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        if eos is None:
-            eos = getattr(mcfg, "eos_token_id", None)
-        self.eos_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        ids: set[int] = set()
+        for eos in (getattr(gen, "eos_token_id", None) if gen is not None else None,
+                    getattr(mcfg, "eos_token_id", None)):
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        self.eos_ids: frozenset[int] = frozenset(ids)
         self.vocab_size = (
             int(model.get_output_embeddings().weight.shape[0])
             if model.get_output_embeddings() is not None

@@ -135,16 +135,30 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` carries a chat template (base models usually do not)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def chat_text(tokenizer: Any, messages: Sequence[Mapping], *, add_generation_prompt: bool) -> str:
     """The chat template rendered as text (works on transformers 4.x and 5.x)."""
+    if not has_chat_template(tokenizer):
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '?')!r}) has no chat "
+            "template, so chat messages cannot be rendered; use an instruct/chat model or a tokenizer directory "
+            "with a chat_template (--tokenizer DIR), or give the data rows a raw 'prompt' field"
+        )
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def prompt_ids(tokenizer: Any, item: Mapping, field: str = "auto") -> list[int]:
     """Prompt token ids of ``item`` from ``input_ids``, ``messages`` (templated) or ``prompt`` (raw text);
-    ``field="auto"`` takes the first of these present, otherwise exactly the named one."""
+    ``field="auto"`` takes the first of these present (``prompt`` before ``messages`` when the tokenizer has no
+    chat template), otherwise exactly the named one."""
     keys = ("input_ids", "messages", "prompt") if field == "auto" else (field,)
     key = next((k for k in keys if k in item), None)
+    if key == "messages" and field == "auto" and "prompt" in item and not has_chat_template(tokenizer):
+        key = "prompt"  # a base model's tokenizer: the row's raw prompt text instead of templated messages
     if key == "input_ids":
         return [int(t) for t in item["input_ids"]]
     if key == "messages":

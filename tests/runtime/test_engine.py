@@ -847,3 +847,12 @@ def test_penalty_counts_are_rebuilt_when_a_retracted_request_is_prefilled_again(
         eng.continue_generation()
         out = fut.result(30)
     assert 3 <= k < 30 and out.output_ids == ref.output_ids
+
+
+def test_eos_ids_join_generation_and_model_config():
+    """Instruct models list end-of-turn in one config and end-of-text in the other: both stop generation."""
+    model = tiny_model("qwen2", seed=1)
+    model.config.eos_token_id = 5
+    model.generation_config.eos_token_id = [7, 9]
+    eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=32, device="cpu"))
+    assert eng.eos_ids == frozenset({5, 7, 9})

@@ -188,3 +188,31 @@ def test_config_errors_name_the_field():
     assert len(workflows.prompt_ids(TOK, item)) > len(enc("ab"))  # auto prefers the templated chat
     with pytest.raises(KeyError, match="input_ids"):
         workflows.prompt_ids(TOK, item, "input_ids")
+
+
+def test_base_model_tokenizer_without_chat_template():
+    """A base model's tokenizer has no chat template: 'auto' falls back to the row's raw prompt, and rendering
+    messages explicitly raises an error that names the fix."""
+    import copy
+
+    base = copy.deepcopy(TOK)
+    base.chat_template = None
+    item = {"messages": [{"role": "user", "content": "ab"}], "prompt": "ab"}
+    assert workflows.prompt_ids(base, item) == enc("ab")
+    assert len(workflows.prompt_ids(TOK, item)) > len(enc("ab"))  # with a template, messages still win
+    with pytest.raises(ValueError, match="no chat template.*--tokenizer"):
+        workflows.prompt_ids(base, item, "messages")
+    with pytest.raises(ValueError, match="no chat template"):
+        workflows.prompt_ids(base, {"messages": item["messages"]})
+
+
+def test_gsm8k_rows_carry_a_raw_prompt_for_base_models(tmp_path):
+    import json
+
+    from rlcore.data import gsm8k
+
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}) + "\n")
+    (row,) = gsm8k.load(f)
+    assert row["prompt"].startswith("Question: What is 2+3?") and row["prompt"].endswith("\nAnswer:")
+    assert row["messages"][0]["content"] in row["prompt"]
