@@ -615,12 +615,20 @@ class AgentProxy:
         top_p = _number(body, "top_p", float, 1.0)
         if temperature < 0 or not 0 < top_p <= 1:
             raise ProxyError(400, "temperature must be >= 0 and top_p in (0, 1]")
+        stop = body.get("stop")
+        if stop is not None and not (
+            isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
+        ):
+            raise ProxyError(400, "stop: a string or a list of strings is required")
+        stops = [stop] if isinstance(stop, str) else [x for x in (stop or []) if x]
         sampling = SamplingParams(
             max_new_tokens=min(want, cap - len(prompt)),
             temperature=temperature,
             top_p=top_p,
             stop_token_ids=tuple(sorted(self.stop_ids)),
             seed=_number(body, "seed", int, None),
+            # the engine stops as soon as a stop string appears; the cut below still trims the tokens after it
+            stop=tuple(stops) if mode == "hf" else (),
         )
         try:
             resp = await self.client.agenerate(ModelRequest(input_ids=prompt, sampling=sampling, rid=session_id))
@@ -628,8 +636,6 @@ class AgentProxy:
             raise ProxyError(502, f"generation failed: {e}") from e
         out_ids = list(resp.output_tokens)
         text = self.tokenizer.decode(_strip_stop(out_ids, self.stop_ids), skip_special_tokens=True)
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
         if stops and mode == "hf":
             cut = min((i for i in (text.find(x) for x in stops if x) if i >= 0), default=-1)
             if cut >= 0:
