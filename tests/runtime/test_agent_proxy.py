@@ -255,6 +255,8 @@ def test_auth_errors_and_validation(engine, tok):
         assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
         bad = post(proxy.base_url + "/chat/completions", {"messages": hi, "max_tokens": 2.5}, key)
         assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+        bad = post(proxy.base_url + "/chat/completions", {"messages": hi, "stop": [1, 2]}, key)
+        assert bad.status_code == 400 and "stop" in bad.json()["error"]["message"]
         assert post(proxy.base_url + "/chat/completions", {"messages": []}, key).status_code == 400
         assert post(proxy.base_url + "/chat/completions", {"messages": hi, "max_total_tokens": 5}, key).status_code == 400
         assert post(proxy.url + "/rl/set_reward", {"reward": 1.0}, key).status_code == 400
