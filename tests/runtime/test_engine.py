@@ -66,6 +66,15 @@ def teacher_forced(model, prompt: list[int], out: list[int], temperature: float 
     return torch.log_softmax(logits / temperature, dim=-1)
 
 
+def submit_while_paused(eng: Engine, prompts: list[list[int]], sps: list[SamplingParams]) -> list:
+    """Queue every request while the engine is paused, then continue: they are admitted together (one prefill)."""
+    eng.pause("in_place")
+    futs = [eng.submit(p, s) for p, s in zip(prompts, sps)]
+    wait_for(lambda: eng.num_waiting == len(futs), 5)
+    eng.continue_generation()
+    return [f.result(30) for f in futs]
+
+
 def wait_for(pred, timeout: float = 20.0) -> None:
     t0 = time.time()
     while not pred():
@@ -468,11 +477,7 @@ def test_batched_prefill_equals_one_at_a_time_prefill(kind):
     # the greedy continuations equal the one-at-a-time reference.
     sp = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)]
     with eng:
-        eng.pause("in_place")
-        futs = [eng.submit(p, s) for p, s in zip(PREFILL_PROMPTS, sp)]
-        wait_for(lambda: eng.num_waiting == len(futs), 5)
-        eng.continue_generation()
-        outs = [f.result(30) for f in futs]
+        outs = submit_while_paused(eng, PREFILL_PROMPTS, sp)
         assert eng.stats["prefill_forwards"] == 1
         alone = [eng.generate(p, s, timeout=30) for p, s in zip(PREFILL_PROMPTS, sp)]
     for p, o, a in zip(PREFILL_PROMPTS, outs, alone):
@@ -492,11 +497,7 @@ def test_left_padded_fallback_prefill_matches_teacher_forcing(kind):
     eng._fwd.head = None
     sp = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)]
     with eng:
-        eng.pause("in_place")
-        futs = [eng.submit(p, s) for p, s in zip(PREFILL_PROMPTS, sp)]
-        wait_for(lambda: eng.num_waiting == len(futs), 5)
-        eng.continue_generation()
-        outs = [f.result(30) for f in futs]
+        outs = submit_while_paused(eng, PREFILL_PROMPTS, sp)
         assert eng.stats["prefill_forwards"] == 1
     for p, o in zip(PREFILL_PROMPTS, outs):
         tf = teacher_forced(ref, p, o.output_ids).gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
