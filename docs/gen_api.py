@@ -4,7 +4,7 @@ Run:    python docs/gen_api.py            # rewrite docs/api.md
         python docs/gen_api.py --check    # exit 1 if docs/api.md is stale (tests/test_docs.py does the same)
 
 Covered: ``rlcore.ops`` and every module of ``rlcore.objectives``, ``rlcore.advantages``, ``rlcore.data`` and
-``rlcore.rewards``. Per module: the first paragraph of its docstring, then every public class and function in
+``rlcore.rollout.rewards``. Per module: the first paragraph of its docstring, then every public class and function in
 source order with its signature, the first paragraph of its docstring, and its ``Args`` / ``Returns`` sections
 (where the tensor shapes are stated). Config dataclasses get a table of their fields with the docstring under
 each field (the same text that becomes the CLI help).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "api.md"
-PACKAGES = ("rlcore/objectives", "rlcore/advantages", "rlcore/data", "rlcore/rewards")
+PACKAGES = ("rlcore/objectives", "rlcore/advantages", "rlcore/data", "rlcore/rollout/rewards")
 SINGLE_MODULES = ("rlcore/ops.py",)
 SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises):\s*(.*)$")
 ENTRY = re.compile(r"^([A-Za-z_*][\w*]*(?:\s*(?:,|/)\s*[A-Za-z_*][\w*]*)*)\s*(\([^)]*\))?:\s*(.*)$")

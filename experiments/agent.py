@@ -5,7 +5,7 @@ Smoke:  python experiments/agent.py --model tiny --steps 2 --prompts-per-step 2 
             --agent.max-tokens 8
 Expect: rollout/reward rises like single-turn GRPO's; the agent code never sees a token id or a log-prob.
 
-The agent only receives ``base_url`` and ``api_key`` (spec system.md §6). rlcore.runtime.agent_proxy sits between
+The agent only receives ``base_url`` and ``api_key`` (spec system.md §6). rlcore.rollout.proxy sits between
 it and the engine: it applies the chat template, generates through the rollout's EngineClient (so weight pushes
 pause and version-tag the agent's calls like any rollout), and records ids, log-probs and versions. Each episode
 is exported in ``concat`` style: one row per conversation, earlier turns discounted by ``turn_discount``.
@@ -24,8 +24,11 @@ from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.objectives import ppo
 from rlcore.objectives import rejection as rejection_lib
-from rlcore.rewards import math as math_reward
-from rlcore.runtime import agent_proxy, loop, rollout, step, train_state, workflows
+from rlcore.rollout import controller as rollout
+from rlcore.rollout import proxy as agent_proxy
+from rlcore.rollout import workflows
+from rlcore.rollout.rewards import math as math_reward
+from rlcore.training import loop, step, train_state
 
 
 @dataclass(frozen=True)

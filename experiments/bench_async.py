@@ -5,7 +5,7 @@ Run (2 x H200, ~4 min):
 Smoke (CPU, tiny model, < 60 s):
     python experiments/bench_async.py --smoke
 
-One process, two devices: the embedded engine (rlcore.runtime.engine.Engine, CUDA graphs, bf16) serves on
+One process, two devices: the embedded engine (rlcore.inference.engine.Engine, CUDA graphs, bf16) serves on
 ``--engine-device`` (default cuda:0) and the trainer (rl_step, decoupled PPO with recomputed proximal
 log-probs, GRPO group normalisation) runs on ``--train-device`` (default cuda:1). The rollout side is the
 library's own: RolloutController -> EngineClient (in-process transport, no HTTP) -> Engine, one task per
@@ -248,8 +248,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
     """Build the policy on the train device, a copy in the engine, and warm both up (graphs, Triton)."""
     from transformers import AutoModelForCausalLM
 
-    from rlcore.runtime import engine as engine_lib
-    from rlcore.runtime import train_state, weight_sync
+    from rlcore.inference import engine as engine_lib
+    from rlcore.training import train_state, weight_sync
 
     t0 = time.perf_counter()
     engine_dev, train_dev = pick_devices(args.engine_device, args.train_device)
@@ -272,7 +272,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
     if not fp32_master:  # bf16 parameters and optimizer; else fp32 masters with a bf16 autocast forward
         state.model.to(dtype)
     if args.compile:
-        from rlcore.runtime import fsdp
+        from rlcore.training import fsdp
 
         fsdp.compile_decoder_layers(state.model)
     init_sd = {n: t.detach().clone() for n, t in weight_sync.hf_named_tensors(state.model)}
@@ -307,14 +307,14 @@ def setup_summary(s: Setup) -> dict:
 
 
 def _optim_cfg(args: argparse.Namespace):
-    from rlcore.runtime import train_state
+    from rlcore.training import train_state
 
     return train_state.OptimConfig(lr=args.lr, weight_decay=0.0)
 
 
 def warm_engine(setup: Setup) -> None:
     """Capture the decode graph of every power-of-two bucket and run one long prefill (not timed)."""
-    from rlcore.runtime.protocol import SamplingParams
+    from rlcore.inference.protocol import SamplingParams
 
     eng, b = setup.engine, 1
     sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True)
@@ -335,7 +335,7 @@ def warm_engine(setup: Setup) -> None:
 def warm_trainer(setup: Setup) -> None:
     """One rl_step on a synthetic batch (compiles the Triton kernels), then restore the initial weights."""
     from rlcore.data import trajectory
-    from rlcore.runtime import step
+    from rlcore.training import step
 
     g = torch.Generator().manual_seed(2)
     rows = []
@@ -352,7 +352,7 @@ def warm_trainer(setup: Setup) -> None:
 
 def reset(setup: Setup) -> None:
     """Initial weights in trainer and engine, fresh optimizer, version 0 everywhere, engine idle."""
-    from rlcore.runtime import train_state, weight_sync
+    from rlcore.training import train_state, weight_sync
 
     eng = setup.engine
     eng.abort()
@@ -372,7 +372,7 @@ def step_config(args: argparse.Namespace, train_dev: torch.device):
     from rlcore.advantages import normalize
     from rlcore.data import microbatch
     from rlcore.objectives import ppo
-    from rlcore.runtime import step
+    from rlcore.training import step
 
     return step.RLStepConfig(
         objective="ppo",
@@ -414,8 +414,8 @@ def even_reward(tokens: Sequence[int]) -> float:
 def make_episode(temperature: float = 1.0):
     """Episode: one request with this sample's own ``max_new_tokens`` (ignore_eos), reward = even fraction."""
     from rlcore.data import trajectory
-    from rlcore.runtime import workflows
-    from rlcore.runtime.protocol import ModelRequest, SamplingParams
+    from rlcore.inference.protocol import ModelRequest, SamplingParams
+    from rlcore.rollout import workflows
 
     async def episode(client: Any, item: dict) -> dict[str, torch.Tensor]:
         n = item["lens"][workflows.SAMPLE_IDX.get()]
@@ -429,7 +429,7 @@ def make_episode(temperature: float = 1.0):
 
 def publish(setup: Setup, ctl: Any, mode: str, pause_mode: str) -> float:
     """Push the trainer's weights into the engine (order of weight_sync.publish_weights); returns seconds."""
-    from rlcore.runtime import weight_sync
+    from rlcore.training import weight_sync
 
     sync(setup.train_dev)
     t0 = time.perf_counter()
@@ -466,7 +466,9 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
     """
     from rlcore.data import trajectory
     from rlcore.data.loader import PromptLoader
-    from rlcore.runtime import engine_client, rollout, step
+    from rlcore.inference import client as engine_client
+    from rlcore.rollout import controller as rollout
+    from rlcore.training import step
 
     args = setup.args
     reset(setup)
@@ -634,7 +636,9 @@ class CountingTarget:
         self.counting = True
 
     async def handle(self, endpoint: str, payload: dict) -> tuple[int, Any]:
-        status, body = await self.engine.handle(endpoint, payload)
+        from rlcore.inference.server import handle as server_handle
+
+        status, body = await server_handle(self.engine, endpoint, payload)
         if self.counting and endpoint.strip("/") == "generate" and status == 200 and isinstance(body, dict):
             self.tokens += int(body.get("meta_info", {}).get("completion_tokens", 0))
         return status, body
@@ -648,8 +652,8 @@ def run_interrupt(setup: Setup, mode: str, *, duration_s: float, interval_s: flo
     requests) or ``wait_all`` (stop submitting, wait until nothing is in flight, load, resume). The update
     schedule is the same wall-clock grid in every mode; a late update (still draining) starts at once.
     """
-    from rlcore.runtime import engine_client
-    from rlcore.runtime.protocol import ModelRequest, SamplingParams
+    from rlcore.inference import client as engine_client
+    from rlcore.inference.protocol import ModelRequest, SamplingParams
 
     args = setup.args
     reset(setup)
@@ -661,7 +665,7 @@ def run_interrupt(setup: Setup, mode: str, *, duration_s: float, interval_s: flo
     prompts = make_dataset(64, prompt_len=args.prompt_len, group_size=1, vocab=setup.vocab, seed=seed,
                            median=args.len_median, sigma=args.len_sigma, cap=args.len_cap)
     # the weights pushed at every update: the trainer's (device-to-device, same as section 1)
-    from rlcore.runtime import weight_sync
+    from rlcore.training import weight_sync
 
     sd = {n: t.detach().to(setup.dtype) for n, t in weight_sync.hf_named_tensors(setup.state.model)}
     updates: list[dict] = []

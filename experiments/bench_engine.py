@@ -116,8 +116,8 @@ def reset_attention(model) -> None:
 def bench_engine(
     cfg: Config, model, prompts: list[list[int]], device, cuda_graph: bool, grouped: bool = True
 ) -> dict:
-    from rlcore.runtime.engine import Engine, EngineConfig
-    from rlcore.runtime.protocol import SamplingParams
+    from rlcore.inference.engine import Engine, EngineConfig
+    from rlcore.inference.protocol import SamplingParams
 
     ecfg = EngineConfig(
         max_batch=cfg.requests,

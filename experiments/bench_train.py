@@ -161,7 +161,7 @@ def bench_rlcore(
     ``torch.profiler``; the 25 most expensive device kernels go into the result (``profile_top``).
     """
     from rlcore.data import microbatch
-    from rlcore.runtime import fsdp, models, step, train_state
+    from rlcore.training import fsdp, models, step, train_state
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" and not fp32_master else torch.float32
@@ -232,7 +232,7 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
 
     from rlcore.data import microbatch
     from rlcore.objectives import ppo
-    from rlcore.runtime.step import shift_to_predictive
+    from rlcore.training.step import shift_to_predictive
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

@@ -5,10 +5,10 @@ Run (2 x H200, ~1.5 min):
 Smoke (CPU, tiny model, gloo instead of NCCL, < 60 s):
     python experiments/bench_weight_sync.py --smoke
 
-Two processes. The engine server (``--serve`` mode of this script: rlcore.runtime.engine.Engine behind
-rlcore.runtime.engine_server.make_app, i.e. SGLang's HTTP protocol) runs in a subprocess with
+Two processes. The engine server (``--serve`` mode of this script: rlcore.inference.engine.Engine behind
+rlcore.inference.server.make_app, i.e. SGLang's HTTP protocol) runs in a subprocess with
 ``CUDA_VISIBLE_DEVICES=0``; the trainer (this process) holds the policy on ``--train-device`` (default cuda:1)
-and talks to the server through rlcore.runtime.engine_client.SyncEngineClient. Every publish is the library's
+and talks to the server through rlcore.inference.client.SyncEngineClient. Every publish is the library's
 ``weight_sync.publish_weights`` (pause_generation -> push -> continue_generation -> version + 1), timed from the
 call until it returns, i.e. until the server acknowledged the load and resumed generation ("engine-ready").
 After each publish a 1-token /generate is timed too (``first_token_s``).
@@ -65,8 +65,8 @@ def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlcore.runtime.engine import Engine, EngineConfig
-    from rlcore.runtime.engine_server import make_app
+    from rlcore.inference.engine import Engine, EngineConfig
+    from rlcore.inference.server import make_app
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -147,7 +147,7 @@ class ServerProcess:
 
 
 def _first_token_s(client) -> float:
-    from rlcore.runtime.protocol import ModelRequest, SamplingParams
+    from rlcore.inference.protocol import ModelRequest, SamplingParams
 
     t0 = time.perf_counter()
     client.generate(ModelRequest(input_ids=[1, 2, 3, 4], sampling=SamplingParams(max_new_tokens=1, temperature=0)))
@@ -174,7 +174,7 @@ def fs_type(path: str) -> str:
 
 def bench_disk(holder: dict, client, root: str, reps: int, dtype: str) -> dict:
     """publish_weights(mode='disk') ``reps`` times, plus the write and the load timed apart once."""
-    from rlcore.runtime import weight_sync
+    from rlcore.training import weight_sync
 
     cfg = weight_sync.PublishConfig(mode="disk", disk_root=root, dtype=dtype)
     times, first = [], []
@@ -201,7 +201,7 @@ def bench_disk(holder: dict, client, root: str, reps: int, dtype: str) -> dict:
 
 def bench_distributed(holder: dict, client, buckets: list[float], reps: int, dtype: str, backend: str) -> dict:
     """connect_broadcast once, then publish_weights(mode='distributed') per bucket size."""
-    from rlcore.runtime import weight_sync
+    from rlcore.training import weight_sync
 
     out: dict = {"backend": backend}
     t0 = time.perf_counter()
@@ -230,7 +230,7 @@ def build_trainer(args: argparse.Namespace, train_dev: torch.device, dtype: torc
     from bench_async import QWEN05, TINY, qwen2_config
     from transformers import AutoModelForCausalLM
 
-    from rlcore.runtime import train_state
+    from rlcore.training import train_state
 
     shapes = TINY if args.smoke else QWEN05
     mcfg = qwen2_config(**shapes, max_pos=4096)
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
     from bench_async import Budget, Report, sync
 
-    from rlcore.runtime import engine_client
+    from rlcore.inference import client as engine_client
 
     if args.smoke and args.reps == p.get_default("reps"):
         args.reps = 1

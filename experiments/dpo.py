@@ -21,7 +21,8 @@ from rlcore import tiny as tiny_lib
 from rlcore.data import gsm8k, microbatch, preference, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.objectives import dpo as dpo_lib
-from rlcore.runtime import loop, step, train_state, workflows
+from rlcore.rollout import workflows
+from rlcore.training import loop, step, train_state
 
 
 @dataclass(frozen=True)

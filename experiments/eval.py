@@ -21,8 +21,10 @@ import tyro
 
 from rlcore import tiny as tiny_lib
 from rlcore.data import gsm8k
-from rlcore.rewards import math as math_reward
-from rlcore.runtime import checkpoint, loop, models, rollout, workflows
+from rlcore.rollout import controller as rollout
+from rlcore.rollout import workflows
+from rlcore.rollout.rewards import math as math_reward
+from rlcore.training import checkpoint, loop, models
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,13 @@ from rlcore import tiny
 from rlcore.advantages import normalize
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
+from rlcore.inference import client as engine_client
+from rlcore.inference import engine as engine_lib
 from rlcore.objectives import ppo
-from rlcore.rewards import countdown as countdown_reward
-from rlcore.runtime import engine as engine_lib
-from rlcore.runtime import engine_client, metrics, models, rollout, step, train_state, weight_sync, workflows
+from rlcore.rollout import controller as rollout
+from rlcore.rollout import workflows
+from rlcore.rollout.rewards import countdown as countdown_reward
+from rlcore.training import metrics, models, step, train_state, weight_sync
 
 HERE = Path(__file__).resolve().parent
 

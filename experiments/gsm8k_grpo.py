@@ -31,8 +31,10 @@ from rlcore.objectives import icepop as icepop_lib
 from rlcore.objectives import kpop as kpop_lib
 from rlcore.objectives import m2po as m2po_lib
 from rlcore.objectives import rejection as rejection_lib
-from rlcore.rewards import math as math_reward
-from rlcore.runtime import loop, rollout, step, train_state, workflows
+from rlcore.rollout import controller as rollout
+from rlcore.rollout import workflows
+from rlcore.rollout.rewards import math as math_reward
+from rlcore.training import loop, step, train_state
 
 
 @dataclass(frozen=True)

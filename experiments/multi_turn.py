@@ -26,8 +26,10 @@ from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.objectives import ppo
 from rlcore.objectives import rejection as rejection_lib
-from rlcore.rewards import math as math_reward
-from rlcore.runtime import loop, rollout, step, train_state, workflows
+from rlcore.rollout import controller as rollout
+from rlcore.rollout import workflows
+from rlcore.rollout.rewards import math as math_reward
+from rlcore.training import loop, step, train_state
 
 
 @dataclass(frozen=True)

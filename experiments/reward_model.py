@@ -20,7 +20,8 @@ import tyro
 from rlcore import tiny as tiny_lib
 from rlcore.data import gsm8k, microbatch, preference, trajectory
 from rlcore.data.loader import PromptLoader
-from rlcore.runtime import loop, models, step, train_state, workflows
+from rlcore.rollout import workflows
+from rlcore.training import loop, models, step, train_state
 
 
 @dataclass(frozen=True)

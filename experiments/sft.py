@@ -20,7 +20,8 @@ import tyro
 from rlcore import tiny as tiny_lib
 from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
-from rlcore.runtime import loop, step, train_state, workflows
+from rlcore.rollout import workflows
+from rlcore.training import loop, step, train_state
 
 
 @dataclass(frozen=True)

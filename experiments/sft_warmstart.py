@@ -33,7 +33,7 @@ import tyro
 
 from rlcore import tiny
 from rlcore.data import countdown
-from rlcore.rewards import countdown as countdown_reward
+from rlcore.rollout.rewards import countdown as countdown_reward
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,13 @@ from rlcore import tiny
 from rlcore.advantages import normalize
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
+from rlcore.inference import client as engine_client
+from rlcore.inference import engine as engine_lib
 from rlcore.objectives import ppo
-from rlcore.rewards import countdown as countdown_reward
-from rlcore.runtime import engine as engine_lib
-from rlcore.runtime import engine_client, metrics, models, rollout, step, train_state, weight_sync, workflows
+from rlcore.rollout import controller as rollout
+from rlcore.rollout import workflows
+from rlcore.rollout.rewards import countdown as countdown_reward
+from rlcore.training import metrics, models, step, train_state, weight_sync
 
 ASSET = Path(__file__).resolve().parent / "assets" / "countdown-tiny"
 
@@ -149,7 +152,7 @@ def main(cfg: Config) -> dict[str, float]:
 
     hist: list[tuple[float, int, float]] = []
     out: dict[str, float] = {}
-    # In-process transport: the client calls engine.handle(...) directly, no HTTP (and no session to
+    # In-process transport: the client calls the SGLang handlers directly, no HTTP (and no session to
     # close); pointing it at "http://127.0.0.1:PORT" of rlcore.serve or SGLang changes nothing else.
     client = engine_client.EngineClient(engine)
     with (

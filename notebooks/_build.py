@@ -292,7 +292,7 @@ OBJECTIVE_GEOMETRY = [
     md("""
     Takeaways: the objectives agree exactly on-policy and differ only in how they treat tokens whose ratio has
     drifted; the keep-masks act *before* the objective on the engine/trainer mismatch, so any mask composes
-    with any objective (`RLStepConfig(objective=..., keep_masks=(...))` in `rlcore.runtime.step`).
+    with any objective (`RLStepConfig(objective=..., keep_masks=(...))` in `rlcore.training.step`).
     The formulas and AReaL parity notes are in docs/algorithms.md.
     """),
 ]
@@ -315,7 +315,7 @@ WRITE_YOUR_OWN = [
     This notebook (1) writes a new objective in a cell, (2) property-tests it with the project's hypothesis
     strategies (`tests/strategies.py`) the same way `tests/objectives/` tests the shipped ones, and (3) trains the
     CPU main job with it for a few steps by registering it in the plain dict `rlcore.objectives.OBJECTIVES`
-    (the documented extension point: `rlcore.runtime.step.rl_step` looks the objective up by the name in
+    (the documented extension point: `rlcore.training.step.rl_step` looks the objective up by the name in
     `RLStepConfig.objective`).
 
     **Run.** Tiny setting (CI, under 30 s): execute as is (25 hypothesis examples per property, 2 RL steps on

@@ -16,8 +16,8 @@ from typing import Literal
 
 import tyro
 
-from rlcore.runtime.agent_proxy import DEFAULT_ADMIN_KEY, AgentProxy, ProxyConfig
-from rlcore.runtime.engine_client import ClientConfig, EngineClient
+from rlcore.inference.client import ClientConfig, EngineClient
+from rlcore.rollout.proxy import DEFAULT_ADMIN_KEY, AgentProxy, ProxyConfig
 
 
 @dataclass(frozen=True)

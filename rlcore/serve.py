@@ -56,8 +56,8 @@ def main(cfg: ServeConfig) -> None:
 
     from aiohttp import web
 
-    from rlcore.runtime.engine import Engine, EngineConfig
-    from rlcore.runtime.engine_server import make_app
+    from rlcore.inference.engine import Engine, EngineConfig
+    from rlcore.inference.server import make_app
 
     tokenizer = None
     if cfg.tokenizer is not None:

@@ -1,6 +1,6 @@
 """Trainer script for tests/test_ray_launch.py: async GRPO steps on remote engines, with a pause for fault injection.
 
-Run by ``rlcore.ray_launch`` as every trainer rank (gloo on CPU): the library end to end — ``loop.open_engines``
+Run by ``rlcore.launch.ray_cluster`` as every trainer rank (gloo on CPU): the library end to end — ``loop.open_engines``
 (an ``EngineClient`` over ``$RLCORE_ENGINE_ADDRS``, weights published through safetensors on disk),
 ``RolloutController`` (bounded staleness), ``step.rl_step`` and ``loop.publish``. After step ``--pause-after``
 rank 0 writes ``<sync>/paused`` and every rank waits for ``<sync>/go`` (the test kills an engine in between),
@@ -18,7 +18,10 @@ import torch
 
 from rlcore.data import trajectory
 from rlcore.data.loader import PromptLoader
-from rlcore.runtime import engine_client, loop, rollout, step, train_state, workflows
+from rlcore.inference import client as engine_client
+from rlcore.rollout import controller as rollout
+from rlcore.rollout import workflows
+from rlcore.training import loop, step, train_state
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(3)]
 

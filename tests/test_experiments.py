@@ -261,8 +261,9 @@ def test_gsm8k_with_remote_engine_server(data_dir, tmp_path):
     from aiohttp import web
 
     from rlcore import tiny
-    from rlcore.runtime import engine as engine_lib
-    from rlcore.runtime import engine_server, loop
+    from rlcore.inference import engine as engine_lib
+    from rlcore.inference import server as engine_server
+    from rlcore.training import loop
 
     cfg = GSM.SMOKE["grpo"]
     tok = loop.load_tokenizer(loop.TINY)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rlcore import launch
+from rlcore.launch import cli as launch_cli
 
 FAKE_ENGINE = textwrap.dedent(
     """
@@ -119,7 +120,7 @@ def test_slurm_script_shape():
 
 
 def test_cli_slurm_prints(capsys):
-    assert launch.main(["--alloc", "engines:1+trainer:1", "--model", "/m", "--slurm", "--", "e.py"]) == 0
+    assert launch_cli.main(["--alloc", "engines:1+trainer:1", "--model", "/m", "--slurm", "--", "e.py"]) == 0
     assert "torchrun" in capsys.readouterr().out
 
 
@@ -142,7 +143,7 @@ def test_engine_commands():
 def test_weight_sync_host_is_loopback_for_local_engines(monkeypatch):
     import socket
 
-    from rlcore.runtime import loop
+    from rlcore.training import loop
 
     monkeypatch.delenv(loop.ENV_SYNC_HOST, raising=False)
     local = ["127.0.0.1:30000", "localhost:30001", f"{socket.gethostname()}:30002", "[::1]:30003"]
@@ -155,7 +156,7 @@ def test_weight_sync_host_routes_towards_a_remote_engine(monkeypatch):
     """A remote engine gets this node's routable address, never loopback; no route -> an error naming the fix."""
     import ipaddress
 
-    from rlcore.runtime import loop
+    from rlcore.training import loop
 
     monkeypatch.delenv(loop.ENV_SYNC_HOST, raising=False)
     try:
@@ -188,7 +189,7 @@ def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = ()
     from safetensors.torch import load_file
 
     from rlcore import tiny
-    from rlcore.runtime import loop
+    from rlcore.training import loop
 
     root = Path(__file__).resolve().parent.parent
     model = tmp_path / "model"

@@ -21,7 +21,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlcore import launch, ray_launch
+from rlcore import launch
+from rlcore.launch import cli as launch_cli
+from rlcore.launch import ray_cluster as ray_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_ARGS = ("--device", "cpu", "--dtype", "float32", "--max-batch", "8", "--max-seq-len", "512")
@@ -129,7 +131,7 @@ def test_launch_cli_dispatches_ray(monkeypatch):
         "e.py",
         "--x",
     ]
-    assert launch.main(argv) == 5
+    assert launch_cli.main(argv) == 5
     assert seen["cmd"] == ["e.py", "--x"] and seen["model"] == "/m"
     assert (seen["alloc"].engines, seen["alloc"].trainer) == (1, 2)
     assert (seen["cfg"].address, seen["cfg"].host, seen["cfg"].strategy) == ("auto", "auto", "PACK")
@@ -303,7 +305,7 @@ def test_ray_launcher_sigterm_stops_children_and_keeps_cluster(ray_cluster, tmp_
         f"import os, time\nopen({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
     )
     address = ray_cluster.get_runtime_context().gcs_address
-    cmd = [sys.executable, "-m", "rlcore.ray_launch", "--address", address, "--alloc", "engines:0+trainer:1",
+    cmd = [sys.executable, "-m", "rlcore.launch.ray_cluster", "--address", address, "--alloc", "engines:0+trainer:1",
            "--model", "m", "--", str(trainer)]  # fmt: skip
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -339,7 +341,7 @@ def test_ray_launcher_sigterm_stops_children_and_keeps_cluster(ray_cluster, tmp_
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     from rlcore import tiny
-    from rlcore.runtime import loop
+    from rlcore.training import loop
 
     path = tmp_path_factory.mktemp("ray-model")
     tok = loop.load_tokenizer(loop.TINY)

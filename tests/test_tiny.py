@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from rlcore import tiny
 from rlcore.data import countdown as cd
-from rlcore.rewards import countdown as cr
+from rlcore.rollout.rewards import countdown as cr
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "experiments" / "assets" / "countdown-tiny"

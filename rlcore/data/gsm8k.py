@@ -4,7 +4,7 @@ Each jsonl line holds ``question`` and ``answer`` (a worked solution ending in `
 A row becomes ``{"messages": [{"role": "user", "content": ...}], "prompt": "Question: ...\nAnswer:",
 "answer": "<number>", "question": ..., "solution": ...}``; ``messages`` is what the workflows template (the raw
 ``prompt`` is used instead when the tokenizer has no chat template, i.e. a base model), ``answer`` is what
-``rlcore.rewards.math.gsm8k_reward`` checks against.
+``rlcore.rollout.rewards.math.gsm8k_reward`` checks against.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A packed micro-batch concatenates the real tokens of ``b`` right-padded rows int
 ``position_ids`` restart at 0 for every sequence, and ``max_seqlen`` is the longest ``l_i``.
 Models run on it with batch dimension 1 and no padding mask: varlen flash-attention reads
 ``cu_seqlens``; sdpa/eager attention in transformers >= 4.53 derives a block-causal mask from the
-restarting ``position_ids`` (``rlcore.runtime.models`` checks this).
+restarting ``position_ids`` (``rlcore.training.models`` checks this).
 
 Optional padding (``pad_to_multiple``) appends ONE dummy sequence (ids 0, position ids ``0..pad-1``,
 masks False) so the stream length is a multiple of the given size; :func:`unpack` drops it.

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlcore.data import countdown as cd
-from rlcore.rewards import countdown as cr
+from rlcore.rollout.rewards import countdown as cr
 
 configs = st.builds(  # small spaces (e.g. max_number=1) can leave a split empty; see test_empty_split
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rlcore.data import gsm8k
 from rlcore.data.loader import PromptLoader
-from rlcore.rewards.math import gsm8k_reward
+from rlcore.rollout.rewards.math import gsm8k_reward
 
 GOOD = {"question": "Tom has 3 apples and buys 1,200 more. How many?", "answer": "3+1200=1203\n#### 1,203"}
 

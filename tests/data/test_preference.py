@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlcore.data import preference
-from rlcore.rewards import math as gm
+from rlcore.rollout.rewards import math as gm
 from rlcore.tiny import build_tokenizer
 
 

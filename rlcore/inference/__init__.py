@@ -1,0 +1,1 @@
+"""Inference wing: engine, sampling, SGLang-protocol server, client, SGLang launcher. Imports no rollout/training."""

@@ -1,0 +1,713 @@
+"""Async client for the SGLang generation protocol: interruptible generation and control fan-out.
+
+One client drives any mix of servers, each given either as an address (``"http://127.0.0.1:30000"``
+or ``"127.0.0.1:30000"``; HTTP through aiohttp, works for our ``engine_server`` and for a real SGLang
+server) or as an in-process engine object exposing ``async handle(endpoint, payload) -> (status, json)``
+(no HTTP at all). The wire format is SGLang's (spec system.md §4).
+
+Concurrency invariants (spec system.md §3):
+
+- ``agenerate`` pins ``v_req = get_version()`` just before each segment is sent and tags every token
+  of that segment with it. A segment is only (re)submitted while the client is not paused, so a
+  trainer that follows pause() → pause_generation() → push weights → continue_generation() →
+  set_version(v + 1) → resume() never gets new-weight tokens labelled with the old version.
+- ``pause()``/``resume()``/``set_version()`` only flip plain attributes; they may be called from any
+  thread. Blocked loops poll the pause flag every ``ClientConfig.pause_poll_s``.
+- Routing state (sticky rid → server LRU, round-robin cursor, dead servers) is guarded by a lock, and
+  HTTP sessions are kept per event loop, so one client may be shared by several threads' loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import math
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import aiohttp
+
+from rlcore.inference import server as server_lib
+from rlcore.inference.engine import Engine
+from rlcore.inference.protocol import ModelRequest, ModelResponse
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FINAL_REASONS = frozenset({"stop", "length", "tool_calls"})
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Timeouts, retries and routing of an ``EngineClient`` (spec system.md §3.1, §13)."""
+
+    timeout_s: float = 3600.0
+    """Wall-clock limit of one HTTP call (one /generate segment or one control call)."""
+    retries: int = 3
+    """Extra attempts after a failed call (transport error, timeout, 5xx, malformed body)."""
+    backoff_s: float = 1.0
+    """Sleep before the first retry; doubles on each further retry."""
+    backoff_max_s: float = 30.0
+    """Upper bound on one back-off sleep."""
+    max_aborts_unpaused: int = 3
+    """Consecutive aborts of one request that happen while the client is not paused (and no weight
+    update happened) before ``agenerate`` gives up and raises; rlcore's bound on AReaL's endless resubmits."""
+    dead_after_failures: int = 3
+    """Consecutive failed calls after which a server is marked dead (unroutable) until ``revive``; the
+    last live server is never marked dead (its requests fail after their retries instead)."""
+    sticky_lru: int = 128
+    """How many recent request ids remember their server (prefix-cache locality on resubmission)."""
+    pause_poll_s: float = 0.05
+    """How often a paused ``agenerate`` loop re-checks the pause flag."""
+    health_poll_s: float = 1.0
+    """Period of /health polling in ``wait_until_healthy``."""
+    seed: int | None = None
+    """Seed of the random round-robin start index; None draws it from the OS."""
+
+    def __post_init__(self):
+        if self.timeout_s <= 0:
+            raise ValueError(f"ClientConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if self.retries < 0:
+            raise ValueError(f"ClientConfig.retries must be >= 0, got {self.retries}")
+        if self.backoff_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("ClientConfig.backoff_s and backoff_max_s must be >= 0")
+        if self.max_aborts_unpaused < 1:
+            raise ValueError(f"ClientConfig.max_aborts_unpaused must be >= 1, got {self.max_aborts_unpaused}")
+        if self.dead_after_failures < 1:
+            raise ValueError(f"ClientConfig.dead_after_failures must be >= 1, got {self.dead_after_failures}")
+        if self.sticky_lru < 0:
+            raise ValueError(f"ClientConfig.sticky_lru must be >= 0, got {self.sticky_lru}")
+        if self.pause_poll_s <= 0 or self.health_poll_s <= 0:
+            raise ValueError("ClientConfig.pause_poll_s and health_poll_s must be > 0")
+
+
+class EngineError(RuntimeError):
+    """A generation or control call failed for good (after retries, or a non-retryable error)."""
+
+
+class _Retryable(Exception):
+    """Internal: a failure worth retrying (transport error, timeout, 5xx, malformed body)."""
+
+
+class InProcessEngine(Protocol):
+    """Anything with the engine's JSON handler (``server.InProcessServer`` wraps an ``Engine`` with it)."""
+
+    async def handle(self, endpoint: str, payload: dict) -> tuple[int, dict]: ...
+
+
+class _Server:
+    """One routable target: an HTTP address or an in-process engine, plus its health counters."""
+
+    def __init__(self, target: str | InProcessEngine):
+        if isinstance(target, str):
+            url = target.rstrip("/")
+            if not url.startswith(("http://", "https://")):
+                url = "http://" + url
+            self.url: str | None = url
+            self.engine: InProcessEngine | None = None
+            self.name = url
+        elif isinstance(target, Engine):  # served in-process by the SGLang handlers, no HTTP
+            self.url, self.engine = None, server_lib.InProcessServer(target)
+            self.name = f"inproc:Engine@{id(target):x}"
+        elif hasattr(target, "handle"):
+            self.url, self.engine = None, target
+            self.name = f"inproc:{type(target).__name__}@{id(target):x}"
+        else:
+            raise TypeError(
+                f"servers: each entry must be an address string or an object with async handle(endpoint, "
+                f"payload), got {type(target).__name__}"
+            )
+        self.failures = 0
+        self.dead = False
+
+
+def _backoff(cfg: ClientConfig, attempt: int) -> float:
+    return min(cfg.backoff_s * (2.0**attempt), cfg.backoff_max_s)
+
+
+def parse_generate(
+    body: Any, max_new_tokens: int
+) -> tuple[list[int], list[float], str, dict, list[int] | None]:
+    """Parse one SGLang /generate response.
+
+    Returns (token ids, their log-probs, finish reason type, the finish_reason dict, per-token weight versions
+    or None). The versions come from ``meta_info.output_token_versions``, an rlcore-engine extension that
+    SGLang does not send; when present they are exact even if a weight load happened inside the segment
+    (an ``in_place`` pause), otherwise the caller tags the segment with its pinned version. Raises
+    ``ValueError`` naming the field when the body is malformed: tokens and log-probs must come from
+    ``meta_info.output_token_logprobs`` triples, agree with ``completion_tokens`` when present, be no more
+    than ``max_new_tokens``, and every log-prob must be finite.
+    """
+    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+        raise ValueError("generate response: missing object field 'meta_info'")
+    meta = body["meta_info"]
+    fr = meta.get("finish_reason")
+    if not isinstance(fr, dict) or fr.get("type") not in ("stop", "length", "abort"):
+        raise ValueError(f"generate response: meta_info.finish_reason must be {{'type': stop|length|abort}}, got {fr!r}")
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        triples = []
+    if not isinstance(triples, list):
+        raise ValueError("generate response: meta_info.output_token_logprobs must be a list of [logprob, id, text]")
+    tokens: list[int] = []
+    logps: list[float] = []
+    for i, tr in enumerate(triples):
+        if not isinstance(tr, list | tuple) or len(tr) < 2:
+            raise ValueError(f"generate response: meta_info.output_token_logprobs[{i}] is not [logprob, id, ...]")
+        lp, tok = tr[0], tr[1]
+        if isinstance(tok, bool) or not isinstance(tok, int):
+            raise ValueError(f"generate response: token id at output_token_logprobs[{i}] is not an int: {tok!r}")
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp):
+            raise ValueError(f"generate response: log-prob at output_token_logprobs[{i}] is not finite: {lp!r}")
+        tokens.append(tok)
+        logps.append(float(lp))
+    n_meta = meta.get("completion_tokens")
+    if n_meta is not None and n_meta != len(tokens):
+        raise ValueError(
+            f"generate response: meta_info.completion_tokens={n_meta} but {len(tokens)} output_token_logprobs"
+        )
+    if len(tokens) > max_new_tokens:
+        raise ValueError(f"generate response: {len(tokens)} tokens returned for max_new_tokens={max_new_tokens}")
+    versions = meta.get("output_token_versions")
+    if versions is not None:
+        ok = isinstance(versions, list) and len(versions) == len(tokens)
+        if not ok or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
+            raise ValueError("generate response: meta_info.output_token_versions must list one int per output token")
+    return tokens, logps, fr["type"], fr, versions
+
+
+class EngineClient:
+    """The rollout system's client (spec system.md §3.1): ``agenerate`` plus control fan-out to all servers.
+
+    Use as ``async with EngineClient(servers, cfg) as client:`` (closes HTTP sessions on exit), or
+    through ``SyncEngineClient`` from synchronous code.
+    """
+
+    def __init__(self, servers: Sequence[str | InProcessEngine] | str | InProcessEngine, cfg: ClientConfig = ClientConfig()):
+        if isinstance(servers, str):
+            servers = [s for s in servers.split(",") if s.strip()]
+        elif isinstance(servers, Engine) or hasattr(servers, "handle"):
+            servers = [servers]  # type: ignore[list-item]
+        self.servers = [_Server(s) for s in servers]  # type: ignore[union-attr]
+        if not self.servers:
+            raise ValueError("servers: give at least one address or in-process engine")
+        self.cfg = cfg
+        self._version = 0
+        self._paused = False
+        self._pause_epoch = 0  # bumped by every pause_generation fan-out: aborts it causes are expected
+        self._lock = threading.Lock()
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._rr = random.Random(cfg.seed).randrange(len(self.servers))
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+
+    # ---------------------------------------------------------------- version / pause (any thread)
+    def get_version(self) -> int:
+        """Weight version that new segments are tagged with."""
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Set after every server acknowledged the weights of ``version`` and before ``resume()``."""
+        self._version = int(version)
+
+    def pause(self) -> None:
+        """Stop (re)submitting segments; in-flight HTTP calls are not touched (use pause_generation)."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Let blocked ``agenerate`` loops resubmit, tagged with the then-current version."""
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # ---------------------------------------------------------------- lifetime
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self, this_loop_only: bool = False) -> None:
+        """Close the HTTP sessions: the current loop's directly, other live loops' thread-safely (unless
+        ``this_loop_only``; a loop-thread that is done with the client uses that)."""
+        here = asyncio.get_running_loop()
+        if this_loop_only:
+            sess = self._sessions.pop(here, None)
+            if sess is not None:
+                await sess.close()
+            return
+        sessions, self._sessions = self._sessions, {}
+        for loop, sess in sessions.items():
+            if loop is here:
+                await sess.close()
+            elif loop.is_running():
+                fut = asyncio.run_coroutine_threadsafe(sess.close(), loop)
+                await asyncio.wrap_future(fut)
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        sess = self._sessions.get(loop)
+        if sess is None or sess.closed:
+            sess = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._sessions[loop] = sess
+        return sess
+
+    # ---------------------------------------------------------------- routing
+    def live_servers(self) -> list[str]:
+        """Names of the servers still routable."""
+        return [s.name for s in self.servers if not s.dead]
+
+    def revive(self, name: str | None = None) -> None:
+        """Make a dead server (or all, with None) routable again, e.g. after it was restarted."""
+        with self._lock:
+            for s in self.servers:
+                if name is None or s.name == name:
+                    s.dead, s.failures = False, 0
+
+    def _choose(self, rid: str) -> _Server:
+        with self._lock:
+            idx = self._sticky.get(rid)
+            if idx is not None and not self.servers[idx].dead:
+                self._sticky.move_to_end(rid)
+                return self.servers[idx]
+            n = len(self.servers)
+            for _ in range(n):
+                idx = self._rr
+                self._rr = (self._rr + 1) % n
+                if not self.servers[idx].dead:
+                    break
+            else:
+                raise EngineError(f"no live server left (all of {[s.name for s in self.servers]} marked dead)")
+            if self.cfg.sticky_lru > 0:
+                self._sticky[rid] = idx
+                self._sticky.move_to_end(rid)
+                while len(self._sticky) > self.cfg.sticky_lru:
+                    self._sticky.popitem(last=False)
+            return self.servers[idx]
+
+    def _record(self, server: _Server, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                server.failures = 0
+                return
+            server.failures += 1
+            others_live = any(not s.dead for s in self.servers if s is not server)
+            # the last live server is never evicted: it may come back, and nothing else could serve
+            if server.failures >= self.cfg.dead_after_failures and not server.dead and others_live:
+                server.dead = True
+                log.warning("engine server %s failed %d times in a row: marked dead", server.name, server.failures)
+
+    # ---------------------------------------------------------------- transport
+    async def _call_once(self, server: _Server, method: str, endpoint: str, payload: dict | None) -> tuple[int, Any]:
+        """One call without retries. Transport errors and timeouts raise ``_Retryable``."""
+        try:
+            if server.engine is not None:
+                coro = server.engine.handle(endpoint, dict(payload or {}))
+                return await asyncio.wait_for(coro, self.cfg.timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+            kw: dict[str, Any] = {"timeout": timeout}
+            if method == "POST":
+                kw["json"] = payload or {}
+            async with self._session().request(method, server.url + endpoint, **kw) as resp:
+                text = await resp.text()
+                try:
+                    body: Any = json.loads(text) if text else {}
+                except json.JSONDecodeError:
+                    body = {"_raw": text}
+                return resp.status, body
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError) as e:
+            raise _Retryable(f"{server.name}{endpoint}: {type(e).__name__}: {e}") from e
+
+    async def _call(
+        self,
+        server: _Server,
+        method: str,
+        endpoint: str,
+        payload: dict | None,
+        check: Callable[[Any], T] | None = None,
+    ) -> T | Any:
+        """Call with retries and exponential back-off on one server.
+
+        Retries transport errors, timeouts, 5xx and bodies rejected by ``check`` (ValueError); raises
+        ``EngineError`` at once on 4xx. Every failure counts towards marking the server dead; when it is
+        marked dead the call stops retrying it (the caller may re-route).
+        """
+        last = ""
+        for attempt in range(self.cfg.retries + 1):
+            if attempt:
+                await asyncio.sleep(_backoff(self.cfg, attempt - 1))
+            try:
+                status, body = await self._call_once(server, method, endpoint, payload)
+                if 400 <= status < 500:
+                    self._record(server, True)  # the server answered; the request was bad
+                    raise EngineError(f"{server.name}{endpoint} rejected the request ({status}): {body}")
+                if status >= 500:
+                    raise _Retryable(f"{server.name}{endpoint}: HTTP {status}: {body}")
+                out = check(body) if check is not None else body
+            except _Retryable as e:
+                last = str(e)
+            except ValueError as e:
+                last = f"{server.name}{endpoint}: malformed response: {e}"
+            else:
+                self._record(server, True)
+                return out
+            log.warning("attempt %d/%d failed: %s", attempt + 1, self.cfg.retries + 1, last)
+            self._record(server, False)
+            if server.dead:
+                break
+        raise _ServerFailed(server, last)
+
+    # ---------------------------------------------------------------- generation
+    async def _wait_unpaused(self) -> None:
+        while self._paused:
+            await asyncio.sleep(self.cfg.pause_poll_s)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate until stop/length, transparently resubmitting aborted segments (spec system.md §3.1).
+
+        Each segment: wait while paused → pin ``v_req`` → POST /generate with the prompt plus all tokens so
+        far and the remaining budget → append tokens, log-probs and ``v_req`` per token. A final abort
+        with the budget used up is reported as ``length``. Raises ``EngineError`` when every server failed,
+        on a 4xx, on an error abort, or after ``max_aborts_unpaused`` unexplained aborts in a row.
+        """
+        prompt = [int(t) for t in req.input_ids]
+        budget = int(req.sampling.max_new_tokens)
+        if req.max_tokens is not None:
+            budget = min(int(req.max_tokens) - len(prompt), budget)
+        if budget <= 0:
+            raise ValueError(
+                f"ModelRequest: no room to generate (max_new_tokens={req.sampling.max_new_tokens}, "
+                f"max_tokens={req.max_tokens}, prompt length={len(prompt)}); raise max_tokens or shorten the prompt"
+            )
+        sampling = req.sampling.to_sglang()
+        tokens: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        reason = "abort"
+        aborts_unpaused = 0
+        t0 = time.monotonic()
+        ttft = 0.0
+        while reason not in FINAL_REASONS and len(tokens) < budget:
+            await self._wait_unpaused()
+            v_req = self.get_version()
+            epoch = self._pause_epoch
+            remaining = budget - len(tokens)
+            payload = {
+                "input_ids": prompt + tokens,
+                "sampling_params": {**sampling, "max_new_tokens": remaining},
+                "return_logprob": True,
+                "stream": False,
+            }
+            new, new_lp, reason, fr, new_versions = await self._generate_segment(req.rid, payload, remaining)
+            if not ttft:
+                ttft = time.monotonic() - t0
+            tokens += new
+            logps += new_lp
+            # The engine's own per-token versions are exact across an in_place weight load; the client's pinned
+            # version is the floor (an engine that was never told the trainer's version reports an older one).
+            versions += [max(v_req, v) for v in new_versions] if new_versions is not None else [v_req] * len(new)
+            if reason == "abort":
+                expected = self._paused or self._pause_epoch != epoch or self.get_version() != v_req
+                code = fr.get("status_code")
+                if not expected and isinstance(code, int) and code >= 400:
+                    raise EngineError(f"request {req.rid}: server aborted with an error: {fr}")
+                aborts_unpaused = 0 if expected else aborts_unpaused + 1
+                if aborts_unpaused >= self.cfg.max_aborts_unpaused:
+                    raise EngineError(
+                        f"request {req.rid}: {aborts_unpaused} consecutive aborts while not paused (last: {fr}); "
+                        "raise ClientConfig.max_aborts_unpaused if the servers abort on purpose"
+                    )
+            else:
+                aborts_unpaused = 0
+        if reason == "abort":  # loop ended on an exhausted budget
+            reason = "length"
+        return ModelResponse(
+            input_tokens=prompt,
+            output_tokens=tokens,
+            output_logprobs=logps,
+            output_versions=versions,
+            stop_reason=reason,  # type: ignore[arg-type]
+            latency=time.monotonic() - t0,
+            ttft=ttft,
+        )
+
+    async def _generate_segment(
+        self, rid: str, payload: dict, remaining: int
+    ) -> tuple[list[int], list[float], str, dict, list[int] | None]:
+        """One /generate call on the rid's server, re-routing when that server is marked dead."""
+        while True:
+            server = self._choose(rid)
+            try:
+                return await self._call(server, "POST", "/generate", payload, lambda b: parse_generate(b, remaining))
+            except _ServerFailed as e:
+                if not e.server.dead:
+                    raise EngineError(f"request {rid}: /generate failed after {self.cfg.retries + 1} attempts: {e}") from e
+
+    # ---------------------------------------------------------------- control fan-out
+    async def _fanout(self, method: str, endpoint: str, payload: dict | None = None) -> dict[str, Any]:
+        """Send one control call to every live server concurrently; returns {server name: body}.
+
+        A server that fails for good is marked dead and skipped (training goes on with the others);
+        a 4xx or ``"success": false`` body raises ``EngineError``, as does losing every server.
+        """
+        targets = [s for s in self.servers if not s.dead]
+        if not targets:
+            raise EngineError(f"{endpoint}: no live server left")
+        results = await asyncio.gather(
+            *(self._call(s, method, endpoint, payload) for s in targets), return_exceptions=True
+        )
+        out: dict[str, Any] = {}
+        for s, r in zip(targets, results):
+            if isinstance(r, _ServerFailed):
+                if not s.dead:
+                    raise EngineError(f"{endpoint} failed on {s.name}: {r}") from r
+                log.warning("%s: server %s is dead, continuing with the others: %s", endpoint, s.name, r)
+                continue
+            if isinstance(r, BaseException):
+                raise r
+            if isinstance(r, dict) and r.get("success") is False:
+                raise EngineError(f"{endpoint} failed on {s.name}: {r.get('message', r)}")
+            out[s.name] = r
+        if not out:
+            raise EngineError(f"{endpoint}: every server failed")
+        return out
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """POST /pause_generation on all servers. ``abort`` returns in-flight requests with their partial
+        output; ``retract``/``in_place`` keep them server-side. Aborts caused by this call never count
+        towards ``max_aborts_unpaused``."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_generation: mode must be abort|retract|in_place, got {mode!r}")
+        self._pause_epoch += 1
+        return await self._fanout("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict[str, Any]:
+        """POST /continue_generation on all servers."""
+        return await self._fanout("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, Any]:
+        """Load an HF checkpoint directory on all servers (aborting their in-flight requests)."""
+        self._pause_epoch += 1
+        payload = {"model_path": str(path), "abort_all_requests": True, "weight_version": str(int(version))}
+        return await self._fanout("POST", "/update_weights_from_disk", payload)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        *,
+        group_name: str = "update_weight_group",
+        backend: str = "nccl",
+        rank_offsets: Sequence[int] | None = None,
+    ) -> asyncio.Task[dict[str, Any]]:
+        """Start POST /init_weights_update_group on all live servers and return at once (a Task).
+
+        The trainer must join its own side of the process group while this is in flight (both sides
+        rendezvous together), then await the task. Server ``i`` gets ``rank_offset = rank_offsets[i]``,
+        by default ``1 + i * (world_size - 1) // n_servers`` (rank 0 is the trainer).
+        """
+        targets = [s for s in self.servers if not s.dead]
+        if rank_offsets is None:
+            per = (world_size - 1) // max(len(targets), 1)
+            rank_offsets = [1 + i * per for i in range(len(targets))]
+        if len(rank_offsets) != len(targets):
+            raise ValueError(f"rank_offsets: need one per live server ({len(targets)}), got {len(rank_offsets)}")
+
+        async def run() -> dict[str, Any]:
+            async def one(s: _Server, off: int):
+                payload = {
+                    "master_address": master_address,
+                    "master_port": str(master_port),
+                    "rank_offset": int(off),
+                    "world_size": int(world_size),
+                    "backend": backend,
+                    "group_name": group_name,
+                }
+                body = await self._call(s, "POST", "/init_weights_update_group", payload)
+                if isinstance(body, dict) and body.get("success") is False:
+                    raise EngineError(f"init_weights_update_group failed on {s.name}: {body.get('message', body)}")
+                return s.name, body
+
+            return dict(await asyncio.gather(*(one(s, o) for s, o in zip(targets, rank_offsets))))
+
+        return asyncio.get_running_loop().create_task(run())
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "update_weight_group",
+        version: int | None = None,
+    ) -> asyncio.Task[dict[str, Any]]:
+        """Start POST /update_weights_from_distributed on all servers and return at once (a Task).
+
+        The servers return only after receiving every listed tensor by broadcast from rank 0, so the
+        trainer must broadcast while this is in flight, then await the task.
+        """
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names/dtypes/shapes must have equal lengths, got {len(names)}/{len(dtypes)}/{len(shapes)}")
+        payload: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name,
+            "abort_all_requests": True,
+        }
+        if version is not None:
+            payload["weight_version"] = str(int(version))
+        self._pause_epoch += 1
+        return asyncio.get_running_loop().create_task(self._fanout("POST", "/update_weights_from_distributed", payload))
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """POST /flush_cache on all servers (400 while requests run: raises EngineError)."""
+        return await self._fanout("POST", "/flush_cache", {})
+
+    async def get_model_info(self) -> dict[str, Any]:
+        """GET /get_model_info of every live server: {server name: info dict}."""
+        return await self._fanout("GET", "/get_model_info")
+
+    async def health(self) -> dict[str, bool]:
+        """One GET /health per server (no retries, dead ones included): {server name: healthy}."""
+
+        async def one(s: _Server) -> bool:
+            try:
+                status, _ = await self._call_once(s, "GET", "/health", None)
+            except _Retryable:
+                return False
+            return status == 200
+
+        return dict(zip((s.name for s in self.servers), await asyncio.gather(*(one(s) for s in self.servers))))
+
+    async def wait_until_healthy(self, timeout: float = 300.0) -> None:
+        """Poll /health every ``health_poll_s`` until all live servers answer 200; TimeoutError names the rest."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = await self.health()
+            bad = [n for n, ok in status.items() if not ok and n in self.live_servers()]
+            if not bad:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"servers not healthy after {timeout} s: {bad}")
+            await asyncio.sleep(self.cfg.health_poll_s)
+
+
+class _ServerFailed(Exception):
+    def __init__(self, server: _Server, msg: str):
+        super().__init__(msg)
+        self.server = server
+
+
+class SyncEngineClient:
+    """Blocking facade over an ``EngineClient`` whose calls run on a background event loop thread.
+
+    ``with SyncEngineClient(servers, cfg) as client:`` starts its own loop thread; pass ``client=`` and
+    ``loop=`` to wrap a client that lives on an existing loop instead. ``init_weights_update_group``
+    and ``update_weights_from_distributed`` return ``concurrent.futures.Future`` at once so that the
+    calling thread can take part in the collective while the HTTP calls are in flight.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str | InProcessEngine] | str | InProcessEngine | None = None,
+        cfg: ClientConfig = ClientConfig(),
+        *,
+        client: EngineClient | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
+        if (client is None) == (servers is None):
+            raise ValueError("SyncEngineClient: give either servers (own loop) or client= with loop=")
+        self._thread: threading.Thread | None = None
+        if client is not None:
+            if loop is None:
+                raise ValueError("SyncEngineClient: client= needs the loop= it runs on")
+            self.client, self.loop = client, loop
+        else:
+            self.client = EngineClient(servers, cfg)  # type: ignore[arg-type]
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self.loop.run_forever, name="engine-client-loop", daemon=True)
+            self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run a coroutine on the client's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def _submit_task(self, make: Callable[[], asyncio.Task[T]]) -> concurrent.futures.Future[T]:
+        async def go() -> T:
+            return await make()
+
+        return asyncio.run_coroutine_threadsafe(go(), self.loop)
+
+    def generate(self, req: ModelRequest) -> ModelResponse:
+        return self.run(self.client.agenerate(req))
+
+    def get_version(self) -> int:
+        return self.client.get_version()
+
+    def set_version(self, version: int) -> None:
+        self.client.set_version(version)
+
+    def pause(self) -> None:
+        self.client.pause()
+
+    def resume(self) -> None:
+        self.client.resume()
+
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        return self.run(self.client.pause_generation(mode))
+
+    def continue_generation(self) -> dict[str, Any]:
+        return self.run(self.client.continue_generation())
+
+    def update_weights_from_disk(self, path: str, version: int) -> dict[str, Any]:
+        return self.run(self.client.update_weights_from_disk(path, version))
+
+    def init_weights_update_group(self, *args, **kwargs) -> concurrent.futures.Future[dict[str, Any]]:
+        return self._submit_task(lambda: self.client.init_weights_update_group(*args, **kwargs))
+
+    def update_weights_from_distributed(self, *args, **kwargs) -> concurrent.futures.Future[dict[str, Any]]:
+        return self._submit_task(lambda: self.client.update_weights_from_distributed(*args, **kwargs))
+
+    def flush_cache(self) -> dict[str, Any]:
+        return self.run(self.client.flush_cache())
+
+    def get_model_info(self) -> dict[str, Any]:
+        return self.run(self.client.get_model_info())
+
+    def health(self) -> dict[str, bool]:
+        return self.run(self.client.health())
+
+    def wait_until_healthy(self, timeout: float = 300.0) -> None:
+        self.run(self.client.wait_until_healthy(timeout))
+
+    def close(self) -> None:
+        """Close sessions; stop the loop thread if this facade started it."""
+        if self._thread is None:
+            return
+        try:
+            self.run(self.client.aclose(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            self.loop.close()
+            self._thread = None
+
+    def __enter__(self) -> SyncEngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(servers: Sequence[str | InProcessEngine] | str | InProcessEngine, cfg: ClientConfig = ClientConfig()) -> SyncEngineClient:
+    """``with engine_client.connect(servers, cfg) as client:`` — a ``SyncEngineClient`` with its own loop."""
+    return SyncEngineClient(servers, cfg)

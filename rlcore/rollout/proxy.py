@@ -1,0 +1,782 @@
+"""OpenAI-compatible proxy that lets a black-box agent talk to the policy while recording its tokens.
+
+Agent code only gets ``base_url`` and a session ``api_key`` (spec system.md §6). For every chat
+completion the proxy applies the chat template itself, generates through ``EngineClient.agenerate`` (so
+pauses, interruptions and per-token weight versions work as for any rollout), decodes and parses the
+reply, and stores the exact prompt ids, output ids, behaviour log-probs and versions as an
+*interaction*. Interactions of one session form a tree (parent = the earlier interaction whose
+messages + reply are the longest prefix of the new messages). Export turns them into training rows:
+
+- ``individual``: one row per interaction (its prompt masked, its output trained);
+- ``concat``: one row per leaf, the chain of its ancestors joined at the token level (turn_ids 0, 1, …).
+
+Rewards are discounted along parent links, newest first: ``R = r + discount · mean(R_children)`` with
+unset rewards 0 (rlcore deviation §6.5: AReaL walks the linear insertion order instead).
+
+Endpoints: ``POST /v1/chat/completions`` (session key; streaming SSE or not), ``GET /v1/models``,
+``POST /grant_capacity``, ``/rl/start_session``, ``/export_trajectories``, ``/rl/set_version``,
+``/rl/pause``, ``/rl/resume`` (admin key), ``/rl/set_reward``, ``/rl/end_session`` (session key),
+``GET /health``. Keys are sent as ``Authorization: Bearer <key>``.
+
+Concurrency: the session store is guarded by a lock, so the in-process methods (``start_session``,
+``set_reward``, ``end_session``, ``export``) may be called from any thread while the HTTP server runs on
+its own loop (``serve_in_thread``) or on the caller's loop (``async with proxy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from aiohttp import web
+
+from rlcore.data import trajectory
+from rlcore.inference.chat import ProxyError, normalize_message, parse_qwen_tool_calls
+from rlcore.inference.client import EngineClient, EngineError
+from rlcore.inference.protocol import ModelRequest, ModelResponse, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ADMIN_KEY = "rlcore-admin"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Settings of one agent proxy (spec system.md §6.2–6.3)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; anything but loopback requires a non-default ``admin_key``."""
+    port: int = 0
+    """Port to bind; 0 picks a free one (read it back from ``AgentProxy.url``)."""
+    admin_key: str = DEFAULT_ADMIN_KEY
+    """Key of the training side (sessions, capacity, export, version)."""
+    model_name: str = "rlcore-policy"
+    """Model id reported by /v1/models and in responses."""
+    template_mode: Literal["hf", "concat"] = "hf"
+    """``hf``: template the whole conversation every call; ``concat``: extend the parent's exact tokens
+    (needed for ``concat`` export to reproduce what was sampled)."""
+    engine_max_tokens: int = 32768
+    """Cap on prompt + completion tokens of one call."""
+    default_max_new_tokens: int = 512
+    """Completion budget when the request sets neither max_completion_tokens nor max_tokens."""
+    tool_parser: Literal["qwen", "none"] = "qwen"
+    """Parse ``<tool_call>{json}</tool_call>`` blocks into OpenAI tool calls when the request has tools."""
+    capacity_gating: bool = False
+    """When True, start_session consumes one permit from /grant_capacity and answers 429 without one."""
+    session_timeout_s: float = 3600.0
+    """Sessions idle this long are dropped (checked at most once a minute, on start_session)."""
+    export_wait_s: float = 600.0
+    """How long export waits for the session to end before answering 408."""
+
+    def __post_init__(self):
+        if self.template_mode not in ("hf", "concat"):
+            raise ValueError(f"ProxyConfig.template_mode must be 'hf' or 'concat', got {self.template_mode!r}")
+        if self.tool_parser not in ("qwen", "none"):
+            raise ValueError(f"ProxyConfig.tool_parser must be 'qwen' or 'none', got {self.tool_parser!r}")
+        if self.engine_max_tokens < 2 or self.default_max_new_tokens < 1:
+            raise ValueError("ProxyConfig.engine_max_tokens must be >= 2 and default_max_new_tokens >= 1")
+        if not self.admin_key:
+            raise ValueError("ProxyConfig.admin_key is empty: set a secret key")
+
+
+@dataclass
+class Interaction:
+    """One recorded chat completion."""
+
+    id: str
+    messages: list[dict]
+    """Normalised input messages (tool-call arguments as dicts)."""
+    output_message: dict
+    """Normalised assistant message returned to the agent."""
+    prompt_ids: list[int]
+    response: ModelResponse
+    template_mode: str
+    parent: str | None = None
+    children: list[str] = field(default_factory=list)
+    reward: float | None = None
+
+
+@dataclass
+class _Session:
+    id: str
+    api_key: str
+    interactions: OrderedDict[str, Interaction] = field(default_factory=OrderedDict)
+    ended: bool = False
+    last_active: float = field(default_factory=time.monotonic)
+
+
+# ----------------------------------------------------------------------------------------- message helpers
+_KNOWN_ARGS = {
+    "messages", "model", "n", "max_tokens", "max_completion_tokens", "max_total_tokens", "temperature", "top_p",
+    "seed", "stop", "stream", "stream_options", "tools", "tool_choice", "user", "metadata", "store",
+}
+
+def _is_prefix(prefix: list[dict], full: list[dict]) -> bool:
+    return len(prefix) <= len(full) and full[: len(prefix)] == prefix
+
+
+def _number(body: dict, key: str, kind: type, default: Any) -> Any:
+    """``body[key]`` as ``kind`` (None/missing: ``default``); 400 naming the field otherwise."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and int(v) != v):
+        raise ProxyError(400, f"{key}: expected a{'n integer' if kind is int else ' number'}, got {v!r}")
+    return kind(v)
+
+
+def _bearer(request: web.Request) -> str | None:
+    h = request.headers.get("Authorization", "")
+    return h[7:].strip() if h.startswith("Bearer ") else None
+
+
+def _strip_stop(ids: list[int], stop: set[int]) -> list[int]:
+    end = len(ids)
+    while end and ids[end - 1] in stop:
+        end -= 1
+    return ids[:end]
+
+
+# ----------------------------------------------------------------------------------------- export math
+def discounted_returns(interactions: OrderedDict[str, Interaction], discount: float) -> dict[str, float]:
+    """``R = r + discount · mean(R_children)`` over parent links, newest first; unset rewards are 0.
+
+    For a linear chain this is AReaL's insertion-order discounting ``R_i = r_i + γ R_{i+1}``.
+    """
+    out: dict[str, float] = {}
+    for iid in reversed(interactions):
+        it = interactions[iid]
+        r = it.reward or 0.0
+        kids = [out[c] for c in it.children if c in out]
+        out[iid] = r + (discount * sum(kids) / len(kids) if kids else 0.0)
+    return out
+
+
+def _drop_retry_orphans(interactions: OrderedDict[str, Interaction]) -> OrderedDict[str, Interaction]:
+    """Of interactions with the same parent and identical input (SDK retries), keep the one with
+    children, else the newest."""
+    groups: dict[tuple, list[str]] = {}
+    for iid, it in interactions.items():
+        groups.setdefault((it.parent, json.dumps(it.messages, sort_keys=True)), []).append(iid)
+    drop = set()
+    for ids in groups.values():
+        if len(ids) > 1:
+            with_kids = [i for i in ids if interactions[i].children]
+            keep = with_kids[-1] if with_kids else ids[-1]
+            drop |= {i for i in ids if i != keep}
+    out = OrderedDict((k, copy.copy(v)) for k, v in interactions.items() if k not in drop)
+    for it in out.values():
+        it.children = [c for c in it.children if c not in drop]
+    return out
+
+
+def _extends(ids: list[int], prefix: list[int]) -> bool:
+    return len(ids) > len(prefix) and ids[: len(prefix)] == prefix
+
+
+def _row(ids, loss, logps, versions, turns, reward: float, original: float | None) -> dict[str, Any]:
+    return {
+        "input_ids": ids, "loss_mask": loss, "logprobs": logps, "versions": versions, "turn_ids": turns,
+        "reward": reward, "original_reward": original,
+    }
+
+
+def _individual_row(it: Interaction, reward: float, turn: int = 0) -> dict[str, Any]:
+    p, r = it.prompt_ids, it.response
+    o = len(r.output_tokens)
+    return _row(
+        list(p) + list(r.output_tokens), [0] * len(p) + [1] * o, [0.0] * len(p) + list(r.output_logprobs),
+        [-1] * len(p) + list(r.output_versions), [-1] * len(p) + [turn] * o, reward, it.reward,
+    )
+
+
+def export_rows(
+    interactions: OrderedDict[str, Interaction],
+    *,
+    discount: float = 1.0,
+    style: Literal["individual", "concat"] = "individual",
+    drop_retry_orphans: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Training rows (JSON-friendly lists) keyed by interaction id; see the module docstring.
+
+    ``concat``: a leaf's row is its parent's row followed by the rest of the leaf's prompt (masked) and the
+    leaf's output. If the prompt only extends the parent's row without its last token (a non-eos stop token
+    such as pad, replaced by eos in ``concat`` templating), that token is dropped from the chain. A node whose
+    prompt extends neither starts a fresh row (individual fallback), which happens when the conversation was
+    re-templated (``template_mode="hf"``).
+    """
+    if style not in ("individual", "concat"):
+        raise ProxyError(400, f"style must be 'individual' or 'concat', got {style!r}")
+    if drop_retry_orphans:
+        interactions = _drop_retry_orphans(interactions)
+    returns = discounted_returns(interactions, discount)
+    rows: dict[str, dict[str, Any]] = {}
+    if style == "individual":
+        for iid, it in interactions.items():
+            rows[iid] = {**_individual_row(it, returns[iid]), "id": iid, "parent": it.parent,
+                         "messages": it.messages, "output_message": it.output_message,
+                         "stop_reason": it.response.stop_reason}
+        return rows
+    chains: dict[str, dict[str, Any]] = {}
+    for iid, it in interactions.items():  # parents come first in insertion order
+        parent = chains.get(it.parent) if it.parent is not None else None
+        if parent is not None and not _extends(it.prompt_ids, parent["input_ids"]):
+            # a parent that stopped on a non-eos stop token (e.g. pad) is continued without it (spec §6.4
+            # re-adds one eos); that sampled token then leaves the chain
+            cut = {k: v[:-1] for k, v in parent.items() if isinstance(v, list)}
+            parent = {**parent, **cut} if cut["input_ids"] and _extends(it.prompt_ids, cut["input_ids"]) else None
+        if parent is not None:
+            turn = max(parent["turn_ids"]) + 1
+            extra = it.prompt_ids[len(parent["input_ids"]):]
+            o = len(it.response.output_tokens)
+            chains[iid] = _row(
+                parent["input_ids"] + extra + list(it.response.output_tokens),
+                parent["loss_mask"] + [0] * len(extra) + [1] * o,
+                parent["logprobs"] + [0.0] * len(extra) + list(it.response.output_logprobs),
+                parent["versions"] + [-1] * len(extra) + list(it.response.output_versions),
+                parent["turn_ids"] + [-1] * len(extra) + [turn] * o,
+                returns[iid], it.reward,
+            )
+        else:
+            chains[iid] = _individual_row(it, returns[iid])
+    for iid, it in interactions.items():
+        if not it.children:
+            rows[iid] = {**chains[iid], "id": iid, "parent": it.parent, "messages": it.messages,
+                         "output_message": it.output_message, "stop_reason": it.response.stop_reason}
+    return rows
+
+
+def rows_to_trajectory(rows: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Exported rows → one trajectory dict (rlcore.data.trajectory): right-padded ``(b l)`` tensors plus
+    ``rewards`` and ``original_rewards`` ``(b,)`` (unset original rewards are 0)."""
+    if not rows:
+        raise ValueError("rows_to_trajectory: no rows to convert (the session recorded no interaction)")
+    out = []
+    for r in rows.values():
+        ids = torch.tensor(r["input_ids"], dtype=torch.long)[None]
+        out.append({
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+            "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.bool)[None],
+            "logprobs": torch.tensor(r["logprobs"], dtype=torch.float32)[None],
+            "versions": torch.tensor(r["versions"], dtype=torch.long)[None],
+            "turn_ids": torch.tensor(r["turn_ids"], dtype=torch.long)[None],
+            "rewards": torch.tensor([float(r["reward"])], dtype=torch.float32),
+            "original_rewards": torch.tensor([float(r["original_reward"] or 0.0)], dtype=torch.float32),
+        })
+    return trajectory.concat(out)
+
+
+# ----------------------------------------------------------------------------------------- the proxy
+class AgentProxy:
+    """The proxy: session store + OpenAI endpoints over one ``EngineClient`` and a tokenizer.
+
+    Lifetimes: ``async with AgentProxy(...) as proxy`` serves on the caller's loop;
+    ``with proxy.serve_in_thread():`` serves on a private loop thread. ``proxy.base_url`` is what an
+    OpenAI client needs (ends in ``/v1``).
+    """
+
+    def __init__(self, client: EngineClient, tokenizer: Any, cfg: ProxyConfig = ProxyConfig()):
+        if cfg.host not in LOOPBACK and cfg.admin_key == DEFAULT_ADMIN_KEY:
+            raise ValueError(
+                f"ProxyConfig.admin_key: the default key is refused when binding {cfg.host!r}; set a secret key "
+                "or bind 127.0.0.1"
+            )
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("tokenizer: needs a chat_template (the proxy templates messages itself)")
+        self.client, self.tokenizer, self.cfg = client, tokenizer, cfg
+        self.stop_ids = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self._keys: dict[str, str] = {}  # session api key -> session id
+        self._gone: set[str] = set()  # keys of exported sessions (410)
+        self._task_counts: dict[str, int] = {}
+        self._capacity = 0
+        self._last_gc = time.monotonic()
+        self._warned: set[str] = set()
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.port = cfg.port
+
+    # ------------------------------------------------------------------ addresses and lifetime
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors])
+        r = app.router
+        for prefix in ("/v1", ""):
+            r.add_post(prefix + "/chat/completions", self._h_chat)
+            r.add_get(prefix + "/models", self._h_models)
+        r.add_post("/grant_capacity", self._h_grant)
+        r.add_post("/rl/start_session", self._h_start)
+        r.add_post("/rl/set_reward", self._h_reward)
+        r.add_post("/rl/end_session", self._h_end)
+        r.add_post("/export_trajectories", self._h_export)
+        r.add_post("/rl/set_version", self._h_version)
+        r.add_post("/rl/pause", self._h_pause)
+        r.add_post("/rl/resume", self._h_resume)
+        r.add_get("/health", self._h_health)
+        return app
+
+    async def start(self) -> AgentProxy:
+        """Serve on the running loop; ``self.port`` holds the bound port afterwards."""
+        self._runner = web.AppRunner(self.make_app())
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> AgentProxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    @contextmanager
+    def serve_in_thread(self) -> Iterator[AgentProxy]:
+        """Serve on a private event-loop thread for the duration of the ``with`` block."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="agent-proxy", daemon=True)
+        thread.start()
+        self._loop, self._thread = loop, thread
+        try:
+            asyncio.run_coroutine_threadsafe(self.start(), loop).result(30)
+            yield self
+        finally:
+            try:
+                asyncio.run_coroutine_threadsafe(self.stop(), loop).result(30)
+                asyncio.run_coroutine_threadsafe(self.client.aclose(this_loop_only=True), loop).result(30)
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(30)
+                loop.close()
+                self._loop = self._thread = None
+
+    # ------------------------------------------------------------------ in-process session API
+    def grant_capacity(self) -> int:
+        """One more session may start (the staleness manager admitted a task); returns the permits left."""
+        with self._lock:
+            self._capacity += 1
+            return self._capacity
+
+    def start_session(self, task_id: str, api_key: str | None = None) -> tuple[str, str]:
+        """New session ``"<task_id>-<k>"``; returns (session_id, api_key)."""
+        if not isinstance(task_id, str) or not task_id:
+            raise ProxyError(400, "task_id: a non-empty string is required")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ProxyError(400, "api_key: must be a non-empty string when given")
+        if api_key == self.cfg.admin_key:
+            raise ProxyError(400, "api_key: the admin key cannot be used as a session key")
+        with self._lock:
+            self._gc()
+            if api_key is not None and api_key in self._keys:
+                raise ProxyError(409, "api_key: already bound to a live session; end/export it first")
+            if self.cfg.capacity_gating:
+                if self._capacity <= 0:
+                    raise ProxyError(429, "no capacity: call /grant_capacity before /rl/start_session")
+                self._capacity -= 1
+            k = self._task_counts.get(task_id, 0)
+            self._task_counts[task_id] = k + 1
+            sid = f"{task_id}-{k}"
+            key = api_key or f"sk-sess-{secrets.token_urlsafe(24)}"
+            self._gone.discard(key)
+            self._sessions[sid] = _Session(id=sid, api_key=key)
+            self._keys[key] = sid
+            return sid, key
+
+    def _gc(self) -> None:
+        now = time.monotonic()
+        if now - self._last_gc < 60.0:
+            return
+        self._last_gc = now
+        for sid, s in list(self._sessions.items()):
+            if now - s.last_active > self.cfg.session_timeout_s:
+                del self._sessions[sid]
+                log.warning("agent proxy: session %s idle for > %s s, dropped", sid, self.cfg.session_timeout_s)
+        self._keys = {k: sid for k, sid in self._keys.items() if sid in self._sessions}
+
+    def _session(self, sid: str) -> _Session:
+        s = self._sessions.get(sid)
+        if s is None:
+            raise ProxyError(404, f"session_id: unknown session {sid!r}")
+        return s
+
+    def set_reward(self, session_id: str, reward: float, interaction_id: str | None = None) -> None:
+        """Reward of one interaction (None: the latest)."""
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise ProxyError(400, "reward: a number is required")
+        with self._lock:
+            s = self._session(session_id)
+            if not s.interactions:
+                raise ProxyError(400, "set_reward: the session has no interactions yet")
+            iid = interaction_id if interaction_id is not None else next(reversed(s.interactions))
+            if iid not in s.interactions:
+                raise ProxyError(400, f"interaction_id: unknown interaction {iid!r}")
+            s.interactions[iid].reward = float(reward)
+            s.last_active = time.monotonic()
+
+    def end_session(self, session_id: str) -> int:
+        """Mark the session finished; returns its interaction count."""
+        with self._lock:
+            s = self._session(session_id)
+            s.ended = True
+            return len(s.interactions)
+
+    def interactions(self, session_id: str) -> OrderedDict[str, Interaction]:
+        """The recorded interactions of a live session (insertion order)."""
+        with self._lock:
+            return OrderedDict(self._session(session_id).interactions)
+
+    async def export(
+        self,
+        session_id: str,
+        *,
+        discount: float = 1.0,
+        style: Literal["individual", "concat"] = "individual",
+        drop_retry_orphans: bool = False,
+        wait_s: float | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Wait (≤ ``wait_s``, default ``export_wait_s``) for the session to end, export its rows, delete it."""
+        if style not in ("individual", "concat"):
+            raise ProxyError(400, f"style must be 'individual' or 'concat', got {style!r}")
+        deadline = time.monotonic() + (self.cfg.export_wait_s if wait_s is None else wait_s)
+        while True:
+            with self._lock:
+                s = self._session(session_id)
+                if s.ended:
+                    del self._sessions[session_id]
+                    self._keys.pop(s.api_key, None)
+                    self._gone.add(s.api_key)
+                    break
+            if time.monotonic() >= deadline:
+                raise ProxyError(408, f"session {session_id!r} did not end in time; call /rl/end_session first")
+            await asyncio.sleep(0.02)
+        return export_rows(s.interactions, discount=discount, style=style, drop_retry_orphans=drop_retry_orphans)
+
+    # ------------------------------------------------------------------ chat completions
+    def _template(self, messages: list[dict], tools: list | None) -> list[int]:
+        kw: dict[str, Any] = {"tools": tools} if tools else {}
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prompt_ids(self, messages: list[dict], tools: list | None, parent: Interaction | None) -> tuple[list[int], str]:
+        full = self._template(messages, tools)
+        eos = self.tokenizer.eos_token_id
+        if self.cfg.template_mode != "concat" or parent is None or eos is None:
+            return full, "hf"
+        # the parent's exact tokens, one eos, then what the template adds after the parent's k-th eos
+        base = parent.prompt_ids + _strip_stop(list(parent.response.output_tokens), self.stop_ids) + [eos]
+        k = base.count(eos)
+        seen = 0
+        for i, t in enumerate(full):
+            if t == eos:
+                seen += 1
+                if seen == k:
+                    return base + full[i + 1:], "concat"
+        log.warning("agent proxy: templated conversation has fewer than %d eos tokens; re-templating", k)
+        return full, "hf"
+
+    def _find_parent(self, s: _Session, messages: list[dict]) -> Interaction | None:
+        best: Interaction | None = None
+        for it in s.interactions.values():
+            if _is_prefix(it.messages + [it.output_message], messages):
+                if best is None or len(it.messages) >= len(best.messages):
+                    best = it
+        return best
+
+    async def chat(self, session_id: str, body: dict) -> dict[str, Any]:
+        """One chat completion for a session: template → agenerate → parse → record. Returns the
+        ChatCompletion JSON."""
+        if not isinstance(body, dict):
+            raise ProxyError(400, "body: a JSON object is required")
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise ProxyError(400, "messages: a non-empty list is required")
+        if body.get("n", 1) != 1:
+            raise ProxyError(400, "n: only n=1 is supported (sample several sessions instead)")
+        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+            raise ProxyError(400, "max_tokens and max_completion_tokens: give only one (max_tokens is deprecated)")
+        for key in body.keys() - _KNOWN_ARGS:
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning("agent proxy: ignoring unsupported chat completion argument %r", key)
+        messages = [normalize_message(m) for m in raw]
+        tools = body.get("tools") or None
+        with self._lock:
+            s = self._session(session_id)
+            if s.ended:
+                raise ProxyError(400, f"session {session_id!r} has ended; start a new session")
+            s.last_active = time.monotonic()
+            parent = self._find_parent(s, messages)
+        prompt, mode = self._prompt_ids(messages, tools, parent)
+        cap = self.cfg.engine_max_tokens
+        total = _number(body, "max_total_tokens", int, None)
+        if total is not None:
+            cap = min(cap, total)
+        if len(prompt) >= cap:
+            raise ProxyError(400, f"messages: prompt has {len(prompt)} tokens, at or above the cap of {cap}")
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        want = _number(body, key, int, self.cfg.default_max_new_tokens)
+        if want < 1:
+            raise ProxyError(400, f"{key}: must be >= 1")
+        temperature = _number(body, "temperature", float, 1.0)
+        top_p = _number(body, "top_p", float, 1.0)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ProxyError(400, "temperature must be >= 0 and top_p in (0, 1]")
+        stop = body.get("stop")
+        if stop is not None and not (
+            isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
+        ):
+            raise ProxyError(400, "stop: a string or a list of strings is required")
+        stops = [stop] if isinstance(stop, str) else [x for x in (stop or []) if x]
+        sampling = SamplingParams(
+            max_new_tokens=min(want, cap - len(prompt)),
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=tuple(sorted(self.stop_ids)),
+            seed=_number(body, "seed", int, None),
+            # the engine stops as soon as a stop string appears; the cut below still trims the tokens after it
+            stop=tuple(stops) if mode == "hf" else (),
+        )
+        try:
+            resp = await self.client.agenerate(ModelRequest(input_ids=prompt, sampling=sampling, rid=session_id))
+        except EngineError as e:
+            raise ProxyError(502, f"generation failed: {e}") from e
+        out_ids = list(resp.output_tokens)
+        text = self.tokenizer.decode(_strip_stop(out_ids, self.stop_ids), skip_special_tokens=True)
+        if stops and mode == "hf":
+            cut = min((i for i in (text.find(x) for x in stops if x) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                keep = self._tokens_covering(out_ids, cut)
+                resp.output_tokens = out_ids[:keep]
+                resp.output_logprobs = resp.output_logprobs[:keep]
+                resp.output_versions = resp.output_versions[:keep]
+                resp.stop_reason = "stop"
+        content: str | None = text
+        calls: list[dict] = []
+        if tools and self.cfg.tool_parser == "qwen":
+            content, calls = parse_qwen_tool_calls(text)
+            if calls:
+                resp.stop_reason = "tool_calls"
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        iid = f"chatcmpl-{uuid.uuid4().hex}"
+        with self._lock:
+            s = self._session(session_id)
+            it = Interaction(id=iid, messages=messages, output_message=normalize_message(message),
+                             prompt_ids=prompt, response=resp, template_mode=mode,
+                             parent=parent.id if parent is not None and parent.id in s.interactions else None)
+            if it.parent is not None:
+                s.interactions[it.parent].children.append(iid)
+            s.interactions[iid] = it
+            s.last_active = time.monotonic()
+        finish = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}.get(resp.stop_reason, "stop")
+        n_out = len(resp.output_tokens)
+        return {
+            "id": iid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.cfg.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out},
+        }
+
+    def _tokens_covering(self, ids: list[int], n_chars: int) -> int:
+        """Smallest k such that decode(ids[:k]) has at least ``n_chars`` characters (stop-string cut);
+        bisection, as the decoded length grows with k."""
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= n_chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    # ------------------------------------------------------------------ HTTP plumbing
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        try:
+            return await handler(request)
+        except ProxyError as e:
+            kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+                e.status, "invalid_request_error")
+            return web.json_response({"error": {"message": str(e), "type": kind, "code": e.status}}, status=e.status)
+        except web.HTTPException:
+            raise
+        except Exception as e:  # never die of one bad request
+            log.exception("agent proxy: %s failed", request.path)
+            return web.json_response({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}},
+                                     status=500)
+
+    async def _json(self, request: web.Request) -> dict:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ProxyError(400, f"body: not valid JSON ({e})") from e
+        if not isinstance(body, dict):
+            raise ProxyError(400, "body: a JSON object is required")
+        return body
+
+    def _admin(self, request: web.Request) -> None:
+        if _bearer(request) != self.cfg.admin_key:
+            raise ProxyError(401, "Authorization: a valid admin key is required (Bearer <admin key>)")
+
+    def _session_of(self, request: web.Request) -> str:
+        key = _bearer(request)
+        with self._lock:
+            if key is not None and key in self._keys:
+                return self._keys[key]
+            if key is not None and key in self._gone:
+                raise ProxyError(410, "session: this session was exported and is gone")
+        raise ProxyError(401, "Authorization: a valid session key is required (Bearer <session api_key>)")
+
+    async def _h_chat(self, request: web.Request) -> web.StreamResponse:
+        sid = self._session_of(request)
+        body = await self._json(request)
+        result = await self.chat(sid, body)
+        if not body.get("stream"):
+            return web.json_response(result)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        msg, choice = result["choices"][0]["message"], result["choices"][0]
+        head = {k: result[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+        async def send(delta: dict, finish: str | None = None, **extra):
+            chunk = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        await send({"role": "assistant", "content": ""})
+        if msg.get("content"):
+            await send({"content": msg["content"]})
+        for i, tc in enumerate(msg.get("tool_calls") or []):
+            await send({"tool_calls": [{"index": i, **tc}]})
+        await send({}, choice["finish_reason"])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk = {**head, "choices": [], "usage": result["usage"]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _h_models(self, request: web.Request) -> web.Response:
+        key = _bearer(request)
+        if key != self.cfg.admin_key:
+            self._session_of(request)
+        data = [{"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "rlcore"}]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _h_grant(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        return web.json_response({"capacity": self.grant_capacity()})
+
+    async def _h_start(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        body = await self._json(request)
+        sid, key = self.start_session(body.get("task_id"), body.get("api_key"))  # type: ignore[arg-type]
+        return web.json_response({"session_id": sid, "api_key": key})
+
+    async def _h_reward(self, request: web.Request) -> web.Response:
+        sid = self._session_of(request)
+        body = await self._json(request)
+        self.set_reward(sid, body.get("reward"), body.get("interaction_id"))  # type: ignore[arg-type]
+        return web.json_response({"message": "success"})
+
+    async def _h_end(self, request: web.Request) -> web.Response:
+        sid = self._session_of(request)
+        return web.json_response({"message": "success", "interaction_count": self.end_session(sid)})
+
+    async def _h_export(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        body = await self._json(request)
+        sid = body.get("session_id")
+        if not isinstance(sid, str):
+            raise ProxyError(400, "session_id: a string is required")
+        rows = await self.export(
+            sid,
+            discount=float(body.get("discount", 1.0)),
+            style=body.get("style", "individual"),
+            drop_retry_orphans=bool(body.get("drop_retry_orphans", False)),
+        )
+        return web.json_response({"interactions": rows})
+
+    async def _h_version(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        body = await self._json(request)
+        if not isinstance(body.get("version"), int):
+            raise ProxyError(400, "version: an integer is required")
+        self.client.set_version(body["version"])
+        return web.json_response({"version": self.client.get_version()})
+
+    async def _h_pause(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        self.client.pause()
+        return web.json_response({"paused": True})
+
+    async def _h_resume(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        self.client.resume()
+        return web.json_response({"paused": False})
+
+    async def _h_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions": len(self._sessions)})
+
+
+# ----------------------------------------------------------------------------------------- episode driver
+async def run_agent(
+    proxy: AgentProxy,
+    agent: Any,
+    data: dict,
+    *,
+    task_id: str,
+    discount: float = 1.0,
+    style: Literal["individual", "concat"] = "individual",
+) -> dict[str, torch.Tensor] | None:
+    """One agentic episode (spec system.md §6.2): grant capacity → start a session → ``await agent.run(data,
+    base_url=..., api_key=...)`` → a float return rewards the last interaction, a ``{completion_id: reward}``
+    dict rewards each → end → export → trajectory dict (None if the agent made no call). Agent exceptions
+    propagate (the task is rejected)."""
+    proxy.grant_capacity()
+    sid, key = proxy.start_session(task_id)
+    try:
+        result = await agent.run(data, base_url=proxy.base_url, api_key=key)
+        recorded = proxy.interactions(sid)
+        if isinstance(result, int | float) and not isinstance(result, bool) and recorded:
+            proxy.set_reward(sid, float(result))
+        elif isinstance(result, dict):
+            for iid, r in result.items():
+                proxy.set_reward(sid, float(r), iid)
+    finally:
+        proxy.end_session(sid)
+        rows = await proxy.export(sid, discount=discount, style=style, wait_s=0)
+    return rows_to_trajectory(rows) if rows else None

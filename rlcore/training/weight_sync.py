@@ -1,0 +1,426 @@
+"""Publishing trained weights to inference engines (spec system.md §3.2, §5) and HF export.
+
+``publish_weights(state, targets, *, cfg)`` follows the update sequence of §3.2:
+
+1. ``rollout.pause()`` (if a rollout controller is given): no new generation segment starts;
+2. pause generation on every engine (``abort`` mode: in-flight requests return their partial output);
+3. barrier over train ranks; 4. push the weights (in-process state dict, HF directory on disk, or
+   torch.distributed broadcast in buckets of ``weight_chunked_mem_mb``); every push call returns only
+   after the engine acknowledged the load;
+5. barrier; continue generation on every engine; barrier;
+6. only now ``version + 1`` is set on the engines' clients and the rollout controller;
+7. ``rollout.resume()``: interrupted requests resubmit under the new version label.
+
+If any push or acknowledgement fails, the exception propagates, the version is NOT bumped and the
+engines stay paused (their weights may be partially updated; re-publish before resuming).
+
+All train ranks must call :func:`publish_weights` together (gathering a sharded parameter is a
+collective); only rank 0 talks to the engines. Nothing else may step the optimizer meanwhile.
+
+Targets are duck-typed:
+* an in-process engine (``rlcore.inference.engine.Engine``): ``pause(mode)``, ``continue_generation()``,
+  ``update_weights_from_state_dict(sd, version)``, ``update_weights_from_disk(path, version)``;
+* a blocking engine client (``rlcore.inference.client.SyncEngineClient``): ``pause_generation(mode)``,
+  ``continue_generation()``, ``update_weights_from_disk(path, version)``, ``set_version(v)``;
+* a :class:`BroadcastGroup` from :func:`connect_broadcast` for ``mode="distributed"``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import inspect
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlcore.training import fsdp, models
+from rlcore.training.train_state import TrainState
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    """How weights travel to the engines."""
+
+    mode: Literal["state_dict", "disk", "distributed"] = "state_dict"
+    """In-process copy, HF safetensors directory, or torch.distributed broadcast."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the published tensors (fp32 masters are cast on rank 0)."""
+    disk_root: str = ""
+    """Directory for ``weight_update_v<version>`` dirs in disk mode (empty: a temp dir)."""
+    keep_disk_copy: bool = False
+    """Keep the published directory after every engine loaded it (default: delete it)."""
+    weight_chunked_mem_mb: float = 1024.0
+    """Bucket size of the distributed broadcast in MiB (one tensor larger than this is its own bucket)."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How engines pause: abort in-flight requests (resubmitted by the client) or keep them."""
+    timeout_s: float = 300.0
+    """Longest wait for one engine acknowledgement."""
+
+    def __post_init__(self) -> None:
+        if self.weight_chunked_mem_mb <= 0:
+            raise ValueError(f"PublishConfig.weight_chunked_mem_mb must be > 0, got {self.weight_chunked_mem_mb}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"PublishConfig.timeout_s must be > 0, got {self.timeout_s}")
+
+
+class WeightSyncError(RuntimeError):
+    """An engine did not acknowledge a weight update; the version was not bumped."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Full (gathered) HF-named tensors
+# ----------------------------------------------------------------------------------------------------------
+
+
+def hf_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """HF-named parameters and persistent buffers of the inner HF module, tied weights once, HF order."""
+    hf = models.hf_module(model)
+    known = dict(hf.named_parameters())
+    known.update(dict(hf.named_buffers()))
+    seen: set[int] = set()
+    out = []
+    for name in hf.state_dict(keep_vars=True):
+        t = known.get(name)
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out
+
+
+def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)``; a collective on every rank when the model is FSDP2-sharded."""
+    for name, t in hf_named_tensors(model):
+        full = fsdp.full_tensor(t.detach())
+        if dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
+        yield name, full
+
+
+def full_state_dict(model: nn.Module, dtype: torch.dtype | None = None, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Gathered HF-named state dict (every rank must call it; each gets the full copy)."""
+    return {k: v.to(device) for k, v in iter_full_tensors(model, dtype)}
+
+
+def export_hf(state: TrainState, path: str | os.PathLike, tokenizer: Any = None, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save the policy as an HF directory loadable by ``from_pretrained`` and by SGLang.
+
+    Every rank must call it (gathering is collective); rank 0 writes, atomically (temp dir + rename).
+    """
+    sd = full_state_dict(state.model, dtype)
+    path = Path(path)
+    if _rank() == 0:
+        _atomic_dir_write(path, lambda tmp: models.save_hf(sd, models.hf_module(state.model).config, tmp, tokenizer=tokenizer, dtype=dtype))
+    _barrier()
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _atomic_dir_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
+    try:
+        write(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _wait(x: Any, timeout: float) -> Any:
+    """Resolve a concurrent future; reject coroutines (wrap an async client in SyncEngineClient)."""
+    if isinstance(x, cf.Future):
+        return x.result(timeout)
+    if inspect.isawaitable(x):
+        if inspect.iscoroutine(x):
+            x.close()
+        raise TypeError("publish_weights needs blocking targets; wrap an async EngineClient in SyncEngineClient")
+    return x
+
+
+def _is_engine(t: Any) -> bool:
+    return hasattr(t, "update_weights_from_state_dict")
+
+
+def _pause(t: Any, mode: str, timeout: float) -> None:
+    if isinstance(t, BroadcastGroup):
+        for e in t.engines:
+            _pause(e, mode, timeout)
+    elif _is_engine(t):
+        t.pause(mode)
+    else:
+        _wait(t.pause_generation(mode), timeout)
+
+
+def _continue(t: Any, timeout: float) -> None:
+    if isinstance(t, BroadcastGroup):
+        for e in t.engines:
+            _continue(e, timeout)
+    elif _is_engine(t):
+        t.continue_generation()
+    else:
+        _wait(t.continue_generation(), timeout)
+
+
+def _set_client_version(t: Any, version: int) -> None:
+    targets = t.engines if isinstance(t, BroadcastGroup) else [t]
+    for e in targets:
+        if not _is_engine(e) and hasattr(e, "set_version"):
+            e.set_version(version)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Broadcast group (mode="distributed")
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BroadcastGroup:
+    """Trainer side (rank 0) of a weight-broadcast process group shared with one or more engines.
+
+    Create with :func:`connect_broadcast`; close with :meth:`close`. Engine ``i`` holds ranks from its
+    ``rank_offset``; the trainer is rank 0 and the only sender.
+    """
+
+    engines: list[Any]
+    """Engines (in-process ``Engine``) or blocking clients, in rank order."""
+    group_name: str
+    """Name both sides registered the group under."""
+    world_size: int
+    """1 + number of engine ranks."""
+    backend: str
+    """gloo (CPU tensors) or nccl (CUDA tensors)."""
+    pg: Any = None
+    """The process group handle on rank 0 (None on other train ranks)."""
+    _pool: cf.ThreadPoolExecutor = field(default_factory=lambda: cf.ThreadPoolExecutor(4, thread_name_prefix="wsync"))
+
+    def _call_engine(self, e: Any, method: str, *args, **kwargs) -> cf.Future:
+        fn = getattr(e, method)
+        if _is_engine(e):  # in-process engines block in the calling thread during the collective
+            return self._pool.submit(fn, *args, **kwargs)
+        res = fn(*args, **kwargs)
+        if isinstance(res, cf.Future):
+            return res
+        done: cf.Future = cf.Future()
+        done.set_result(res)
+        return done
+
+    def close(self) -> None:
+        """Destroy the trainer's side of the group and stop helper threads."""
+        if self.pg is not None:
+            try:
+                dist.destroy_process_group(self.pg)
+            except Exception:  # noqa: BLE001 — best effort at shutdown
+                pass
+            self.pg = None
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> BroadcastGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def connect_broadcast(
+    engines: Sequence[Any],
+    *,
+    ranks_per_engine: int = 1,
+    backend: str | None = None,
+    master_address: str = "127.0.0.1",
+    group_name: str = "update_weight_group",
+    timeout_s: float = 300.0,
+) -> BroadcastGroup:
+    """Create the weight-broadcast group (spec system.md §5.2); call on every train rank, once.
+
+    Rank 0 picks a free port, asks every engine to join (``/init_weights_update_group``, non-blocking),
+    joins its own side concurrently, then waits for every engine's acknowledgement. The c10d group
+    name is shared by both sides, so each engine must live in another process than the trainer.
+    """
+    from rlcore.inference.engine import init_custom_process_group
+
+    be = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    world = 1 + ranks_per_engine * len(engines)
+    group = BroadcastGroup(engines=list(engines), group_name=group_name, world_size=world, backend=be)
+    if _rank() != 0:
+        return group
+    port = _free_port(master_address)
+    futures = []
+    for i, e in enumerate(engines):
+        off = 1 + i * ranks_per_engine
+        if _is_engine(e):
+            futures.append(group._call_engine(e, "init_weights_update_group", master_address, port, off, world,
+                                              backend=be, group_name=group_name, timeout_s=timeout_s))
+        else:
+            futures.append(group._call_engine(e, "init_weights_update_group", master_address, port, world,
+                                              group_name=group_name, backend=be, rank_offsets=[off]))
+    try:
+        group.pg = init_custom_process_group(be, f"tcp://{master_address}:{port}", world, 0, group_name, timeout_s)
+        for f in futures:
+            f.result(timeout_s)
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+def _broadcast_weights(state: TrainState, group: BroadcastGroup, version: int, cfg: PublishConfig) -> None:
+    """Bucketed broadcast with at most one bucket in flight (spec system.md §5.2).
+
+    Per bucket: names/dtypes/shapes go to every engine (non-blocking HTTP / thread), then one async
+    ``broadcast(src=0)`` per tensor. Gathering the next bucket (an FSDP collective on every train rank)
+    overlaps the previous bucket's broadcast; a bucket is launched only after the previous one was
+    acknowledged by every engine, so the engines receive buckets strictly in order.
+    """
+    dtype = getattr(torch, cfg.dtype)
+    limit = int(cfg.weight_chunked_mem_mb * 1024 * 1024)
+    dev = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
+    main = _rank() == 0
+
+    def launch(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, list, list] | None:
+        if not bucket or not main:
+            return None
+        names = [n for n, _ in bucket]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        futs = [group._call_engine(e, "update_weights_from_distributed", names, dtypes, shapes,
+                                   group_name=group.group_name, version=version) for e in group.engines]
+        tensors = [t.to(dev).contiguous() for _, t in bucket]
+        works = [dist.broadcast(t, src=0, group=group.pg, async_op=True) for t in tensors]
+        return futs, works, tensors
+
+    def finish(inflight: tuple[list, list, list] | None) -> None:
+        if inflight is None:
+            return
+        futs, works, _ = inflight
+        for w in works:
+            w.wait()
+        for f in futs:
+            f.result(cfg.timeout_s)
+
+    inflight = None
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in iter_full_tensors(state.model, dtype):
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit:
+            finish(inflight)
+            inflight = launch(bucket)
+            bucket, size = [], 0
+        bucket.append((name, t if main else torch.empty(0)))  # only rank 0 keeps the gathered data
+        size += nbytes
+    finish(inflight)
+    finish(launch(bucket))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# publish_weights
+# ----------------------------------------------------------------------------------------------------------
+
+
+def publish_weights(
+    state: TrainState,
+    targets: Sequence[Any],
+    *,
+    cfg: PublishConfig = PublishConfig(),
+    rollout: Any = None,
+) -> TrainState:
+    """Push the policy's weights to every target; return ``state`` with ``version + 1``.
+
+    Args:
+      state: the train state after its optimizer step(s).
+      targets: engines / blocking clients (state_dict, disk) or one :class:`BroadcastGroup` (distributed).
+      cfg: transport settings.
+      rollout: optional rollout controller with ``pause()``, ``resume()`` and ``set_version(v)``.
+
+    Returns:
+      ``dataclasses.replace(state, version=state.version + 1)``, only after every engine acknowledged.
+    """
+    version = state.version + 1
+    main = _rank() == 0
+    if cfg.mode == "distributed" and not all(isinstance(t, BroadcastGroup) for t in targets):
+        raise ValueError("PublishConfig.mode='distributed' needs BroadcastGroup targets; build one with connect_broadcast")
+    if cfg.mode == "state_dict" and not all(_is_engine(t) for t in targets):
+        raise ValueError("PublishConfig.mode='state_dict' needs in-process engines; use mode='disk' or 'distributed' for clients")
+    if rollout is not None:
+        rollout.pause()
+    if main:
+        for t in targets:
+            _pause(t, cfg.pause_mode, cfg.timeout_s)
+    _barrier()
+    dtype = getattr(torch, cfg.dtype)
+    try:
+        if cfg.mode == "state_dict":
+            sd = full_state_dict(state.model, dtype)
+            if main:
+                for t in targets:
+                    t.update_weights_from_state_dict(sd, version)
+        elif cfg.mode == "disk":
+            root = Path(cfg.disk_root) if cfg.disk_root else Path(tempfile.gettempdir()) / "rlcore_weights"
+            path = root / f"weight_update_v{version}"
+            export_hf(state, path, dtype=dtype)
+            if main:
+                for t in targets:
+                    _wait(t.update_weights_from_disk(str(path), version), cfg.timeout_s)
+                if not cfg.keep_disk_copy:
+                    shutil.rmtree(path, ignore_errors=True)
+        else:
+            for t in targets:
+                _broadcast_weights(state, t, version, cfg)
+    except Exception as e:
+        raise WeightSyncError(f"weight update to version {version} failed; engines stay paused: {e}") from e
+    _barrier()
+    if main:
+        for t in targets:
+            _continue(t, cfg.timeout_s)
+    _barrier()
+    for t in targets:
+        _set_client_version(t, version)
+    if rollout is not None:
+        rollout.set_version(version)
+        rollout.resume()
+    return dataclasses.replace(state, version=version)
+
+
+__all__ = [
+    "PublishConfig",
+    "WeightSyncError",
+    "BroadcastGroup",
+    "connect_broadcast",
+    "publish_weights",
+    "export_hf",
+    "full_state_dict",
+    "hf_named_tensors",
+    "iter_full_tensors",
+]

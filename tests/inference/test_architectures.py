@@ -1,0 +1,107 @@
+"""Model directories we have not seen: the engine and the trainer agree with transformers on many architectures.
+
+For each architecture (tiny random config), three checks:
+  1. the engine's greedy tokens equal ``generate``;
+  2. the trainer's packed log-probs (``PolicyModel``, sequences packed in one stream) equal log-softmax of the
+     HF forward per sequence, with their gradients;
+  3. the engine's sampling log-probs (behaviour) equal the trainer's log-probs on the same tokens, so the
+     importance ratio at equal weights is 1.
+Cohere (``logit_scale``), Granite (``logits_scaling``) and Gemma 2 (``final_logit_softcapping``) transform the
+LM-head output; the configs below make those transforms large, where greedy decoding alone would not notice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from rlcore.inference.engine import Engine, EngineConfig
+from rlcore.inference.protocol import SamplingParams
+from rlcore.training import models
+
+V = 64
+COMMON = dict(
+    vocab_size=V, num_hidden_layers=2, max_position_embeddings=96, hidden_size=32, intermediate_size=64,
+    num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+)
+ARCHS = {
+    "Qwen3Config": dict(head_dim=8),
+    "Gemma2Config": dict(head_dim=8, final_logit_softcapping=2.0, sliding_window=4),
+    "Gemma3TextConfig": dict(head_dim=8),
+    "Phi3Config": {},
+    "Qwen2MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "OlmoConfig": {},
+    "GraniteConfig": dict(logits_scaling=0.25),
+    "CohereConfig": dict(logit_scale=4.0),
+    "Starcoder2Config": {},
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cls(**COMMON, **ARCHS[name])).eval()
+    with torch.no_grad():  # sharper logits than the default init, so the logit transforms matter
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def test_logit_transform_reads_the_known_configs():
+    assert models.logit_transform(build("CohereConfig").config) == (4.0, None)
+    assert models.logit_transform(build("GraniteConfig").config) == (4.0, None)
+    assert models.logit_transform(build("Gemma2Config").config) == (1.0, 2.0)
+    assert models.logit_transform(build("Qwen3Config").config) == (1.0, None)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_engine_and_trainer_agree_with_transformers(name):
+    model = build(name)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    ref = [
+        model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)[0,
+                                                                                                           len(p):]
+        for p in prompts
+    ]
+    with Engine(model, EngineConfig(max_batch=4, max_seq_len=64, device="cpu", dtype="float32")) as eng:
+        greedy = [eng.submit(p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)).result(60)
+                  for p in prompts]
+        sampled = [eng.submit(p, SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=3))
+                   .result(60) for p in prompts]
+    assert [g.output_ids for g in greedy] == [r.tolist() for r in ref], name
+
+    # trainer: every (prompt + sampled output) packed into one stream; targets are the next tokens
+    seqs = [torch.tensor(s.input_ids + s.output_ids) for s in sampled]
+    ids = torch.cat(seqs)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    tgt = torch.cat([torch.cat([s[1:], torch.tensor([-100])]) for s in seqs])
+    bounds = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    policy = models.PolicyModel(model)
+    for p in policy.parameters():
+        p.requires_grad_(True)
+    logp, _ = policy(ids, pos, tgt, cu_seqlens=bounds.to(torch.int32), max_seqlen=max(len(s) for s in seqs))
+    ref_lp = [
+        torch.log_softmax(model(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None])[:, 0] for s in seqs
+    ]
+    got = [logp[a : b - 1] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+    for g, r in zip(got, ref_lp):
+        torch.testing.assert_close(g, r, atol=2e-5, rtol=0)
+    assert torch.all(logp[bounds[1:] - 1] == 0)  # ignored targets
+
+    w = model.get_output_embeddings().weight
+    (g_ours,) = torch.autograd.grad(sum(g.sum() for g in got), w, retain_graph=True)
+    (g_ref,) = torch.autograd.grad(sum(r.sum() for r in ref_lp), w)
+    torch.testing.assert_close(g_ours, g_ref, atol=1e-4, rtol=1e-4)
+
+    # behaviour log-probs (engine) == trainer log-probs on the sampled tokens
+    for s, g in zip(sampled, got):
+        n = len(s.output_ids)
+        torch.testing.assert_close(torch.tensor(s.output_logprobs), g[-n:].detach(), atol=1e-4, rtol=0)

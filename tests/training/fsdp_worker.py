@@ -1,0 +1,52 @@
+"""torchrun worker for tests/training/test_fsdp.py: one rl_step on FSDP2-sharded tiny Qwen2.
+
+Usage: torchrun --nproc_per_node N tests/training/fsdp_worker.py OUT.pt [cpu|cuda]
+``cpu`` (default): gloo on CPU. ``cuda``: NCCL, one GPU per rank, float32 compute everywhere (no autocast, FSDP
+param_dtype float32, TF32 off) so 1 and 2 ranks may be compared tightly. Rank 0 writes ``{"delta": {name: full param change}, "loss": global loss}`` to OUT.pt.
+"""
+
+import dataclasses
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+
+from rlcore.data import microbatch  # noqa: E402
+from rlcore.training import (
+    fsdp,
+    step,  # noqa: E402
+)
+from tests.training import test_step as common  # noqa: E402
+
+
+def run(out_path: str, device: str = "cpu") -> None:
+    torch.set_num_threads(1)
+    info = fsdp.setup_distributed()
+    kw = {}
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        kw = dict(device=info.device, compute_dtype=None, fsdp_cfg=fsdp.FSDPConfig(param_dtype="float32"))
+    st = common.with_sgd(common.fresh_state(seed=0, **kw))
+    before = {k: fsdp.full_tensor(v.detach()).clone() for k, v in st.model.named_parameters()}
+    batch = common.make_batch(4, n=8, stale=True)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    rows = microbatch.split_across_ranks(lengths, info.world_size)[info.rank]
+    local = microbatch.select_rows(batch, rows)
+    cfg = step.RLStepConfig(prox="recompute", mb=microbatch.MicroBatchConfig(max_tokens_per_mb=13))
+    st2, m = step.rl_step(st, local, cfg=dataclasses.replace(cfg))
+    loss = torch.tensor([float(m["ppo_actor/loss"])], dtype=torch.float64, device=info.device)
+    if info.world_size > 1:
+        torch.distributed.all_reduce(loss)
+    after = {k: fsdp.full_tensor(v.detach()).clone() for k, v in st.model.named_parameters()}
+    if info.rank == 0:
+        torch.save({"delta": {k: (after[k] - before[k]).cpu() for k in after}, "loss": float(loss), "step": st2.step,
+                    "sharded": fsdp.is_sharded(st.model)}, out_path)
+    if info.world_size > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], *sys.argv[2:3])

@@ -1,0 +1,153 @@
+"""Weight publishing: ordering, version bump only after acknowledgement, in-process / disk / gloo broadcast."""
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlcore.inference.client import ClientConfig, SyncEngineClient
+from rlcore.inference.engine import Engine, EngineConfig
+from rlcore.inference.protocol import ModelRequest, SamplingParams
+from rlcore.training import models, step, weight_sync
+from tests.training import test_step as common
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Recorder:
+    """Duck-typed rollout controller / engine wrapper that logs the order of calls."""
+
+    def __init__(self, log, inner=None, fail=False):
+        self.log, self.inner, self.fail = log, inner, fail
+
+    # rollout controller side
+    def pause(self, mode=None):
+        self.log.append("engine.pause" if mode else "rollout.pause")
+        if self.inner is not None and mode:
+            self.inner.pause(mode)
+
+    def resume(self):
+        self.log.append("rollout.resume")
+
+    def set_version(self, v):
+        self.log.append(f"rollout.version={v}")
+
+    # engine side
+    def update_weights_from_state_dict(self, sd, version):
+        self.log.append(f"engine.load v{version}")
+        if self.fail:
+            raise RuntimeError("engine refused the weights")
+        self.inner.update_weights_from_state_dict(sd, version)
+
+    def continue_generation(self):
+        self.log.append("engine.continue")
+        self.inner.continue_generation()
+
+
+def trained_state():
+    st = common.fresh_state()
+    st, _ = step.sft_step(st, common.make_batch(1))
+    return st
+
+
+def engine_for(state_model):
+    hf = copy.deepcopy(models.hf_module(state_model))
+    torch.manual_seed(123)
+    for p in hf.parameters():  # start the engine from different weights so a missed load is visible
+        p.data.normal_()
+    return Engine(hf, EngineConfig(device="cpu", dtype="float32", max_batch=2, max_seq_len=32))
+
+
+def assert_same_weights(state, engine_model, atol=0.0):
+    ref = dict(weight_sync.hf_named_tensors(state.model))
+    got = dict(engine_model.named_parameters())
+    assert set(ref) <= set(got) | set(dict(engine_model.named_buffers()))
+    for k, v in ref.items():
+        assert torch.allclose(got[k].float(), v.float(), atol=atol), k
+
+
+def test_in_process_order_and_version():
+    st = trained_state()
+    log = []
+    with engine_for(st.model) as eng:
+        target = Recorder(log, inner=eng)
+        st2 = weight_sync.publish_weights(st, [target], cfg=weight_sync.PublishConfig(dtype="float32"),
+                                          rollout=Recorder(log))
+        assert st2.version == st.version + 1 == eng.version
+        assert_same_weights(st, eng.model)
+    assert log == ["rollout.pause", "engine.pause", "engine.load v1", "engine.continue", "rollout.version=1",
+                   "rollout.resume"]
+
+
+def test_failed_ack_keeps_version_and_pause():
+    st = trained_state()
+    log = []
+    with engine_for(st.model) as eng:
+        with pytest.raises(weight_sync.WeightSyncError, match="version 1"):
+            weight_sync.publish_weights(st, [Recorder(log, inner=eng, fail=True)], rollout=Recorder(log))
+        assert eng.version == 0
+    assert "engine.continue" not in log and "rollout.resume" not in log and st.version == 0
+
+
+def test_disk_publish_and_export(tmp_path):
+    st = trained_state()
+    with engine_for(st.model) as eng:
+        cfg = weight_sync.PublishConfig(mode="disk", dtype="float32", disk_root=str(tmp_path / "w"))
+        st2 = weight_sync.publish_weights(st, [eng], cfg=cfg)
+        assert st2.version == 1 == eng.version
+        assert_same_weights(st, eng.model)
+        assert not (tmp_path / "w" / "weight_update_v1").exists()  # deleted after every engine loaded it
+    out = weight_sync.export_hf(st, tmp_path / "hf", dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out))
+    assert_same_weights(st, loaded)
+    assert not list(tmp_path.glob(".hf.tmp*"))
+
+
+def test_mode_validation():
+    st = common.fresh_state()
+    with pytest.raises(ValueError, match="BroadcastGroup"):
+        weight_sync.publish_weights(st, [object()], cfg=weight_sync.PublishConfig(mode="distributed"))
+    with pytest.raises(ValueError, match="in-process"):
+        weight_sync.publish_weights(st, [object()])
+
+
+def _free_port():
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def test_gloo_broadcast_to_engine_server(tmp_path):
+    """Trainer (this process) -> rlcore.serve engine (subprocess) over /init_weights_update_group +
+    /update_weights_from_distributed with several buckets; the served log-probs then match the trainer's."""
+    st = trained_state()
+    start = engine_for(st.model).model  # different weights than the trained policy
+    start.save_pretrained(str(tmp_path / "init"))
+    port = _free_port()
+    cmd = [sys.executable, "-m", "rlcore.serve", "--model", str(tmp_path / "init"), "--port", str(port),
+           "--device", "cpu", "--dtype", "float32", "--max-batch", "2", "--max-seq-len", "32"]
+    server = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with SyncEngineClient([f"http://127.0.0.1:{port}"], ClientConfig(timeout_s=60, retries=0)) as client:
+            client.run(client.client.wait_until_healthy(timeout=90))
+            with weight_sync.connect_broadcast([client], backend="gloo", timeout_s=60) as group:
+                cfg = weight_sync.PublishConfig(mode="distributed", dtype="float32", weight_chunked_mem_mb=0.005)
+                st2 = weight_sync.publish_weights(st, [group], cfg=cfg)
+            assert st2.version == 1 == client.get_version()
+            prompt = [5, 9, 13, 2]
+            resp = client.generate(ModelRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=5, seed=1)))
+        assert resp.output_versions == [1] * len(resp.output_tokens)
+        ids = torch.tensor([prompt + resp.output_tokens])
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)}
+        logp = step.forward_logp(st.model, batch)[0][0, len(prompt) - 1 : -1]
+        assert torch.allclose(logp, torch.tensor(resp.output_logprobs), atol=1e-4)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
