@@ -1,7 +1,7 @@
 """Launch one experiment on one node: inference engines on some GPUs, an FSDP2 trainer on the others.
 
     python -m rlcore.launch --alloc engines:2+trainer:2 --model /models/qwen2.5-1.5b \\
-        -- experiments/gsm8k_grpo.py --model /models/qwen2.5-1.5b
+        -- experiments/gsm8k_grpo.py grpo --model /models/qwen2.5-1.5b
 
 Allocation syntax: ``engines:N[xT]+trainer:M`` — N engine servers of T GPUs each (tensor parallel,
 SGLang only), then an M-rank trainer. GPUs are assigned in order: engines take ``[0, N·T)``, the

@@ -10,7 +10,7 @@ from rlcore.launch import ray_cluster as ray_launch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m rlcore.launch", description=launch.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--alloc", required=True, help="engines:N[xT]+trainer:M")
     ap.add_argument("--model", required=True, help="HF model directory served by the engines")
     ap.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
-        ap.error("give the trainer command after '--', e.g. -- experiments/gsm8k_grpo.py --model PATH")
+        ap.error("give the trainer command after '--', e.g. -- experiments/gsm8k_grpo.py grpo --model PATH")
     alloc = launch.parse_allocation(a.alloc)
     if a.slurm:
         print(launch.slurm_script(alloc, cmd, model=a.model, engine=a.engine, partition=a.partition), end="")
