@@ -1,7 +1,10 @@
 """OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` over an ``Engine``.
 
-``make_app`` (engine_server.py) registers ``make_view(engine, endpoint)`` for both paths, next to SGLang's
-native endpoints, as a real SGLang server does. A request is parsed into a ``Plan`` (one engine request per
+``make_app`` (server.py) registers ``make_view(engine, endpoint)`` for both paths, next to SGLang's native
+endpoints, as a real SGLang server does. Requests are validated by the schema layer shared with the agent
+proxy (``chat.py``: pydantic v2 models + ``check_supported``); tool calls are parsed by ``tool_parsers``
+(``app[TOOL_PARSER_KEY]``, ``rlcore.serve --tool-parser``); streams are written by ``sse.EventWriter`` and
+detokenised incrementally by ``detok.StreamDecoder``. A request is parsed into a ``Plan`` (one engine request per
 prompt and sample; nothing is queued until the whole request is valid), then answered as one JSON body
 (``complete``) or as Server-Sent Events (``stream``). Bad input is a 400 in OpenAI's error shape,
 ``{"error": {"message", "type", "param", "code"}}``, whose message names the parameter and the fix.
