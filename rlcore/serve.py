@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import tyro
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from rlcore.inference.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -44,10 +49,28 @@ class ServeConfig:
     """Seed for per-request seeds of requests that bring none."""
     weight_version: int = 0
     """Version label of the initial weights."""
+    tool_parser: str = "hermes"
+    """Tool-call format parsed out of /v1/chat/completions replies when the request has tools: a name in
+    rlcore.inference.tool_parsers.PARSERS (hermes = qwen: <tool_call>{json}</tool_call>; none)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        from rlcore.inference.tool_parsers import PARSERS
+
+        if self.tool_parser not in PARSERS:
+            raise ValueError(f"--tool-parser must be one of {sorted(PARSERS)}, got {self.tool_parser!r}")
+
+
+def build_app(engine: Engine, cfg: ServeConfig) -> web.Application:
+    """``make_app(engine)`` with the OpenAI routes' settings of ``cfg`` (the tool parser)."""
+    from rlcore.inference.openai_api import TOOL_PARSER_KEY
+    from rlcore.inference.server import make_app
+    from rlcore.inference.tool_parsers import resolve
+
+    app = make_app(engine)
+    app[TOOL_PARSER_KEY] = resolve(cfg.tool_parser)
+    return app
 
 
 def main(cfg: ServeConfig) -> None:
@@ -57,7 +80,6 @@ def main(cfg: ServeConfig) -> None:
     from aiohttp import web
 
     from rlcore.inference.engine import Engine, EngineConfig
-    from rlcore.inference.server import make_app
 
     tokenizer = None
     if cfg.tokenizer is not None:
@@ -82,7 +104,7 @@ def main(cfg: ServeConfig) -> None:
     sock.bind((cfg.host, cfg.port))
     print(f"[rlcore.serve] {cfg.model} on http://{cfg.host}:{sock.getsockname()[1]}", flush=True)
     with engine:
-        asyncio.run(_serve(web, make_app(engine), sock))
+        asyncio.run(_serve(web, build_app(engine, cfg), sock))
 
 
 async def _serve(web, app, sock) -> None:

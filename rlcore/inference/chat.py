@@ -1,32 +1,395 @@
-"""Chat-message helpers shared by the OpenAI-compatible server (``rlcore.serve``) and the agent proxy.
+"""The one schema layer of rlcore's OpenAI-compatible API, shared by ``rlcore.serve`` and the agent proxy.
 
-``normalize_message`` gives the canonical form of an OpenAI chat message (used for templating and for
-prefix matching); ``parse_qwen_tool_calls`` turns Qwen-style ``<tool_call>{...}</tool_call>`` output into
-OpenAI ``tool_calls``; ``ProxyError`` carries the HTTP status an OpenAI-style handler answers with.
+Requests are validated by pydantic v2 models (``ChatRequest``, ``CompletionRequest``); responses are shaped
+by the helpers at the bottom (``chat_logprobs``, ``chat_chunk``, ``usage``). Why pydantic and not the
+``openai`` package's own types: the openai package's request types (``CompletionCreateParams``, ...) are
+``TypedDict``s, which describe a body but validate nothing at run time, and its response models are lenient
+(``extra="allow"``, no bounds); it is also a client library the server should not need. pydantic v2 is the
+field's standard validation library (FastAPI, vLLM's and SGLang's OpenAI servers use it), gives one error
+per bad field with its location, and is strict here (no ``"2"`` -> 2, no ``true`` -> 1, no NaN).
+
+Every way in goes through ``parse_body`` (raw bytes -> JSON object: invalid JSON, NaN/Infinity, 100k-deep
+nesting, invalid UTF-8 and lone surrogates are 400s) and ``validate`` (JSON object -> model; the first
+pydantic error becomes an ``OpenAIError`` whose ``param`` is the field, e.g. ``messages[0].tool_calls``).
+``check_supported`` refuses, for both servers alike, what the engine cannot honour: ``top_logprobs > 0``,
+forced tool calls (``tool_choice="required"`` or a named function), ``response_format`` other than text,
+the deprecated functions API, audio and non-text message parts.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from typing import Any
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_N = 128
+"""Largest ``n`` accepted (OpenAI's limit)."""
+INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-class ProxyError(Exception):
-    """An error with the HTTP status the proxy answers with (OpenAI error JSON)."""
+class OpenAIError(Exception):
+    """A request the server refuses; becomes ``{"error": {"message", "type", "param", "code"}}``."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
-        self.status = status
+        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+
+    def body(self) -> dict:
+        """OpenAI's error JSON."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class ProxyError(OpenAIError):
+    """An ``OpenAIError`` raised with its HTTP status first (the agent proxy's convention)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+        super().__init__(message, param, status=status, code=str(status), kind=kind)
+
+
+# ------------------------------------------------------------------------------------------- raw bodies
+def _check_text(x: Any, path: str, depth: int = 0) -> None:
+    """400 naming ``path`` for a string that is not valid Unicode (a lone surrogate from ``\\ud800``) or a
+    non-finite number (``NaN``, ``Infinity``, ``1e999``)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        raise OpenAIError(
+            f"{path or 'body'}: {x} is not a JSON number (NaN/Infinity); send a finite number", path or None
+        )
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            raise OpenAIError(
+                f"{path or 'body'} holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode; "
+                "send well-formed text",
+                path or None,
+            ) from None
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _check_text(k, path, depth + 1)
+            _check_text(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            _check_text(v, f"{path}[{i}]", depth + 1)
+
+
+def parse_body(raw: bytes) -> Any:
+    """Raw request bytes -> the decoded JSON (None for an empty body). Raises ``OpenAIError`` (400) for
+    invalid UTF-8 or JSON, ``NaN``/``Infinity`` literals, nesting too deep to parse and lone surrogates."""
+    if not raw.strip():
+        return None
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise OpenAIError("the request body is nested too deeply to parse; flatten it") from None
+    except UnicodeDecodeError:
+        raise OpenAIError("the request body is not valid UTF-8") from None
+    except ValueError as e:
+        raise OpenAIError(f"the request body is not valid JSON: {e}") from None
+    _check_text(body, "")
+    return body
+
+
+# ------------------------------------------------------------------------------------------- the models
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+
+Int64 = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Model):
+    """An assistant message's tool call (arguments as a JSON string, or already a dict)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    """One chat message. ``content``: a string, a list of text parts, or null."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v
+        ):
+            return v
+        raise ValueError(
+            'must be a string, null or a list of text parts ({"type": "text", "text": ...}); other parts '
+            "(images, audio) are not supported: the engine serves text-only models"
+        )
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _tool_calls(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, list) or not all(
+            isinstance(tc, dict) and isinstance(tc.get("function"), dict) for tc in v
+        ):
+            raise ValueError(
+                'must be a list of {"id": str, "type": "function", "function": {"name": str, "arguments": '
+                "JSON string}}, as the API returned them"
+            )
+        return v
+
+
+class FunctionDef(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Closed):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _Sampling(_Model):
+    """Fields shared by both endpoints (OpenAI's and SGLang's extensions)."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+    # SGLang's extensions of the OpenAI request
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("must be -1 (off) or >= 1")
+        return v
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions`` (both servers; the proxy also reads ``max_total_tokens``)."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_total_tokens: Annotated[int, Field(ge=2)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    @property
+    def max_new(self) -> tuple[str, int | None]:
+        """(the length field the caller used, its value)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    @property
+    def parse_tools(self) -> bool:
+        """Parse tool calls out of the reply: ``tools`` given and ``tool_choice`` not ``"none"``."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        """``tools`` as the chat template expects them (None when there are none)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def template_messages(self) -> list[dict]:
+        """Messages in canonical form for templating and prefix matching (``normalize_message``)."""
+        return [normalize_message(m.model_dump(exclude_none=True)) for m in self.messages]
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or token-id lists."""
+
+    prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        def is_id(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        ok = isinstance(v, str) or (
+            isinstance(v, list)
+            and v
+            and (
+                all(isinstance(x, str) for x in v)
+                or all(is_id(x) for x in v)
+                or all(isinstance(x, list) and all(is_id(t) for t in x) for x in v)
+            )
+        )
+        if not ok:
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            )
+        return v
+
+
+_DEPTH = {"messages": 3, "tools": 2}
+"""How much of a pydantic error location names the parameter (``messages[0].content``, ``tools[1]``)."""
+
+
+def _param(loc: tuple) -> str | None:
+    if not loc:
+        return None
+    keep = loc[: _DEPTH.get(str(loc[0]), 1)]
+    out = ""
+    for p in keep:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def validate(model: type[_Model], body: Any) -> Any:
+    """``body`` (decoded JSON) -> ``model``; raises ``OpenAIError`` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _param(tuple(err["loc"]))
+        msg = err["msg"].removeprefix("Value error, ")
+        got = repr(err.get("input"))
+        got = got if len(got) <= 80 else got[:77] + "..."
+        raise OpenAIError(f"{param or 'body'}: {msg} (got {got})", param) from None
+
+
+def _refuse(req: BaseModel, key: str, why: str) -> None:
+    x = getattr(req, key, None)
+    if x is None or (isinstance(x, (dict, list, str)) and not x):
+        return
+    raise OpenAIError(f"{key} is not supported by this server: {why}", key)
+
+
+def check_supported(req: ChatRequest) -> None:
+    """Refuse (400 naming the field) what neither server honours; shared so both answer alike."""
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise OpenAIError("give only one of max_completion_tokens and max_tokens (deprecated)", "max_tokens")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
+    if req.top_logprobs:
+        raise OpenAIError(
+            f"top_logprobs={req.top_logprobs} asks for alternatives, which the engine does not compute; omit it "
+            "(or pass 0): logprobs: true returns each sampled token's log-prob with top_logprobs: []",
+            "top_logprobs",
+        )
+    if req.tool_choice not in (None, "auto", "none"):
+        raise OpenAIError(
+            f"tool_choice={req.tool_choice!r} is not supported: forcing a tool call needs constrained decoding, "
+            "which the engine does not do; use 'auto' or 'none'",
+            "tool_choice",
+        )
+    if req.response_format is not None and req.response_format.type != "text":
+        raise OpenAIError(
+            f'response_format {{"type": "{req.response_format.type}"}} is not supported (no constrained '
+            'decoding); omit it or pass {"type": "text"}',
+            "response_format",
+        )
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("stream_options is only allowed with stream: true", "stream_options")
+    _refuse(req, "logit_bias", "the engine has no per-token logit bias; drop it")
+    for key in ("functions", "function_call"):
+        _refuse(req, key, "the deprecated functions API is not implemented; use tools")
+    for key in ("audio", "prediction"):
+        _refuse(req, key, "text completions only")
 
 
 def normalize_message(m: dict) -> dict:
     """Canonical form used for templating and for prefix matching: None/empty fields dropped, content
-    parts joined, tool-call arguments parsed to dicts (some chat templates need that)."""
+    parts joined, tool-call arguments parsed to dicts (some chat templates need that), ``developer`` -> ``system``."""
     if not isinstance(m, dict) or "role" not in m:
-        raise ProxyError(400, "messages: every message must be an object with a 'role'")
-    out: dict[str, Any] = {"role": m["role"]}
+        raise ProxyError(400, "messages: every message must be an object with a 'role'", "messages")
+    out: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}
     content = m.get("content")
     if isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
@@ -34,14 +397,16 @@ def normalize_message(m: dict) -> dict:
         out["content"] = content
     calls = []
     for tc in m.get("tool_calls") or []:
-        fn = tc.get("function") or {}
+        fn = (tc.get("function") if isinstance(tc, dict) else None) or {}
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args else {}
             except json.JSONDecodeError:
                 pass
-        calls.append({"id": tc.get("id"), "type": "function", "function": {"name": fn.get("name"), "arguments": args}})
+        calls.append(
+            {"id": tc.get("id"), "type": "function", "function": {"name": fn.get("name"), "arguments": args}}
+        )
     if calls:
         out["tool_calls"] = calls
     for key in ("name", "tool_call_id"):
@@ -50,30 +415,54 @@ def normalize_message(m: dict) -> dict:
     return out
 
 
-_TOOL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# ---------------------------------------------------------------------------------------- response shapes
+def chat_logprobs(pieces: list[str], logps: list[float]) -> dict:
+    """Chat ``logprobs``: one ``{token, logprob, bytes, top_logprobs: []}`` per sampled token."""
+    content = [
+        {"token": p, "logprob": lp, "bytes": list(p.encode("utf-8", "surrogatepass")), "top_logprobs": []}
+        for p, lp in zip(pieces, logps)
+    ]
+    return {"content": content, "refusal": None}
 
 
-def parse_qwen_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """Split Qwen-style output into (content before the first call or None, OpenAI tool_calls).
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
-    Returns no calls (and the text unchanged) if any block is not ``{"name": str, "arguments": ...}``.
-    """
-    blocks = _TOOL_RE.findall(text)
-    if not blocks:
-        return text, []
-    calls = []
-    for raw in blocks:
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", {})
-        calls.append({
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args)},
-        })
-    content = text[: text.index("<tool_call>")].strip() or None
-    return content, calls
+
+def chat_chunk(head: dict, index: int, delta: dict, finish: str | None, logprobs: dict | None) -> dict:
+    """One ``chat.completion.chunk`` with one choice (``head``: id, object, created, model, ...)."""
+    return {
+        **head,
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+    }
+
+
+def finite(x: float, name: str) -> float:
+    """``x`` as a float; 400 naming ``name`` unless it is a finite number (not a bool)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)):
+        raise ProxyError(400, f"{name}: a finite number is required, got {x!r}", name)
+    return float(x)
+
+
+__all__ = [
+    "MAX_N",
+    "ChatRequest",
+    "CompletionRequest",
+    "Message",
+    "OpenAIError",
+    "ProxyError",
+    "Tool",
+    "ToolCall",
+    "chat_chunk",
+    "chat_logprobs",
+    "check_supported",
+    "finite",
+    "normalize_message",
+    "parse_body",
+    "usage",
+    "validate",
+]

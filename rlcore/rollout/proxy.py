@@ -13,6 +13,19 @@ messages + reply are the longest prefix of the new messages). Export turns them 
 Rewards are discounted along parent links, newest first: ``R = r + discount · mean(R_children)`` with
 unset rewards 0 (rlcore deviation §6.5: AReaL walks the linear insertion order instead).
 
+Token-exactness: every exported row is exactly what the engine was prompted with plus what it sampled, with
+the behaviour log-probs of the sampled tokens. When the chat template re-renders an earlier turn differently
+from what was sampled (a thinking template that drops earlier ``<think>`` blocks, a tool call re-encoded, a
+text tokenised another way), the interaction records where (``Interaction.prefix_mismatch``), the proxy logs
+it and counts it (``stats["proxy/prefix_mismatch"]``), and the rows say so (``prefix_mismatch``). In
+``concat`` templating the prompt still extends the sampled tokens; in ``hf`` templating the engine saw the
+re-rendered history, so ``concat`` export ends the parent's row there and starts a new one (no sampled token
+is dropped, none is trained in a context it was not sampled in).
+
+Requests are validated by the same schema layer as ``rlcore.serve`` (``rlcore.inference.chat``: pydantic
+models + ``check_supported``), so both answer the same 400s; tool calls go through
+``rlcore.inference.tool_parsers`` (``ProxyConfig.tool_parser``); streaming uses ``sse.EventWriter``.
+
 Endpoints: ``POST /v1/chat/completions`` (session key; streaming SSE or not), ``GET /v1/models``,
 ``POST /grant_capacity``, ``/rl/start_session``, ``/export_trajectories``, ``/rl/set_version``,
 ``/rl/pause``, ``/rl/resume`` (admin key), ``/rl/set_reward``, ``/rl/end_session`` (session key),
@@ -43,9 +56,23 @@ import torch
 from aiohttp import web
 
 from rlcore.data import trajectory
-from rlcore.inference.chat import ProxyError, normalize_message, parse_qwen_tool_calls
+from rlcore.inference import sse
+from rlcore.inference.chat import (
+    ChatRequest,
+    OpenAIError,
+    ProxyError,
+    chat_chunk,
+    chat_logprobs,
+    check_supported,
+    finite,
+    normalize_message,
+    parse_body,
+    usage,
+    validate,
+)
 from rlcore.inference.client import EngineClient, EngineError
 from rlcore.inference.protocol import ModelRequest, ModelResponse, SamplingParams
+from rlcore.inference.tool_parsers import ParseFn, ToolParser, resolve
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +99,10 @@ class ProxyConfig:
     """Cap on prompt + completion tokens of one call."""
     default_max_new_tokens: int = 512
     """Completion budget when the request sets neither max_completion_tokens nor max_tokens."""
-    tool_parser: Literal["qwen", "none"] = "qwen"
-    """Parse ``<tool_call>{json}</tool_call>`` blocks into OpenAI tool calls when the request has tools."""
+    tool_parser: str | ToolParser | ParseFn = "hermes"
+    """Tool-call format parsed out of replies when the request has tools (and ``tool_choice`` is not
+    ``"none"``): a name in ``tool_parsers.PARSERS`` (``hermes`` = ``qwen``: ``<tool_call>{json}</tool_call>``;
+    ``none``), a ``ToolParser`` or a parse callable (the extension point)."""
     capacity_gating: bool = False
     """When True, start_session consumes one permit from /grant_capacity and answers 429 without one."""
     session_timeout_s: float = 3600.0
@@ -84,8 +113,7 @@ class ProxyConfig:
     def __post_init__(self):
         if self.template_mode not in ("hf", "concat"):
             raise ValueError(f"ProxyConfig.template_mode must be 'hf' or 'concat', got {self.template_mode!r}")
-        if self.tool_parser not in ("qwen", "none"):
-            raise ValueError(f"ProxyConfig.tool_parser must be 'qwen' or 'none', got {self.tool_parser!r}")
+        resolve(self.tool_parser)  # raises naming ProxyConfig.tool_parser
         if self.engine_max_tokens < 2 or self.default_max_new_tokens < 1:
             raise ValueError("ProxyConfig.engine_max_tokens must be >= 2 and default_max_new_tokens >= 1")
         if not self.admin_key:
@@ -107,6 +135,9 @@ class Interaction:
     parent: str | None = None
     children: list[str] = field(default_factory=list)
     reward: float | None = None
+    prefix_mismatch: int | None = None
+    """Where the chat template's rendering of this call's history first leaves the parent's sampled tokens
+    (index into the parent's prompt + output); None when it matches or there is no parent."""
 
 
 @dataclass
@@ -119,10 +150,16 @@ class _Session:
 
 
 # ----------------------------------------------------------------------------------------- message helpers
-_KNOWN_ARGS = {
-    "messages", "model", "n", "max_tokens", "max_completion_tokens", "max_total_tokens", "temperature", "top_p",
-    "seed", "stop", "stream", "stream_options", "tools", "tool_choice", "user", "metadata", "store",
-}
+_IGNORED = ("ignore_eos", "stop_token_ids", "user")
+"""Validated request fields the proxy does not act on (stop ids are always {eos, pad}); warned about once."""
+
+
+def _first_difference(rendered: list[int], sampled: list[int]) -> int | None:
+    """First index where ``rendered`` does not continue as ``sampled``; None if it extends it."""
+    for i, t in enumerate(sampled):
+        if i >= len(rendered) or rendered[i] != t:
+            return i
+    return None
 
 def _is_prefix(prefix: list[dict], full: list[dict]) -> bool:
     return len(prefix) <= len(full) and full[: len(prefix)] == prefix
@@ -187,10 +224,12 @@ def _extends(ids: list[int], prefix: list[int]) -> bool:
     return len(ids) > len(prefix) and ids[: len(prefix)] == prefix
 
 
-def _row(ids, loss, logps, versions, turns, reward: float, original: float | None) -> dict[str, Any]:
+def _row(
+    ids, loss, logps, versions, turns, reward: float, original: float | None, mismatch: bool
+) -> dict[str, Any]:
     return {
         "input_ids": ids, "loss_mask": loss, "logprobs": logps, "versions": versions, "turn_ids": turns,
-        "reward": reward, "original_reward": original,
+        "reward": reward, "original_reward": original, "prefix_mismatch": mismatch,
     }
 
 
@@ -200,6 +239,7 @@ def _individual_row(it: Interaction, reward: float, turn: int = 0) -> dict[str, 
     return _row(
         list(p) + list(r.output_tokens), [0] * len(p) + [1] * o, [0.0] * len(p) + list(r.output_logprobs),
         [-1] * len(p) + list(r.output_versions), [-1] * len(p) + [turn] * o, reward, it.reward,
+        it.prefix_mismatch is not None,
     )
 
 
@@ -215,8 +255,12 @@ def export_rows(
     ``concat``: a leaf's row is its parent's row followed by the rest of the leaf's prompt (masked) and the
     leaf's output. If the prompt only extends the parent's row without its last token (a non-eos stop token
     such as pad, replaced by eos in ``concat`` templating), that token is dropped from the chain. A node whose
-    prompt extends neither starts a fresh row (individual fallback), which happens when the conversation was
-    re-templated (``template_mode="hf"``).
+    prompt extends neither starts a fresh row, and its parent's row is exported too (keyed by the parent's id),
+    so every sampled token stays in a row whose context is what the engine saw; this happens when the
+    conversation was re-templated differently (``template_mode="hf"``).
+
+    Every row has ``prefix_mismatch``: True when the chat template re-rendered the history of one of the row's
+    turns differently from the sampled tokens (``Interaction.prefix_mismatch``).
     """
     if style not in ("individual", "concat"):
         raise ProxyError(400, f"style must be 'individual' or 'concat', got {style!r}")
@@ -231,6 +275,7 @@ def export_rows(
                          "stop_reason": it.response.stop_reason}
         return rows
     chains: dict[str, dict[str, Any]] = {}
+    broken: set[str] = set()  # parents whose row a child could not extend: exported as rows of their own
     for iid, it in interactions.items():  # parents come first in insertion order
         parent = chains.get(it.parent) if it.parent is not None else None
         if parent is not None and not _extends(it.prompt_ids, parent["input_ids"]):
@@ -238,6 +283,8 @@ def export_rows(
             # re-adds one eos); that sampled token then leaves the chain
             cut = {k: v[:-1] for k, v in parent.items() if isinstance(v, list)}
             parent = {**parent, **cut} if cut["input_ids"] and _extends(it.prompt_ids, cut["input_ids"]) else None
+            if parent is None:
+                broken.add(it.parent)  # type: ignore[arg-type]
         if parent is not None:
             turn = max(parent["turn_ids"]) + 1
             extra = it.prompt_ids[len(parent["input_ids"]):]
@@ -248,12 +295,12 @@ def export_rows(
                 parent["logprobs"] + [0.0] * len(extra) + list(it.response.output_logprobs),
                 parent["versions"] + [-1] * len(extra) + list(it.response.output_versions),
                 parent["turn_ids"] + [-1] * len(extra) + [turn] * o,
-                returns[iid], it.reward,
+                returns[iid], it.reward, parent["prefix_mismatch"] or it.prefix_mismatch is not None,
             )
         else:
             chains[iid] = _individual_row(it, returns[iid])
     for iid, it in interactions.items():
-        if not it.children:
+        if not it.children or iid in broken:
             rows[iid] = {**chains[iid], "id": iid, "parent": it.parent, "messages": it.messages,
                          "output_message": it.output_message, "stop_reason": it.response.stop_reason}
     return rows
@@ -307,6 +354,9 @@ class AgentProxy:
         self._capacity = 0
         self._last_gc = time.monotonic()
         self._warned: set[str] = set()
+        self._tool_parser = resolve(cfg.tool_parser)
+        self.stats: dict[str, int] = {"proxy/prefix_mismatch": 0, "proxy/completions": 0}
+        """Counters: completions served, and those whose re-rendered history differed from the sampled tokens."""
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -428,11 +478,15 @@ class AgentProxy:
         return s
 
     def set_reward(self, session_id: str, reward: float, interaction_id: str | None = None) -> None:
-        """Reward of one interaction (None: the latest)."""
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            raise ProxyError(400, "reward: a number is required")
+        """Reward of one interaction (None: the latest). Refused: a non-finite or non-numeric reward (400) and a
+        session that has ended (409: rewards are set before ``end_session``, which may start the export)."""
+        reward = finite(reward, "reward")
         with self._lock:
             s = self._session(session_id)
+            if s.ended:
+                raise ProxyError(
+                    409, f"set_reward: session {session_id!r} has ended; set rewards before /rl/end_session"
+                )
             if not s.interactions:
                 raise ProxyError(400, "set_reward: the session has no interactions yet")
             iid = interaction_id if interaction_id is not None else next(reversed(s.interactions))
@@ -485,11 +539,14 @@ class AgentProxy:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _prompt_ids(self, messages: list[dict], tools: list | None, parent: Interaction | None) -> tuple[list[int], str]:
+    def _prompt_ids(
+        self, messages: list[dict], tools: list | None, parent: Interaction | None
+    ) -> tuple[list[int], str, list[int]]:
+        """(prompt ids, the templating used, the chat template's rendering of the whole conversation)."""
         full = self._template(messages, tools)
         eos = self.tokenizer.eos_token_id
         if self.cfg.template_mode != "concat" or parent is None or eos is None:
-            return full, "hf"
+            return full, "hf", full
         # the parent's exact tokens, one eos, then what the template adds after the parent's k-th eos
         base = parent.prompt_ids + _strip_stop(list(parent.response.output_tokens), self.stop_ids) + [eos]
         k = base.count(eos)
@@ -498,9 +555,9 @@ class AgentProxy:
             if t == eos:
                 seen += 1
                 if seen == k:
-                    return base + full[i + 1:], "concat"
+                    return base + full[i + 1:], "concat", full
         log.warning("agent proxy: templated conversation has fewer than %d eos tokens; re-templating", k)
-        return full, "hf"
+        return full, "hf", full
 
     def _find_parent(self, s: _Session, messages: list[dict]) -> Interaction | None:
         best: Interaction | None = None
@@ -511,58 +568,60 @@ class AgentProxy:
         return best
 
     async def chat(self, session_id: str, body: dict) -> dict[str, Any]:
-        """One chat completion for a session: template → agenerate → parse → record. Returns the
-        ChatCompletion JSON."""
-        if not isinstance(body, dict):
-            raise ProxyError(400, "body: a JSON object is required")
-        raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise ProxyError(400, "messages: a non-empty list is required")
-        if body.get("n", 1) != 1:
-            raise ProxyError(400, "n: only n=1 is supported (sample several sessions instead)")
-        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
-            raise ProxyError(400, "max_tokens and max_completion_tokens: give only one (max_tokens is deprecated)")
-        for key in body.keys() - _KNOWN_ARGS:
-            if key not in self._warned:
-                self._warned.add(key)
-                log.warning("agent proxy: ignoring unsupported chat completion argument %r", key)
-        messages = [normalize_message(m) for m in raw]
-        tools = body.get("tools") or None
+        """One chat completion for a session: validate (the shared schema) → template → agenerate → parse →
+        record. Returns the ChatCompletion JSON (with ``logprobs`` when asked for)."""
+        req = validate(ChatRequest, body)
+        check_supported(req)
+        if req.n != 1:
+            raise ProxyError(400, f"n: only n=1 is supported, got n={req.n} (sample several sessions instead)", "n")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise ProxyError(400, "max_tokens and max_completion_tokens: give only one (max_tokens is deprecated)",
+                             "max_tokens")
+        ignored = set(req.model_extra or {}) | {k for k in _IGNORED if k in req.model_fields_set}
+        for key in sorted(ignored - self._warned):
+            self._warned.add(key)
+            log.warning("agent proxy: ignoring unsupported chat completion argument %r", key)
+        messages, tools = req.template_messages(), req.template_tools()
         with self._lock:
             s = self._session(session_id)
             if s.ended:
                 raise ProxyError(400, f"session {session_id!r} has ended; start a new session")
             s.last_active = time.monotonic()
             parent = self._find_parent(s, messages)
-        prompt, mode = self._prompt_ids(messages, tools, parent)
+        prompt, mode, rendered = self._prompt_ids(messages, tools, parent)
+        mismatch = None
+        if parent is not None:
+            sampled = parent.prompt_ids + _strip_stop(list(parent.response.output_tokens), self.stop_ids)
+            mismatch = _first_difference(rendered, sampled)
+            if mismatch is not None:
+                self.stats["proxy/prefix_mismatch"] += 1
+                log.warning(
+                    "agent proxy: session %s: the chat template re-renders the history differently from the "
+                    "sampled tokens (from token %d of %d); %s", session_id, mismatch, len(sampled),
+                    "the prompt keeps the sampled tokens (concat)" if mode == "concat"
+                    else "the engine sees the re-rendered history; concat export splits the row here",
+                )
         cap = self.cfg.engine_max_tokens
-        total = _number(body, "max_total_tokens", int, None)
-        if total is not None:
-            cap = min(cap, total)
+        if req.max_total_tokens is not None:
+            cap = min(cap, req.max_total_tokens)
         if len(prompt) >= cap:
-            raise ProxyError(400, f"messages: prompt has {len(prompt)} tokens, at or above the cap of {cap}")
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        want = _number(body, key, int, self.cfg.default_max_new_tokens)
-        if want < 1:
-            raise ProxyError(400, f"{key}: must be >= 1")
-        temperature = _number(body, "temperature", float, 1.0)
-        top_p = _number(body, "top_p", float, 1.0)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ProxyError(400, "temperature must be >= 0 and top_p in (0, 1]")
-        stop = body.get("stop")
-        if stop is not None and not (
-            isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
-        ):
-            raise ProxyError(400, "stop: a string or a list of strings is required")
-        stops = [stop] if isinstance(stop, str) else [x for x in (stop or []) if x]
+            raise ProxyError(400, f"messages: prompt has {len(prompt)} tokens, at or above the cap of {cap}",
+                             "messages")
+        key, want = req.max_new
+        stops = list(req.stops)
         sampling = SamplingParams(
-            max_new_tokens=min(want, cap - len(prompt)),
-            temperature=temperature,
-            top_p=top_p,
+            max_new_tokens=min(want or self.cfg.default_max_new_tokens, cap - len(prompt)),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
             stop_token_ids=tuple(sorted(self.stop_ids)),
-            seed=_number(body, "seed", int, None),
+            seed=req.seed,
             # the engine stops as soon as a stop string appears; the cut below still trims the tokens after it
             stop=tuple(stops) if mode == "hf" else (),
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_new_tokens=min(req.min_tokens, cap - len(prompt)),
         )
         try:
             resp = await self.client.agenerate(ModelRequest(input_ids=prompt, sampling=sampling, rid=session_id))
@@ -581,8 +640,8 @@ class AgentProxy:
                 resp.stop_reason = "stop"
         content: str | None = text
         calls: list[dict] = []
-        if tools and self.cfg.tool_parser == "qwen":
-            content, calls = parse_qwen_tool_calls(text)
+        if req.parse_tools:
+            content, calls = self._tool_parser.parse(text)
             if calls:
                 resp.stop_reason = "tool_calls"
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -593,20 +652,26 @@ class AgentProxy:
             s = self._session(session_id)
             it = Interaction(id=iid, messages=messages, output_message=normalize_message(message),
                              prompt_ids=prompt, response=resp, template_mode=mode,
-                             parent=parent.id if parent is not None and parent.id in s.interactions else None)
+                             parent=parent.id if parent is not None and parent.id in s.interactions else None,
+                             prefix_mismatch=mismatch)
             if it.parent is not None:
                 s.interactions[it.parent].children.append(iid)
             s.interactions[iid] = it
             s.last_active = time.monotonic()
+            self.stats["proxy/completions"] += 1
         finish = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}.get(resp.stop_reason, "stop")
-        n_out = len(resp.output_tokens)
+        logprobs = None
+        if req.logprobs:  # the sampled tokens of the reply (trailing stop tokens left out, as rlcore.serve does)
+            ids = _strip_stop(list(resp.output_tokens), self.stop_ids)
+            pieces = self.tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
+            logprobs = chat_logprobs(pieces, list(resp.output_logprobs[: len(ids)]))
         return {
             "id": iid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": body.get("model") or self.cfg.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out},
+            "model": req.model or self.cfg.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
+            "usage": usage(len(prompt), len(resp.output_tokens)),
         }
 
     def _tokens_covering(self, ids: list[int], n_chars: int) -> int:
@@ -626,10 +691,8 @@ class AgentProxy:
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         try:
             return await handler(request)
-        except ProxyError as e:
-            kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-                e.status, "invalid_request_error")
-            return web.json_response({"error": {"message": str(e), "type": kind, "code": e.status}}, status=e.status)
+        except OpenAIError as e:  # ProxyError included
+            return web.json_response(e.body(), status=e.status)
         except web.HTTPException:
             raise
         except Exception as e:  # never die of one bad request
@@ -640,10 +703,9 @@ class AgentProxy:
     async def _json(self, request: web.Request) -> dict:
         if not request.can_read_body:
             return {}
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProxyError(400, f"body: not valid JSON ({e})") from e
+        body = parse_body(await request.read())  # 400 for invalid JSON, NaN/Infinity, lone surrogates
+        if body is None:
+            return {}
         if not isinstance(body, dict):
             raise ProxyError(400, "body: a JSON object is required")
         return body
@@ -666,28 +728,23 @@ class AgentProxy:
         body = await self._json(request)
         result = await self.chat(sid, body)
         if not body.get("stream"):
-            return web.json_response(result)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        msg, choice = result["choices"][0]["message"], result["choices"][0]
+            return web.json_response(result, dumps=lambda x: json.dumps(x, allow_nan=False))
+        # the completion is finished: it goes out as role, content (with its log-probs), tool calls, finish
+        out = sse.EventWriter(request)
+        await out.open()
+        choice = result["choices"][0]
+        msg = choice["message"]
         head = {k: result[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-
-        async def send(delta: dict, finish: str | None = None, **extra):
-            chunk = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-
-        await send({"role": "assistant", "content": ""})
-        if msg.get("content"):
-            await send({"content": msg["content"]})
+        await out.send(chat_chunk(head, 0, {"role": "assistant", "content": ""}, None, None))
+        if msg.get("content") or choice["logprobs"]:
+            await out.send(chat_chunk(head, 0, {"content": msg.get("content") or ""}, None, choice["logprobs"]))
         for i, tc in enumerate(msg.get("tool_calls") or []):
-            await send({"tool_calls": [{"index": i, **tc}]})
-        await send({}, choice["finish_reason"])
-        if (body.get("stream_options") or {}).get("include_usage"):
-            chunk = {**head, "choices": [], "usage": result["usage"]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            await out.send(chat_chunk(head, 0, {"tool_calls": [{"index": i, **tc}]}, None, None))
+        await out.send(chat_chunk(head, 0, {}, choice["finish_reason"], None))
+        if (body.get("stream_options") or {}).get("include_usage"):  # validated by chat()
+            await out.send({**head, "choices": [], "usage": result["usage"]})
+        await out.done()
+        return out.resp
 
     async def _h_models(self, request: web.Request) -> web.Response:
         key = _bearer(request)
@@ -724,7 +781,7 @@ class AgentProxy:
             raise ProxyError(400, "session_id: a string is required")
         rows = await self.export(
             sid,
-            discount=float(body.get("discount", 1.0)),
+            discount=finite(body.get("discount", 1.0), "discount"),
             style=body.get("style", "individual"),
             drop_retry_orphans=bool(body.get("drop_retry_orphans", False)),
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import json
 import threading
 import time
@@ -538,3 +539,195 @@ def test_held_back_text_is_always_a_prefix_of_the_final_text(text, stops):
     if not any(s in text for s in stops) and not text.endswith("\ufffd"):
         partial = any(text.endswith(s[:j]) for s in stops for j in range(1, len(s)))
         assert partial or held_back(text, tuple(stops)) == len(text)
+
+
+# ------------------------------------------------------------------ one schema layer: hostile bodies are 400s
+ATTACKS = [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 100000000000000000000}', "n"),
+    (b'{"messages": [{"role": "assistant", "tool_calls": "junk"}]}', "messages[0].tool_calls"),
+    (b'{"messages": [{"role": "assistant", "tool_calls": [1, {"function": 3}]}]}', "messages[0].tool_calls"),
+    (b'{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 5}}]}]}', "messages[0].tool_calls"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800 lone"}]}', "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": "yes"}', "stream_options"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": [1]}', "stream_options"),
+    (
+        b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": {"include_usage": "y"}}',
+        "stream_options",
+    ),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "top_p"),
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": true}', "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("raw", "param"), ATTACKS, ids=lambda x: str(x)[:40])
+def test_hostile_chat_bodies_answer_400_naming_the_field(server, raw, param):
+    status, out = http(server.url + "/v1/chat/completions", raw)
+    assert status == 400, out[:300]
+    err = json.loads(out)["error"]  # a JSON error, never a (corrupt) stream
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert param.split("[")[0] in err["message"]
+
+
+def test_hostile_completion_bodies_answer_400(server):
+    for raw, param in [
+        (b'{"prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+        (b'{"prompt": "a", "n": 100000000000000000000}', "n"),
+        (b'{"prompt": "a", "stream": true, "stream_options": 3}', "stream_options"),
+        (b'{"prompt": "a", "seed": 100000000000000000000}', "seed"),
+    ]:
+        status, out = http(server.url + "/v1/completions", raw)
+        assert status == 400 and json.loads(out)["error"]["param"] == param, out
+
+
+# ---------------------------------------------------------------------- incremental detokenisation
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the token ids passed to ``decode`` (the decode work)."""
+
+    def __init__(self, tok, native: bool = True) -> None:
+        self._tok, self.decoded = tok, 0
+        if not native:  # no Rust backend: the prefix-offset decoder runs on decode()
+            self.backend_tokenizer = None
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self._tok.decode(ids, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def _serve_view(eng, endpoint="v1/chat/completions", **kw):
+    from aiohttp import web
+
+    from rlcore.inference.openai_api import make_view
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def up():
+        app = web.Application()
+        app.router.add_post("/" + endpoint, make_view(eng, endpoint, **kw))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    runner, port = asyncio.run_coroutine_threadsafe(up(), loop).result(10)
+
+    def close():
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+    return f"http://127.0.0.1:{port}", close
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["DecodeStream", "prefix-offset"])
+def test_streaming_decode_work_is_linear_in_the_output(tok, native):
+    """Old code re-decoded the whole output on every wake-up: ~n^2/2 ids for n tokens."""
+    n = 240
+    script = tok.encode("ab c" * (n // 4), add_special_tokens=False)[: n - 1] + [tok.eos_token_id]
+    counting = CountingTokenizer(tok, native)
+    eng = ScriptedEngine(counting, script)
+    url, close = _serve_view(eng)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        whole = c.chat.completions.create(model="p", messages=MSGS)
+        before = counting.decoded
+        chunks = list(c.chat.completions.create(model="p", messages=MSGS, stream=True))
+        work = counting.decoded - before
+    finally:
+        close()
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == whole.choices[0].message.content
+    assert len(chunks) > 10  # really streamed in pieces
+    # one full decode for the final answer + a bounded window per token
+    assert work <= (n if native else 12 * n), work
+
+
+UTF8_EDGES = ["héllo", "😀😀 x", "中文字符", "e\u0301 combining", "a\U0001f469\u200d\U0001f4bb b", "\u00ff\u0100", " \n\t"]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["DecodeStream", "prefix-offset"])
+@given(st.lists(st.sampled_from(UTF8_EDGES) | st.text(max_size=6), max_size=5))
+def test_stream_decoder_equals_full_decode_on_multibyte_text(native, parts):
+    from rlcore.inference.detok import StreamDecoder
+
+    btok = _byte_tok()
+    text = "".join(parts)
+    ids = btok.encode(text, add_special_tokens=False) + [btok.eos_token_id]
+    d = StreamDecoder(btok, native=native)
+    steps = [d.step(t) for t in ids]
+    assert "".join(steps) == d.text == btok.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in s for s in steps)  # never half a character
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_tok():
+    from tests.inference.conftest_tokenizer import byte_tokenizer
+
+    return byte_tokenizer()
+
+
+def test_streamed_multibyte_text_arrives_whole(tok):
+    from tests.inference.conftest_tokenizer import byte_tokenizer
+
+    btok = byte_tokenizer()
+    reply = "Grüße 😀 — 中文"
+    eng = ScriptedEngine(btok, btok.encode(reply, add_special_tokens=False) + [btok.eos_token_id])
+    eng.vocab_size = len(btok)
+    url, close = _serve_view(eng)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        chunks = list(c.chat.completions.create(model="p", messages=MSGS, stream=True))
+    finally:
+        close()
+    deltas = [ch.choices[0].delta.content or "" for ch in chunks]
+    assert "".join(deltas) == reply and not any("\ufffd" in d for d in deltas)
+
+
+# ---------------------------------------------------------------------- the tool-parser extension point
+def test_a_custom_tool_parser_is_used_streamed_or_not(tok):
+    from rlcore.inference.tool_parsers import PARSERS, ToolParser, openai_call, resolve
+
+    def parse_call_tag(text: str):  # a made-up format: "content@@name(json)"
+        if "@@" not in text:
+            return text, []
+        head, call = text.split("@@", 1)
+        name, args = call.split("(", 1)
+        return head or None, [openai_call(name, json.loads(args.rstrip(")")))]
+
+    parser = ToolParser(parse_call_tag, start="@@")
+    reply = 'sure@@add({"a": 1})'
+    eng = ScriptedEngine(tok, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id])
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    url, close = _serve_view(eng, tool_parser=parser)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        r = c.chat.completions.create(model="p", messages=MSGS, tools=tools)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "sure"
+        assert r.choices[0].message.tool_calls[0].function.name == "add"
+        chunks = list(c.chat.completions.create(model="p", messages=MSGS, tools=tools, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "sure"  # "@@..." held back
+        calls = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+        assert [json.loads(tc.function.arguments) for tc in calls] == [{"a": 1}]
+    finally:
+        close()
+    assert resolve("qwen") is PARSERS["hermes"] and resolve(parse_call_tag).parse is parse_call_tag
+    with pytest.raises(ValueError, match="tool_parser"):
+        resolve("llama-nonexistent")
+
+
+def test_serve_tool_parser_flag_sets_the_app_parser(engine):
+    from rlcore.inference.openai_api import TOOL_PARSER_KEY
+    from rlcore.serve import ServeConfig, build_app
+
+    app = build_app(engine, ServeConfig(model="m", tool_parser="none"))
+    assert app[TOOL_PARSER_KEY].start is None
+    with pytest.raises(ValueError, match="--tool-parser"):
+        ServeConfig(model="m", tool_parser="nope")

@@ -7,6 +7,7 @@ where the output text must be controlled (tool calls, stop strings).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -17,8 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from rlcore.inference.chat import ProxyError
 from rlcore.inference.client import ClientConfig, EngineClient
 from rlcore.inference.protocol import ModelResponse
+from rlcore.inference.tool_parsers import parse_hermes
 from rlcore.rollout.proxy import (
     AgentProxy,
     Interaction,
@@ -26,11 +29,10 @@ from rlcore.rollout.proxy import (
     discounted_returns,
     export_rows,
     normalize_message,
-    parse_qwen_tool_calls,
     rows_to_trajectory,
     run_agent,
 )
-from tests.inference.conftest_tokenizer import char_chat_tokenizer
+from tests.inference.conftest_tokenizer import THINK_CHAT_TEMPLATE, char_chat_tokenizer
 
 openai = pytest.importorskip("openai", reason="the agent-proxy tests drive the server with the official openai client")
 
@@ -121,11 +123,11 @@ def test_normalize_and_tool_call_parsing():
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
     assert normalize_message({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}) \
         == {"role": "user", "content": "ab"}
-    content, calls = parse_qwen_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    content, calls = parse_hermes('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     assert content == "Let me add." and calls[0]["function"]["name"] == "add"
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
-    assert parse_qwen_tool_calls("<tool_call>{oops}</tool_call>") == ("<tool_call>{oops}</tool_call>", [])
-    assert parse_qwen_tool_calls("plain") == ("plain", [])
+    assert parse_hermes("<tool_call>{oops}</tool_call>") == ("<tool_call>{oops}</tool_call>", [])
+    assert parse_hermes("plain") == ("plain", [])
 
 
 def _interaction(iid: str, parent: str | None, reward: float | None, n_out: int = 2) -> Interaction:
@@ -416,3 +418,189 @@ def test_proxy_completion_interrupted_by_weight_update_keeps_versions(tok):
     (row,) = rows.values()
     assert row["versions"][-7:] == [0, 0, 0, 1, 1, 1, 1] and row["logprobs"][-7:] == [-0.1] * 3 + [-0.2] * 4
     assert eng.calls[1]["input_ids"] == eng.calls[0]["input_ids"] + row["input_ids"][-7:-4]
+
+
+# ------------------------------------------------------------------ token-exact export across re-rendered turns
+class IdsEngine:
+    """In-process engine answering /generate with scripted *token ids* (+ eos) and log-probs -0.1, -0.2, ...:
+    a script can hold a tokenisation the chat template would not produce."""
+
+    def __init__(self, scripts: list[list[int]], eos: int):
+        self.scripts, self.eos, self.prompts = list(scripts), eos, []
+
+    async def handle(self, endpoint: str, payload: dict) -> tuple[int, dict]:
+        self.prompts.append(list(payload["input_ids"]))
+        ids = (self.scripts.pop(0) + [self.eos])[: payload["sampling_params"]["max_new_tokens"]]
+        trip = [[-0.1 * (i + 1), t, None] for i, t in enumerate(ids)]
+        return 200, {"meta_info": {"finish_reason": {"type": "stop", "matched": self.eos}, "output_token_logprobs": trip}}
+
+
+def _two_turns(tk, scripts, mode: str, tools=None, style: str = "concat"):
+    """A two-turn session through the proxy (turn 2 appends turn 1's reply as returned); returns (rows,
+    recorded interactions, proxy stats, what the engine was prompted with)."""
+    eng = IdsEngine(scripts, tk.eos_token_id)
+
+    async def main():
+        async with AgentProxy(EngineClient(eng, CCFG), tk, ProxyConfig(admin_key=ADMIN, template_mode=mode)) as proxy:
+            sid, key = proxy.start_session("x")
+            c = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=key, max_retries=0)
+            msgs = [{"role": "user", "content": "q?"}]
+            kw = {"tools": tools} if tools else {}
+            r1 = await c.chat.completions.create(model="p", messages=msgs, **kw)
+            msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+            await c.chat.completions.create(model="p", messages=msgs, **kw)
+            await c.close()
+            its = list(proxy.interactions(sid).values())
+            proxy.end_session(sid)
+            return await proxy.export(sid, style=style), its, dict(proxy.stats)
+
+    rows, its, stats = asyncio.run(main())
+    return rows, its, stats, eng.prompts
+
+
+def _assert_every_sampled_token_exported_once(rows, its):
+    """Each row is exactly what the engine saw (prompt) + what it sampled, with the sampled log-probs."""
+    sampled = [(it.response.output_tokens, it.response.output_logprobs) for it in its]
+    got = []
+    for row in rows.values():
+        ids, m, lp = row["input_ids"], row["loss_mask"], row["logprobs"]
+        runs, cur = [], None
+        for i, keep in enumerate(m):
+            if keep and cur is None:
+                cur = i
+            if not keep and cur is not None:
+                runs.append((cur, i))
+                cur = None
+        if cur is not None:
+            runs.append((cur, len(m)))
+        got += [(ids[a:b], lp[a:b]) for a, b in runs]
+    assert sorted(map(str, got)) == sorted(map(str, sampled))
+    for row in rows.values():  # the context of every trained turn is the engine's prompt of that turn
+        for it in its:
+            p, o = it.prompt_ids, it.response.output_tokens
+            if row["input_ids"][len(p) : len(p) + len(o)] == o and row["loss_mask"][len(p)] == 1:
+                assert row["input_ids"][: len(p)] == p
+
+
+SPACED = '<tool_call>{"name":"add","arguments":{"a":1}}</tool_call>'
+"""A tool call as a model may write it: the template re-renders it as {"name": "add", "arguments": {"a": 1}}."""
+
+
+@pytest.mark.parametrize("case", ["tool_call_re_encoded", "merged_token"])
+def test_hf_concat_export_holds_every_sampled_token(case):
+    """17.5: re-templating turn 1 differently (a tool call re-encoded; sampled " ","2" vs templated " 2") used
+    to drop turn 1 from the concat export."""
+    if case == "merged_token":
+        tk = char_chat_tokenizer(merges=((" ", "2"),))
+        space, two = tk.convert_tokens_to_ids([" ", "2"])
+        turn1 = tk.encode("It is", add_special_tokens=False) + [space, two]  # not the canonical " 2"
+        tools = None
+    else:
+        tk = char_chat_tokenizer()
+        turn1 = tk.encode("ok" + SPACED, add_special_tokens=False)
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    turn2 = tk.encode("done", add_special_tokens=False)
+    rows, its, stats, prompts = _two_turns(tk, [turn1, turn2], "hf", tools)
+    assert prompts[1] == its[1].prompt_ids and prompts[1][: len(prompts[0])] == prompts[0]
+    assert its[1].prefix_mismatch is not None  # where the re-rendered history leaves the sampled tokens
+    _assert_every_sampled_token_exported_once(rows, its)
+    assert len(rows) == 2 and [r["prefix_mismatch"] for r in rows.values()] == [False, True]
+    assert stats["proxy/prefix_mismatch"] == 1
+
+
+@pytest.mark.parametrize("mode", ["hf", "concat"])
+def test_thinking_template_trains_on_the_sampled_tokens(mode):
+    """19.5: a template that drops earlier <think> blocks re-renders turn 1 differently; the export still
+    holds exactly the sampled ids and log-probs of both turns, and reports the mismatch."""
+    tk = char_chat_tokenizer(THINK_CHAT_TEMPLATE)
+    turn1 = tk.encode("<think>2+2 is 4</think> 4", add_special_tokens=False)
+    turn2 = tk.encode("<think>sure</think> yes", add_special_tokens=False)
+    rows, its, stats, prompts = _two_turns(tk, [turn1, turn2], mode)
+    _assert_every_sampled_token_exported_once(rows, its)
+    assert stats["proxy/prefix_mismatch"] == 1 and its[1].prefix_mismatch is not None
+    if mode == "concat":  # the prompt extends the sampled tokens: one exact row
+        (row,) = rows.values()
+        assert row["prefix_mismatch"] is True and its[1].prompt_ids[: len(prompts[0])] == prompts[0]
+        assert row["input_ids"][: len(its[0].prompt_ids) + len(turn1)] == its[0].prompt_ids + turn1
+    else:  # the engine saw turn 1 without its thinking: turn 2 is trained in that context, turn 1 in its own
+        assert "<think>" not in tk.decode(prompts[1][len(prompts[0]) :])
+        assert len(rows) == 2
+
+
+def test_individual_rows_report_the_mismatch():
+    tk = char_chat_tokenizer(THINK_CHAT_TEMPLATE)
+    turns = [tk.encode("<think>a</think> b", add_special_tokens=False), tk.encode("c", add_special_tokens=False)]
+    rows, its, _, _ = _two_turns(tk, turns, "hf", style="individual")
+    assert [r["prefix_mismatch"] for r in rows.values()] == [False, True]
+
+
+# ------------------------------------------------------------------ the same OpenAI layer as rlcore.serve
+def test_logprobs_answered_and_unsupported_fields_refused_like_serve(tok):
+    from rlcore.inference.chat import ChatRequest, OpenAIError, check_supported, validate
+
+    eng = IdsEngine([tok.encode("hi", add_special_tokens=False)] * 4, tok.eos_token_id)
+    hi = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    refused = [
+        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+        ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream": True, "stream_options": "yes"}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+        ({"n": 10**20}, "n"),
+        ({"messages": [{"role": "assistant", "tool_calls": [7]}]}, "messages[0].tool_calls"),
+    ]
+    with AgentProxy(EngineClient(eng, CCFG), tok, ProxyConfig(admin_key=ADMIN)).serve_in_thread() as proxy:
+        sid, key = start(proxy)
+        c = openai.OpenAI(base_url=proxy.base_url, api_key=key, max_retries=0)
+        r = c.chat.completions.create(model="p", messages=hi, logprobs=True)
+        content = r.choices[0].logprobs.content
+        assert [t.token for t in content] == ["h", "i"] and [t.logprob for t in content] == pytest.approx([-0.1, -0.2])
+        assert all(t.top_logprobs == [] for t in content)
+        assert c.chat.completions.create(model="p", messages=hi).choices[0].logprobs is None
+        stream = list(c.chat.completions.create(model="p", messages=hi, logprobs=True, stream=True))
+        assert [t.logprob for ch in stream if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content] \
+            == pytest.approx([-0.1, -0.2])
+        for extra, param in refused:
+            body = {"messages": hi, **extra}
+            bad = post(proxy.base_url + "/chat/completions", body, key)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
+            with pytest.raises(OpenAIError) as e:  # rlcore.serve's checks give the same answer
+                check_supported(validate(ChatRequest, body))
+            assert e.value.param == param
+        raw = urllib.request.Request(proxy.base_url + "/chat/completions", data=b'{"messages": [{"role": "user", '
+                                     b'"content": "\\ud800"}]}', method="POST",
+                                     headers={"Authorization": f"Bearer {key}"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(raw, timeout=30)
+        assert e.value.code == 400
+        # tool_choice="none": the tools are templated but the reply is not parsed
+        eng.scripts.insert(0, tok.encode('<tool_call>{"name": "add", "arguments": {}}</tool_call>', add_special_tokens=False))
+        r = c.chat.completions.create(model="p", messages=hi, tools=tools, tool_choice="none")
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+        assert "<tool_call>" in r.choices[0].message.content
+
+
+def test_set_reward_after_end_and_non_finite_rewards_are_refused(tok):
+    eng = IdsEngine([tok.encode("a", add_special_tokens=False)], tok.eos_token_id)
+    with AgentProxy(EngineClient(eng, CCFG), tok, ProxyConfig(admin_key=ADMIN)).serve_in_thread() as proxy:
+        sid, key = start(proxy)
+        c = openai.OpenAI(base_url=proxy.base_url, api_key=key, max_retries=0)
+        c.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
+        for literal in (b"NaN", b"Infinity", b"-Infinity"):
+            req = urllib.request.Request(proxy.url + "/rl/set_reward", data=b'{"reward": ' + literal + b"}",
+                                         method="POST", headers={"Authorization": f"Bearer {key}"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            assert e.value.code == 400 and "reward" in e.value.read().decode()
+        with pytest.raises(ProxyError, match="finite"):
+            proxy.set_reward(sid, float("nan"))
+        assert post(proxy.url + "/rl/set_reward", {"reward": 0.5}, key).status_code == 200
+        assert post(proxy.url + "/rl/end_session", {}, key).status_code == 200
+        late = post(proxy.url + "/rl/set_reward", {"reward": 1.0}, key)
+        assert late.status_code == 409 and "end" in late.json()["error"]["message"]
+        rows = admin_post(proxy, "/export_trajectories", {"session_id": sid})
+        assert rows.status_code == 200
+        (row,) = json.loads(rows.text)["interactions"].values()  # strict JSON: no bare NaN
+        assert row["reward"] == 0.5
