@@ -75,7 +75,7 @@ class Config:
     """Decoupled PPO: ratio against the recomputed proximal policy, behaviour weight for staleness."""
     objective_name: str = "ppo"
     """Key in rlcore.objectives.OBJECTIVES that rl_step calls with ``objective`` as its config; register your
-    own loss there under a new name to train with it (notebooks/write_your_own_objective.ipynb)."""
+    own loss there under a new name to train with it (notebooks/write_your_own_objective.py)."""
     tokens_per_microbatch: int = 512
     """Packed micro-batch budget of the train step: rl_step packs rows into one stream with a block-causal
     mask, whose cost grows with the square of its length, so short streams are faster on a CPU."""
