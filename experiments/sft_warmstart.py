@@ -10,7 +10,7 @@ Run:    python experiments/sft_warmstart.py --threads 1              # ~20-30 s 
 Smoke:  python experiments/sft_warmstart.py --max-steps 20 --out-dir /tmp/countdown-tiny
 Expect: with seed 0 it stops at step 325 (~20 s) at 25.2% dev / 20.8% held-out greedy success
         (1,000 prompts each); the directory (model + tokenizer + warmstart.json) is 456 KB. This is
-        how experiments/assets/countdown-tiny was made.
+        how rlcore/assets/countdown-tiny (rlcore.tiny.COUNTDOWN_TINY_DIR) was made.
 
 ``--answer-format worked`` trains on worked steps ending in a boxed expression
 (``4*5=20,3+20=23,23-2=21\\boxed{3+4*5-2}``, rlcore.data.countdown.worked_solution) and scores the boxed
@@ -40,7 +40,7 @@ from rlcore.rollout.rewards import countdown as countdown_reward
 class Config:
     """Supervised warm start on generated countdown solutions."""
 
-    out_dir: str = "experiments/assets/countdown-tiny"
+    out_dir: str = "rlcore/assets/countdown-tiny"
     """Where the HF model directory (weights, config, tokenizer, warmstart.json) is written."""
     seed: int = 0
     """Seeds the model init, the problem stream and batch order."""

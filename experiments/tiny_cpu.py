@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import tyro
@@ -44,7 +43,7 @@ from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
 from rlcore.training import metrics, models, step, train_state, weight_sync
 
-ASSET = Path(__file__).resolve().parent / "assets" / "countdown-tiny"
+ASSET = tiny.COUNTDOWN_TINY_DIR  # package data: rlcore/assets/countdown-tiny
 
 
 @dataclass(frozen=True)
