@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import tyro
@@ -44,7 +43,7 @@ from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
 from rlcore.training import metrics, models, step, train_state, weight_sync
 
-ASSET = Path(__file__).resolve().parent / "assets" / "countdown-tiny"
+ASSET = tiny.COUNTDOWN_TINY_DIR  # package data: rlcore/assets/countdown-tiny
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ class Config:
     """Decoupled PPO: ratio against the recomputed proximal policy, behaviour weight for staleness."""
     objective_name: str = "ppo"
     """Key in rlcore.objectives.OBJECTIVES that rl_step calls with ``objective`` as its config; register your
-    own loss there under a new name to train with it (notebooks/write_your_own_objective.ipynb)."""
+    own loss there under a new name to train with it (notebooks/write_your_own_objective.py)."""
     tokens_per_microbatch: int = 512
     """Packed micro-batch budget of the train step: rl_step packs rows into one stream with a block-causal
     mask, whose cost grows with the square of its length, so short streams are faster on a CPU."""

@@ -37,6 +37,10 @@ BOXED_ALPHABET = COUNTDOWN_ALPHABET + ",\\boxed{}"
 the backslash, the letters of ``boxed`` and the braces."""
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 """Special tokens; they take ids 0, 1, 2 in this order."""
+COUNTDOWN_TINY_DIR = Path(__file__).resolve().parent / "assets" / "countdown-tiny"
+"""The main job's warm-started tiny Countdown model (HF model + tokenizer + chat template + warmstart.json, made
+by experiments/sft_warmstart.py). Package data (pyproject ``[tool.setuptools.package-data]``), so it is there in
+an installed wheel as in the checkout: ``AutoModelForCausalLM.from_pretrained(COUNTDOWN_TINY_DIR)``."""
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['content'] }}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSET = ROOT / "experiments" / "assets" / "countdown-tiny"
+ASSET = ROOT / "rlcore" / "assets" / "countdown-tiny"
 
 
 def _load():

@@ -18,7 +18,7 @@ from rlcore.data import countdown as cd
 from rlcore.rollout.rewards import countdown as cr
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSET = ROOT / "experiments" / "assets" / "countdown-tiny"
+ASSET = tiny.COUNTDOWN_TINY_DIR
 TOK = tiny.build_tokenizer()
 
 
