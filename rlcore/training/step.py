@@ -659,6 +659,8 @@ def legacy_loss_fn(cfg: RLStepConfig, *, version: int = 0) -> LossFn:
         metrics: dict[str, Tensor] = {}
         behav = old_logp(mb, coupled_recompute=coupled_recompute)
         if cfg.prox == "recompute":
+            if mb.logp_prox is None:
+                raise ValueError("RLStepConfig.prox='recompute' needs TokenBatch.logp_prox; call step.policy_logp first")
             prox = mb.logp_prox
         elif cfg.prox == "interpolate":
             prox, m = prox_lib.prox_logp(logp, behav, mb.versions, mb.loss_mask, current_version=version, cfg=cfg.prox_cfg)
