@@ -1,34 +1,36 @@
-"""Train steps: the only functions that change parameters (house style rule 11).
+"""The train step: ``train_step(state, batch, loss_fn, *, cfg) -> (state, metrics)`` (house style rule 11).
 
-``rl_step(state, batch, *, cfg)`` runs spec algorithms.md §1 steps 2–8 on one rank's batch:
+``train_step`` is the only function that changes parameters. It owns mechanics only: it cuts one minibatch
+(a :class:`rlcore.types.TokenBatch`) into micro-batches under a token budget (``rlcore.data.microbatch``), packs
+each one (``rlcore.data.packing``), runs the forward (policy log-probs + entropy at the training temperature, or
+critic values), fills the GLOBAL counts ``mb.n_tokens`` / ``mb.n_seqs`` (summed over every micro-batch of the
+minibatch on every data-parallel rank), calls ``loss_fn(logp, mb) -> (loss, metrics)``, backpropagates, clips,
+skips a non-finite step (gradients zeroed, ``skipped_steps`` + 1, weights untouched), and steps the optimizer and
+scheduler. One call = one optimizer step.
 
-1. shift the token-own rollout fields to predictive alignment ONCE (``loss_mask``, ``logprobs``,
-   ``versions`` and ``turn_ids`` roll left by one; rlcore also rolls ``versions``, spec §5.3);
-2. critic values with the pre-update critic; 3. reference log-probs (if the KL penalty needs them);
-4. teacher log-probs (if a teacher is given); 5. proximal log-probs (recompute, or version
-   interpolation from ``rlcore.advantages.prox`` inside the update);
-6. advantages on the whole padded batch (``rlcore.advantages.gae.compute_advantages``);
-7. actor update: ``ppo_n_minibatches`` optimizer steps; each minibatch is cut into token-budget
-   micro-batches (``rlcore.data.microbatch``), packed (``rlcore.data.packing``), and every micro-batch
-   loss uses the GLOBAL minibatch token count (all-reduced over data-parallel ranks) as its
-   denominator, so gradients do not depend on the split; off-policy keep-masks (IcePop / KPop /
-   M2PO) narrow the mask before the objective; grad clip; a non-finite loss or gradient norm skips
-   the optimizer step (gradients zeroed, ``skipped_steps`` + 1, weights untouched);
-8. critic update with the clipped value loss.
+The experiment writes ``loss_fn`` from leaves with plain Python; it normalises by the global count its
+aggregation names (``mb.denom(cfg.agg)``: tokens for ``token_mean``, sequences for the ``seq_mean_*`` modes),
+so ``J = Σ_μ L_μ`` is independent of how the minibatch is split into micro-batches and ranks. Everything else
+an RL step needs is a small function the experiment calls explicitly, before ``train_step``:
+:func:`policy_logp` (proximal recompute), :func:`ref_logp`, :func:`teacher_logp`, :func:`critic_values`,
+:func:`old_logp` (which tensor is ``ℓ^old``, spec §4.1), :func:`compute_batch_advantages`, :func:`minibatches`,
+and the critic update is ``train_step(state, batch, value_loss_fn(cfg), cfg=StepConfig(module="critic"))``.
 
-The objectives see padded ``(b t)`` tensors only (style rule 7): the forward runs on a packed
-stream, and its per-token outputs are scattered back to the micro-batch's padded layout.
+``rl_step`` / ``sft_step`` / ``dpo_step`` / ``rm_step`` are deprecated compatibility wrappers built on these
+pieces (``legacy_loss_fn`` turns an ``RLStepConfig`` into a ``loss_fn``); there is one code path.
 
-Ordering / concurrency: a step must not run while ``weight_sync.publish_weights`` reads the
-parameters; the training loop calls them one after the other on every rank.
+Ordering / concurrency: a step must not run while ``weight_sync.publish_weights`` reads the parameters; the
+training loop calls them one after the other on every rank. Every rank must call ``train_step`` and the
+forward helpers the same number of times (they run collectives under FSDP).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -44,18 +46,67 @@ from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import microbatch, packing
 from rlcore.objectives import distill as distill_lib
 from rlcore.objectives import dpo as dpo_lib
+from rlcore.objectives import rejection as rejection_lib
 from rlcore.objectives import reward_model as rm_lib
 from rlcore.objectives import sft as sft_lib
 from rlcore.objectives import value as value_lib
 from rlcore.training import fsdp
 from rlcore.training.train_state import TrainState
+from rlcore.types import RolloutBatch, TokenBatch
 
 Metrics = dict[str, Tensor | float]
+LossFn = Callable[[Tensor, TokenBatch], tuple[Tensor, Mapping[str, Any]]]
+"""``loss_fn(logp (b t), mb) -> (scalar loss, metrics)``: ``logp`` carries the gradient (critic: values)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Configs
 # ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Mechanics of one ``train_step`` call (no algorithm in here)."""
+
+    mb: microbatch.MicroBatchConfig = microbatch.MicroBatchConfig()
+    """Micro-batch budget and allocator (``granularity=2`` keeps DPO / RM pairs in one micro-batch)."""
+    pad_to_multiple: int | None = None
+    """Pad each packed micro-batch to a multiple of this many tokens (e.g. 256 on GPUs)."""
+    temperature: float = 1.0
+    """Training softmax temperature; must equal the sampling temperature."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping (non-finite norms still skip the step)."""
+    module: Literal["policy", "critic"] = "policy"
+    """Which model/optimizer/scheduler of the state to update: ``state.model`` or ``state.critic``."""
+    schedule: bool = True
+    """Advance the LR schedule after this step. Set False on all but the last minibatch of a training step so
+    the schedule advances once per training step (spec system.md §7.6)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"StepConfig.temperature must be > 0, got {self.temperature}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"StepConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """Reward shaping, reward normalisation, GAE and advantage normalisation (spec §2 -> §4.7)."""
+
+    gae: gae_lib.GAEConfig = gae_lib.GAEConfig()
+    """GAE / KL-in-reward settings (γ = λ = 1 and no KL reproduce GRPO-style returns)."""
+    shaping: shaping_lib.ShapingConfig | None = None
+    """Reward bias/scale/clip and overlong penalty (spec §2); None leaves rewards as they are."""
+    reward_norm: norm_lib.NormConfig | None = None
+    """Reward normalisation (e.g. ``normalize.GRPO``); groups are ``group_size`` consecutive rows."""
+    adv_norm: norm_lib.NormConfig | None = None
+    """Advantage normalisation over the masked tokens (e.g. ``normalize.BATCH_ZSCORE``)."""
+    group_size: int = 1
+    """Rows per prompt group (samples per prompt) for group normalisation."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"AdvantageConfig.group_size must be >= 1, got {self.group_size}")
 
 
 @dataclass(frozen=True)
@@ -146,29 +197,24 @@ class PairStepConfig:
             raise ValueError(f"PairStepConfig.mb.granularity must be even to keep pairs together, got {self.mb.granularity}")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Alignment and forward passes
-# ----------------------------------------------------------------------------------------------------------
 
-_ROLL_FILL = {"loss_mask": False, "logprobs": 0.0, "versions": -1, "turn_ids": -1}
+# ----------------------------------------------------------------------------------------------------------
+# Alignment, micro-batches and forward passes
+# ----------------------------------------------------------------------------------------------------------
 
 
 def shift_to_predictive(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The single left shift of spec §0.2 on a padded ``(b l)`` batch (token-own -> predictive).
+    """Dict form of :meth:`TokenBatch.from_rollout` (deprecated; kept for dict callers).
 
-    Adds ``targets = input_ids[:, t+1]`` and rolls ``loss_mask``, ``logprobs``, ``versions`` and
-    ``turn_ids``; the last column gets the padding value (it predicts nothing). Other keys pass through.
+    Adds ``targets = input_ids[:, t+1]`` and rolls ``loss_mask``, ``logprobs``, ``versions`` and ``turn_ids`` left by
+    one; the last column gets the padding value. Other keys pass through. The input dict is not modified.
     """
+    fill = {"loss_mask": False, "logprobs": 0.0, "versions": -1, "turn_ids": -1}
     out = dict(batch)
-
-    def roll(x: Tensor, fill: float | int | bool) -> Tensor:
-        pad = torch.full_like(x[:, :1], fill)
-        return torch.cat([x[:, 1:], pad], dim=1)
-
-    out["targets"] = roll(batch["input_ids"], 0)
-    for k, fill in _ROLL_FILL.items():
+    out["targets"] = torch.cat([batch["input_ids"][:, 1:], torch.zeros_like(batch["input_ids"][:, :1])], 1)
+    for k, f in fill.items():
         if k in batch:
-            out[k] = roll(batch[k], fill)
+            out[k] = torch.cat([batch[k][:, 1:], torch.full_like(batch[k][:, :1], f)], 1)
     return out
 
 
@@ -184,12 +230,13 @@ def _h2d(x: Tensor, dev: torch.device) -> Tensor:
 
 
 def _forward_padded(
-    model: nn.Module, mb: dict[str, Tensor], *, temperature: float, pad_to_multiple: int | None
+    model: nn.Module, mb: TokenBatch | dict[str, Tensor], *, temperature: float, pad_to_multiple: int | None
 ) -> tuple[Tensor, ...]:
-    """Pack ``mb`` (padded ``(b l)`` with ``targets``), run ``model``, scatter outputs back to ``(b l)``."""
+    """Pack ``mb`` (padded ``(b t)`` with ``targets``), run ``model``, scatter outputs back to ``(b t)``."""
+    get = mb.__getitem__ if isinstance(mb, dict) else partial(getattr, mb)
     dev = _device_of(model)
     pk = packing.pack(
-        {"input_ids": mb["input_ids"], "targets": mb["targets"], "attention_mask": mb["attention_mask"]},
+        {"input_ids": get("input_ids"), "targets": get("targets"), "attention_mask": get("attention_mask")},
         pad_to_multiple=pad_to_multiple,
     )
     out = model(
@@ -213,24 +260,70 @@ def _dummy_forward(model: nn.Module, *, temperature: float) -> Tensor:
     return first.sum() * 0.0
 
 
-def _iter_microbatches(
-    batch: dict[str, Tensor], rows: list[int], mb_cfg: microbatch.MicroBatchConfig
-) -> list[dict[str, Tensor] | None]:
-    """Micro-batches of ``rows`` (None = zero-weight placeholder), synced in count over DP ranks."""
-    lengths_all = batch["attention_mask"].sum(1).tolist()
-    lengths = [int(lengths_all[i]) for i in rows]
+def _bins(batch: TokenBatch, mb_cfg: microbatch.MicroBatchConfig) -> list[list[int]]:
+    """Row indices of each micro-batch (an empty list = zero-weight placeholder), synced in count over DP ranks."""
+    lengths = batch.lengths
     bins = microbatch.allocate(lengths, mb_cfg)
     n = microbatch.sync_num_mbs(len(bins))
     if n != len(bins):
         bins = microbatch.allocate(lengths, mb_cfg, n_mbs=n)
         bins = bins + [[] for _ in range(n - len(bins))]
-    return [microbatch.select_rows(batch, [rows[i] for i in b]) if b else None for b in bins]
+    return bins
+
+
+def global_sum(x: Tensor | float) -> Tensor:
+    """Sum of a host scalar/vector over all data-parallel ranks (float64 CPU; the value itself without a group)."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        y = x.detach().to(dev).clone()
+        dist.all_reduce(y)
+        return y.cpu()
+    return x.detach().cpu().clone()
+
+
+def with_global_counts(batch: TokenBatch) -> TokenBatch:
+    """``batch`` with ``n_tokens`` (loss-mask tokens) and ``n_seqs`` (rows with >= 1 such token) summed over DP ranks.
+
+    These are the denominators of spec §0.4: token modes divide by ``n_tokens``, per-sequence modes by ``n_seqs``.
+    """
+    m = batch.loss_mask.bool()
+    n = global_sum(torch.stack([m.sum().double(), (m.sum(-1) > 0).sum().double()]).cpu())
+    return dataclasses.replace(batch, n_tokens=n[0], n_seqs=n[1])
+
+
+@torch.no_grad()
+def _forward_nograd(model: nn.Module, batch: TokenBatch, *, cfg: StepConfig) -> tuple[Tensor, ...]:
+    """No-grad packed forward over a whole batch; outputs ``(b t)`` on the batch's device, 0 past ``L_b - 1``."""
+    was_training = model.training
+    model.eval()
+    try:
+        b, width = batch.input_ids.shape
+        home = batch.input_ids.device
+        results: list[Tensor] | None = None
+        for rows in _bins(batch, cfg.mb):
+            if not rows:
+                _dummy_forward(model, temperature=cfg.temperature)
+                continue
+            outs = _forward_padded(model, batch.select(rows), temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple)
+            if results is None:
+                results = [torch.zeros(b, width, dtype=o.dtype, device=home) for o in outs]
+            idx = torch.as_tensor(rows, dtype=torch.long, device=home)
+            for r, o in zip(results, outs):
+                r[idx, : o.shape[1]] = o.to(home)
+        if results is None:
+            results = [torch.zeros(b, width)]
+        lengths = batch.attention_mask.sum(1)
+        last = (torch.arange(width, device=home)[None, :] < (lengths[:, None] - 1))
+        return tuple(torch.where(last, r, torch.zeros((), dtype=r.dtype, device=r.device)) for r in results)
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()
 def forward_logp(
     model: nn.Module,
-    batch: dict[str, Tensor],
+    batch: dict[str, Tensor] | TokenBatch,
     *,
     temperature: float = 1.0,
     mb_cfg: microbatch.MicroBatchConfig = microbatch.MicroBatchConfig(),
@@ -241,59 +334,26 @@ def forward_logp(
 
     Args:
       model: a ``PolicyModel`` (returns ``(logp, entropy)``) or ``CriticModel`` (returns ``values``).
-      batch: padded ``(b l)`` dict with ``input_ids`` and ``attention_mask`` in token-own alignment, or
-        already shifted (has ``targets``) when ``aligned`` is True.
+      batch: a :class:`TokenBatch`, or a padded ``(b l)`` dict in token-own alignment (or already shifted, with
+        ``targets``, when ``aligned`` is True).
       temperature: softmax temperature.
       mb_cfg: micro-batch budget (every rank must call this the same number of times).
 
     Returns:
-      The model outputs scattered back to ``(b l)`` in predictive alignment (position t scores token t+1),
+      The model outputs scattered back to ``(b t)`` in predictive alignment (position t scores token t+1),
       on the batch's device; positions beyond each row's length (and the last real position) are 0.
     """
-    was_training = model.training
-    model.eval()
-    try:
-        data = _with_row_ids(batch if aligned else shift_to_predictive(batch))
-        b, width = data["input_ids"].shape
-        lengths = data["attention_mask"].sum(1)
-        last = (torch.arange(width)[None, :] < (lengths[:, None] - 1)).to(data["input_ids"].device)
-        results: list[Tensor] | None = None
-        for mb in _iter_microbatches(data, list(range(b)), mb_cfg):
-            if mb is None:
-                _dummy_forward(model, temperature=temperature)
-                continue
-            outs = _forward_padded(model, mb, temperature=temperature, pad_to_multiple=pad_to_multiple)
-            home = data["input_ids"].device
-            if results is None:
-                results = [torch.zeros(b, width, dtype=o.dtype, device=home) for o in outs]
-            idx = mb["_row"].to(home)
-            for r, o in zip(results, outs):
-                r[idx, : o.shape[1]] = o.to(home)
-        if results is None:
-            results = [torch.zeros(b, width)]
-        return tuple(torch.where(last, r, torch.zeros((), dtype=r.dtype, device=r.device)) for r in results)
-    finally:
-        model.train(was_training)
-
-
-def _with_row_ids(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    out = dict(batch)
-    out["_row"] = torch.arange(batch["input_ids"].shape[0])
-    return out
+    if not isinstance(batch, TokenBatch):
+        if "loss_mask" not in batch:  # a forward needs ids and the attention mask only
+            batch = {**batch, "loss_mask": torch.zeros_like(batch["attention_mask"], dtype=torch.bool)}
+        batch = TokenBatch.from_predictive_dict(batch) if aligned else TokenBatch.from_rollout(batch)
+    cfg = StepConfig(mb=mb_cfg, pad_to_multiple=pad_to_multiple, temperature=temperature)
+    return _forward_nograd(model, batch, cfg=cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Optimizer step with the finiteness guard
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _all_reduce_sum(x: Tensor) -> Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        y = x.detach().to(dev, torch.float64).clone()
-        dist.all_reduce(y)
-        return y.to(x.device)
-    return x.detach().to(torch.float64)
 
 
 def _optimizer_step(
@@ -303,7 +363,7 @@ def _optimizer_step(
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     norm = fsdp.scalar(norm).detach().float().cpu()
-    loss_ok = bool(torch.isfinite(_all_reduce_sum(loss_sum.reshape(1).cpu())).all())
+    loss_ok = bool(torch.isfinite(global_sum(loss_sum.detach().reshape(1).cpu())).all())
     ok = loss_ok and bool(torch.isfinite(norm))
     if ok:
         optim.step()
@@ -318,7 +378,7 @@ def _sched_step(sched: torch.optim.lr_scheduler.LRScheduler) -> None:
         sched.step()
 
 
-def _accumulate(acc: dict[str, Tensor], metrics: dict, w: float) -> None:
+def _accumulate(acc: dict[str, Tensor], metrics: Mapping[str, Any], w: float) -> None:
     """``acc[k] += w · metrics[k]`` for scalar metrics, kept on their device (no host sync per micro-batch)."""
     for k, v in metrics.items():
         if isinstance(v, Tensor) and v.numel() != 1:
@@ -328,35 +388,150 @@ def _accumulate(acc: dict[str, Tensor], metrics: dict, w: float) -> None:
         acc[k] = w * v if prev is None else prev + w * v.to(prev.device)
 
 
-def _to_host(metrics: Metrics) -> Metrics:
+def _to_host(metrics: Mapping[str, Any]) -> Metrics:
     """One host transfer of all metric tensors at the end of a step."""
     return {k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
 
 
+def _slot(state: TrainState, module: str) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    if module == "policy":
+        return state.model, state.optim, state.sched
+    if state.critic is None or state.critic_optim is None:
+        raise ValueError("StepConfig.module='critic' needs TrainState.critic; init_train_state(..., critic=True)")
+    return state.critic, state.critic_optim, state.critic_sched
+
+
 # ----------------------------------------------------------------------------------------------------------
-# RL step
+# The train step
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _objective(cfg: RLStepConfig) -> tuple[Callable, Any]:
-    from rlcore.objectives import OBJECTIVES
+def train_step(
+    state: TrainState, batch: TokenBatch, loss_fn: LossFn, *, cfg: StepConfig = StepConfig()
+) -> tuple[TrainState, Metrics]:
+    """One optimizer step of ``loss_fn`` on this rank's minibatch ``batch`` (predictive ``(b t)``).
 
-    if cfg.objective not in OBJECTIVES:
-        raise KeyError(f"RLStepConfig.objective={cfg.objective!r} is not in OBJECTIVES {sorted(OBJECTIVES)}")
-    cfg_cls, fn = OBJECTIVES[cfg.objective]
-    obj_cfg = cfg.objective_cfg if cfg.objective_cfg is not None else cfg_cls()
-    return fn, obj_cfg
+    ``loss_fn(logp, mb)`` gets the micro-batch's ``(b t)`` log-probs with gradient (critic: values) and the
+    micro-batch ``mb`` on the same device, with ``mb.entropy`` set and the GLOBAL ``mb.n_tokens``/``mb.n_seqs``;
+    it must return a loss already divided by the global count its aggregation names (``mb.denom(agg)``), so the
+    step just sums micro-batch losses (``J = Σ_μ L_μ``, spec §0.4). Returns ``replace(state, step + 1)`` (and
+    ``skipped_steps + 1`` when the loss or gradient norm was not finite: gradients zeroed, weights untouched) and
+    metrics: ``loss_fn``'s (micro-batch means weighted by token share) plus ``train/{loss,grad_norm,
+    update_successful,lr}``, ``timing/step_s``, ``perf/tokens_per_s``. ``batch`` itself is never modified.
+    """
+    t_start = time.perf_counter()
+    model, optim, sched = _slot(state, cfg.module)
+    batch = with_global_counts(batch)
+    dp = fsdp.dp_size()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=_device_of(model))
+    n_local, b_local = float(batch.loss_mask.sum()), max(batch.num_rows, 1)
+    acc: dict[str, Tensor] = {}
+    for rows in _bins(batch, cfg.mb):
+        if not rows:  # another rank has more micro-batches: a zero-weight forward keeps collectives in step
+            _dummy_forward(model, temperature=cfg.temperature).backward()
+            continue
+        mb = batch.select(rows)
+        outs = _forward_padded(model, mb, temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple)
+        mb = dataclasses.replace(mb.to(outs[0].device), entropy=outs[1] if len(outs) > 1 else None)
+        loss, m = loss_fn(outs[0], mb)
+        (loss * dp).backward()  # dp undoes FSDP's gradient averaging: DP gradients become a sum
+        loss_sum = loss_sum + loss.detach().double().to(loss_sum.device)
+        share = float(mb.loss_mask.sum()) / n_local if n_local > 0 else len(rows) / b_local
+        _accumulate(acc, m, share)
+    ok, norm = _optimizer_step(model, optim, loss_sum, cfg.max_grad_norm)
+    acc["train/lr"] = torch.tensor(float(optim.param_groups[0]["lr"]))
+    if cfg.schedule and sched is not None:
+        _sched_step(sched)
+    dt = time.perf_counter() - t_start
+    acc.update({"train/loss": loss_sum.float(), "train/grad_norm": norm, "train/update_successful": torch.tensor(float(ok)),
+                "timing/step_s": torch.tensor(dt),
+                "perf/tokens_per_s": torch.tensor(float(batch.attention_mask.sum()) / max(dt, 1e-9))})
+    new_state = dataclasses.replace(state, step=state.step + 1, skipped_steps=state.skipped_steps + (0 if ok else 1))
+    return new_state, _to_host(acc)
 
 
-def _keep_mask_fn(mask_cfg: Any) -> Callable:
-    """The ``keep_mask`` function of a mask config, looked up in ``rlcore.objectives.MASKS`` by config class."""
-    from rlcore.objectives import MASKS
+# ----------------------------------------------------------------------------------------------------------
+# Small functions the experiment calls around train_step
+# ----------------------------------------------------------------------------------------------------------
 
-    for cfg_cls, fn in MASKS.values():
-        if type(mask_cfg) is cfg_cls:
-            return fn
-    names = sorted(c.__name__ for c, _ in MASKS.values())
-    raise TypeError(f"RLStepConfig.keep_masks: {type(mask_cfg).__name__} is not a keep-mask config; use one of {names}")
+
+def policy_logp(state: TrainState, batch: TokenBatch, *, cfg: StepConfig = StepConfig()) -> Tensor:
+    """Proximal log-probs ``(b t)``: a no-grad forward of the current policy before the update (spec §5.1)."""
+    logp = _forward_nograd(state.model, batch, cfg=cfg)[0]
+    if not bool(torch.isfinite(torch.where(batch.loss_mask, logp, 0.0)).all()):
+        raise FloatingPointError("recomputed proximal log-probs contain NaN/inf on trained tokens")
+    return logp
+
+
+def ref_logp(state: TrainState, batch: TokenBatch, *, cfg: StepConfig = StepConfig()) -> Tensor:
+    """Reference-policy log-probs ``(b t)`` (KL penalty, DPO); needs ``state.ref``."""
+    if state.ref is None:
+        raise ValueError("a KL penalty / DPO needs a frozen reference policy but TrainState.ref is None; pass ref=True")
+    return _forward_nograd(state.ref, batch, cfg=cfg)[0]
+
+
+def teacher_logp(teacher: nn.Module, batch: TokenBatch, *, cfg: StepConfig = StepConfig()) -> Tensor:
+    """Teacher log-probs ``(b t)`` for on-policy distillation (a frozen ``PolicyModel``)."""
+    return _forward_nograd(teacher, batch, cfg=cfg)[0]
+
+
+def critic_values(state: TrainState, batch: TokenBatch, *, cfg: StepConfig = StepConfig()) -> Tensor:
+    """Pre-update critic values ``(b t)`` (spec §1 step 2); needs ``state.critic``."""
+    if state.critic is None:
+        raise ValueError("critic_values needs TrainState.critic; init_train_state(..., critic=True)")
+    return _forward_nograd(state.critic, batch, cfg=cfg)[0]
+
+
+def old_logp(batch: TokenBatch, *, coupled_recompute: bool) -> Tensor:
+    """``ℓ^old`` of spec §4.1 ``(b t)``: the recomputed ``logp_prox`` for coupled PPO with recomputed log-probs,
+    the behaviour log-probs otherwise (decoupled PPO, or coupled PPO on engine log-probs). It is the ``logp_old``
+    of the KL-in-reward term and, for coupled PPO, the behaviour input of the objective."""
+    t = batch.logp_prox if coupled_recompute else batch.logp_behav
+    if t is None:
+        need = "logp_prox (call policy_logp first)" if coupled_recompute else "logp_behav (the engine log-probs)"
+        raise ValueError(f"old_logp needs TokenBatch.{need}")
+    return t
+
+
+def compute_batch_advantages(
+    batch: TokenBatch,
+    *,
+    cfg: AdvantageConfig,
+    logp_old: Tensor | None,
+    value: Tensor | None = None,
+    logp_ref: Tensor | None = None,
+) -> gae_lib.Advantages:
+    """Spec §2 -> §4.7 on the whole predictive-aligned batch via ``rlcore.advantages`` (call it before minibatching).
+
+    ``logp_old`` ``(b t)`` is ``ℓ^old`` (:func:`old_logp`); it is required (it may be None only when
+    ``cfg.gae.kl_ctl == 0``) so the caller states which tensor the KL-in-reward uses.
+    """
+    if batch.rewards is None:
+        raise ValueError("compute_batch_advantages needs TokenBatch.rewards (b,)")
+    mask = batch.loss_mask.bool()
+    lengths = batch.attention_mask.sum(1)
+    truncated = batch.truncated if batch.truncated is not None else torch.zeros_like(lengths, dtype=torch.bool)
+    reward_norm = None
+    if cfg.reward_norm is not None:
+        reward_norm = partial(norm_lib.normalize, cfg=dataclasses.replace(cfg.reward_norm, group_size=cfg.group_size))
+    reward_fn = None
+    if cfg.shaping is not None or reward_norm is not None:
+        shaping = cfg.shaping or shaping_lib.ShapingConfig()
+        reward_fn = partial(shaping_lib.shape_rewards, cfg=shaping, gen_len=mask.sum(1), reward_norm=reward_norm)
+    adv_norm = None
+    if cfg.adv_norm is not None:
+        acfg = dataclasses.replace(cfg.adv_norm, group_size=cfg.group_size)
+        adv_norm = lambda a, m: norm_lib.normalize(a, cfg=acfg, mask=m)  # noqa: E731
+    return gae_lib.compute_advantages(
+        batch.rewards.float(), mask, lengths, truncated.bool(), cfg=cfg.gae, value=value,
+        logp_old=None if logp_old is None else logp_old.float(), logp_ref=logp_ref, turn_ids=batch.turn_ids,
+        reward_fn=reward_fn, adv_norm=adv_norm,
+    )
+
+
+def minibatches(batch: TokenBatch, n: int, *, granularity: int = 1) -> list[TokenBatch]:
+    """Split a batch into ``n`` token-balanced minibatches (spec system.md §7.6); one ``train_step`` each."""
+    return [batch.select(rows) for rows in microbatch.minibatches(batch.lengths, n, granularity=granularity)]
 
 
 def _masked_stats(x: Tensor, mask: Tensor) -> Tensor:
@@ -364,362 +539,293 @@ def _masked_stats(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(m, x.float(), 0.0).sum() / m.sum().clamp(min=1)
 
 
-def compute_batch_advantages(
-    data: dict[str, Tensor], *, cfg: RLStepConfig, value: Tensor | None, logp_ref: Tensor | None
-) -> gae_lib.Advantages:
-    """Spec §2 → §4.7 on the whole (predictive-aligned) padded batch via ``rlcore.advantages``."""
-    mask = data["loss_mask"].bool()
-    lengths = data["attention_mask"].sum(1)
-    truncated = data.get("truncated", torch.zeros_like(lengths, dtype=torch.bool)).bool()
-    gen_len = mask.sum(1)
-    reward_norm = None
-    if cfg.reward_norm is not None:
-        rcfg = dataclasses.replace(cfg.reward_norm, group_size=cfg.group_size)
-        reward_norm = partial(norm_lib.normalize, cfg=rcfg)
-    reward_fn = None
-    if cfg.shaping is not None or reward_norm is not None:
-        shaping = cfg.shaping or shaping_lib.ShapingConfig()
-        reward_fn = partial(shaping_lib.shape_rewards, cfg=shaping, gen_len=gen_len, reward_norm=reward_norm)
-    adv_norm = None
-    if cfg.adv_norm is not None:
-        acfg = dataclasses.replace(cfg.adv_norm, group_size=cfg.group_size)
-        adv_norm = lambda a, m: norm_lib.normalize(a, cfg=acfg, mask=m)  # noqa: E731
-    return gae_lib.compute_advantages(
-        data["rewards"].float(),
-        mask,
-        lengths,
-        truncated,
-        cfg=cfg.gae,
-        value=value,
-        logp_old=data["logprobs"].float() if cfg.gae.kl_ctl > 0 else None,
-        logp_ref=logp_ref,
-        turn_ids=data.get("turn_ids"),
-        reward_fn=reward_fn,
-        adv_norm=adv_norm,
-    )
+def value_loss_fn(cfg: value_lib.ValueConfig = value_lib.ValueConfig()) -> LossFn:
+    """Clipped value loss (spec §12) for ``train_step(..., cfg=StepConfig(module="critic"))``; needs
+    ``mb.value_old`` and ``mb.returns``; global token mean."""
+
+    def loss_fn(value: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        if mb.value_old is None or mb.returns is None:
+            raise ValueError("value_loss_fn needs TokenBatch.value_old (critic_values) and .returns (advantages)")
+        return value_lib.loss(value, mb.value_old, mb.returns, mb.loss_mask, cfg=cfg, denom=float(mb.n_tokens))
+
+    return loss_fn
+
+
+def sft_loss_fn(cfg: sft_lib.SFTConfig = sft_lib.SFTConfig()) -> LossFn:
+    """Global token-mean NLL on ``loss_mask`` (spec §13.3), plus the entropy as a metric."""
+
+    def loss_fn(logp: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        loss, m = sft_lib.loss(logp, mask=mb.loss_mask, cfg=cfg, denom=float(mb.n_tokens))
+        return loss, {**m, "sft/entropy": _masked_stats(mb.entropy.detach(), mb.loss_mask)}
+
+    return loss_fn
+
+
+def _valid_pairs(mask: Tensor) -> Tensor:
+    n = mask.sum(1)
+    return (n[0::2] > 0) & (n[1::2] > 0)
+
+
+def dpo_loss_fn(cfg: dpo_lib.DPOConfig, *, n_pairs: Tensor | float) -> LossFn:
+    """DPO / IPO (spec §13.1) on interleaved pairs; ``n_pairs`` = GLOBAL count of valid pairs (both rows have a
+    loss token), e.g. ``global_sum(valid pairs of the local batch)``. Needs ``mb.logp_ref``; micro-batches must
+    keep pairs together (``MicroBatchConfig(granularity=2)``)."""
+
+    def loss_fn(logp: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        if mb.logp_ref is None:
+            raise ValueError("dpo_loss_fn needs TokenBatch.logp_ref (ref_logp)")
+        lp, n = dpo_lib.sequence_logp(logp, mb.loss_mask)
+        lr, _ = dpo_lib.sequence_logp(mb.logp_ref, mb.loss_mask)
+        (pc, pr), (rc, rr), (lc, lrj) = dpo_lib.pairs(lp), dpo_lib.pairs(lr), dpo_lib.pairs(n)
+        return dpo_lib.loss(pc, pr, rc, rr, cfg=cfg, len_chosen=lc, len_rejected=lrj, denom=float(n_pairs))
+
+    return loss_fn
+
+
+def rm_loss_fn(*, n_pairs: Tensor | float) -> LossFn:
+    """Bradley–Terry reward-model loss (spec §13.2) on interleaved pairs: the score is the value at the last real
+    token; ``n_pairs`` = GLOBAL number of pairs. Use with ``StepConfig(module="critic")`` (or a critic policy slot)."""
+
+    def loss_fn(values: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        scores = rm_lib.last_token_scores(values, mb.attention_mask.sum(1).to(values.device))
+        sc, sr = dpo_lib.pairs(scores)
+        return rm_lib.loss(sc, sr, denom=float(n_pairs))
+
+    return loss_fn
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Deprecated compatibility layer: RLStepConfig -> loss_fn, and the old step functions on top of train_step
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _objective(cfg: RLStepConfig) -> tuple[Callable, Any]:
+    from rlcore.objectives import OBJECTIVES  # legacy only: the new API passes the function itself
+
+    if cfg.objective not in OBJECTIVES:
+        raise KeyError(f"RLStepConfig.objective={cfg.objective!r} is not in OBJECTIVES {sorted(OBJECTIVES)}")
+    cfg_cls, fn = OBJECTIVES[cfg.objective]
+    return fn, (cfg.objective_cfg if cfg.objective_cfg is not None else cfg_cls())
+
+
+def _keep_mask_fn(mask_cfg: Any) -> Callable:
+    """The mask function of a keep-mask config (legacy lookup by config class). Rejection configs use
+    ``rejection.process`` so their processed weight is returned too: ``(keep, weight, metrics)``."""
+    from rlcore.objectives import MASKS
+
+    if type(mask_cfg) is rejection_lib.RejectionConfig:
+        return rejection_lib.process
+    for cfg_cls, fn in MASKS.values():
+        if type(mask_cfg) is cfg_cls:
+            return fn
+    names = sorted(c.__name__ for c, _ in MASKS.values())
+    raise TypeError(f"RLStepConfig.keep_masks: {type(mask_cfg).__name__} is not a keep-mask config; use one of {names}")
+
+
+def _coupled_recompute(cfg: RLStepConfig, obj_cfg: Any) -> bool:
+    """Coupled PPO on recomputed log-probs (spec §4.1 row 2): ``ℓ^old`` is the recomputed tensor."""
+    coupled = getattr(obj_cfg, "decoupled", True) is False or getattr(obj_cfg, "ratio_against", None) == "prox"
+    return cfg.prox == "recompute" and coupled
+
+
+def _takes_weight(fn: Callable, obj_cfg: Any) -> bool:
+    """True when the objective applies a behaviour weight (it has ``weight=`` and runs decoupled)."""
+    return "weight" in inspect.signature(fn).parameters and getattr(obj_cfg, "decoupled", False) is True
+
+
+def legacy_loss_fn(cfg: RLStepConfig, *, version: int = 0) -> LossFn:
+    """The ``loss_fn`` an ``RLStepConfig`` describes (deprecated: write the loss_fn in the experiment instead).
+
+    Per micro-batch: proximal log-probs (recomputed ``mb.logp_prox``, version interpolation at weight version
+    ``version``, or the behaviour ones), the keep-masks in order, the objective with the mask's processed weight
+    as its ``weight=`` (spec §7.4; masks may return ``(keep, metrics)`` or ``(keep, weight, metrics)``), the
+    distillation term, and the global denominator of the objective's aggregation (``mb.denom(agg)``).
+    """
+    fn, obj_cfg = _objective(cfg)
+    masks = [(m, _keep_mask_fn(m)) for m in cfg.keep_masks]
+    takes_weight = _takes_weight(fn, obj_cfg)
+    clamps = [m for m in cfg.keep_masks if getattr(m, "action", None) == "clamp"]
+    if clamps and not takes_weight:
+        raise ValueError(
+            f"RLStepConfig.keep_masks has RejectionConfig(action='clamp') but objective {cfg.objective!r} "
+            f"({type(obj_cfg).__name__}) applies no behaviour weight (coupled or SAPO), so only a mask could act; "
+            "use action='mask' or a decoupled ppo/gspo/cispo objective"
+        )
+    coupled_recompute = _coupled_recompute(cfg, obj_cfg)
+    agg = getattr(obj_cfg, "agg", "token_mean")
+
+    def loss_fn(logp: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        metrics: dict[str, Tensor] = {}
+        behav = old_logp(mb, coupled_recompute=coupled_recompute)
+        if cfg.prox == "recompute":
+            if mb.logp_prox is None:
+                raise ValueError("RLStepConfig.prox='recompute' needs TokenBatch.logp_prox; call step.policy_logp first")
+            prox = mb.logp_prox
+        elif cfg.prox == "interpolate":
+            prox, m = prox_lib.prox_logp(logp, behav, mb.versions, mb.loss_mask, current_version=version, cfg=cfg.prox_cfg)
+            metrics.update(m)
+        else:
+            prox = behav
+        keep, weight = mb.loss_mask, None
+        for mcfg, mfn in masks:
+            out = mfn(prox, behav, keep, cfg=mcfg)
+            keep, w, m = out if len(out) == 3 else (out[0], None, out[1])
+            weight = w if w is not None else weight
+            metrics.update(m)
+        extra = {"weight": weight} if weight is not None and takes_weight else {}
+        if mb.logp_ref is not None:
+            extra["logp_ref"] = mb.logp_ref
+        loss, m = fn(logp, prox, behav, mb.adv, keep, cfg=obj_cfg, denom=mb.denom(agg), **extra)
+        metrics.update(m)
+        if cfg.distill_cfg is not None:
+            loss, m = distill_lib.loss(logp, behav, mb.logp_teacher, keep, cfg=cfg.distill_cfg, rl_loss=loss,
+                                       denom=float(mb.n_tokens))
+            metrics.update(m)
+        metrics["ppo_actor/entropy"] = _masked_stats(mb.entropy.detach(), mb.loss_mask)
+        metrics["ppo_actor/new_logp"] = _masked_stats(logp.detach(), mb.loss_mask)
+        return loss, metrics
+
+    return loss_fn
+
+
+def _with_ref(state: TrainState, data: TokenBatch, cfg: StepConfig) -> TokenBatch:
+    return dataclasses.replace(data, logp_ref=ref_logp(state, data, cfg=cfg))
+
+
+def _legacy_step_cfg(cfg: Any, temperature: float = 1.0) -> StepConfig:
+    return StepConfig(mb=cfg.mb, pad_to_multiple=cfg.pad_to_multiple, temperature=temperature,
+                      max_grad_norm=cfg.max_grad_norm)
+
+
+def _renamed(m: Metrics, prefix: str) -> dict[str, Any]:
+    return {(prefix + k.split("/", 1)[1] if k.startswith("train/") else k): v for k, v in m.items()}
 
 
 def rl_step(
-    state: TrainState,
-    batch: dict[str, Tensor],
-    *,
-    cfg: RLStepConfig,
-    teacher: nn.Module | None = None,
+    state: TrainState, batch: dict[str, Tensor], *, cfg: RLStepConfig, teacher: nn.Module | None = None
 ) -> tuple[TrainState, Metrics]:
-    """One RL training step on this rank's batch (spec algorithms.md §1 steps 2–8).
+    """DEPRECATED: one RL training step from an ``RLStepConfig``; new code calls the pieces and ``train_step``.
 
-    Args:
-      state: the train state (its ``version`` is the weight version the batch was scored against).
-      batch: padded trajectory dict ``(b l)`` in token-own alignment (``rlcore.data.trajectory``), plus
-        ``rewards (b,)`` and optionally ``truncated (b,)`` bool; ``teacher_logp (b l)`` (predictive) may be
-        given instead of a ``teacher`` module.
-      cfg: step settings.
-      teacher: frozen teacher ``PolicyModel`` for on-policy distillation.
-
-    Returns:
-      ``(new_state, metrics)``: ``step`` + 1; ``skipped_steps`` counts minibatches whose loss or gradient
-      norm was not finite. Metric keys: ``ppo_actor/*`` (step level and per-update means), the objective's
-      and masks' own keys, ``ppo_critic/*``, ``timing/*`` and ``perf/tokens_per_s``.
+    Spec §1 steps 2-8 on this rank's ``batch`` (a token-own trajectory dict with ``rewards``, optionally
+    ``truncated`` and a predictive ``teacher_logp``; not modified): :func:`rl_prepare` (forwards, ``ℓ^old``,
+    advantages), ``ppo_n_minibatches`` calls of ``train_step`` with :func:`legacy_loss_fn`, then the critic's
+    ``critic_n_minibatches`` calls with :func:`value_loss_fn`. Returns ``step`` + 1 (``skipped_steps`` counts
+    skipped actor minibatches) and ``ppo_actor/*``, objective/mask keys, ``ppo_critic/*``, ``timing/*``.
     """
     t_start = time.perf_counter()
-    dp = fsdp.dp_size()
-    fn, obj_cfg = _objective(cfg)
-    data = _with_row_ids(shift_to_predictive(batch))
-    data["loss_mask"] = data["loss_mask"].bool()
-    fwd = partial(forward_logp, temperature=cfg.temperature, mb_cfg=cfg.mb, pad_to_multiple=cfg.pad_to_multiple, aligned=True)
-    metrics: Metrics = {}
-    timing: dict[str, float] = {}
+    data, metrics = rl_prepare(state, batch, cfg=cfg, teacher=teacher)
+    scfg = _legacy_step_cfg(cfg, cfg.temperature)
+    loss_fn = legacy_loss_fn(cfg, version=state.version)
 
-    # --- 2-5: values, reference, teacher, proximal log-probs (pre-update weights) ---
+    # --- 7: actor update: one train_step per minibatch, the LR schedule advanced once ---
     t0 = time.perf_counter()
-    value_old = fwd(state.critic, data)[0] if state.critic is not None else None
-    need_ref = cfg.gae.kl_ctl > 0 or getattr(obj_cfg, "kl_coef", 0) or getattr(obj_cfg, "kl_ctl", 0)
-    if need_ref and state.ref is None:
-        raise ValueError("this objective/GAE config uses a KL penalty but TrainState.ref is None; pass ref=True")
-    logp_ref = fwd(state.ref, data)[0] if need_ref else None
-    if teacher is not None:
-        data["teacher_logp"] = fwd(teacher, data)[0]
-    if cfg.distill_cfg is not None and "teacher_logp" not in data:
-        raise ValueError("RLStepConfig.distill_cfg needs a teacher module or a 'teacher_logp' (b l) batch entry")
-    if cfg.prox == "recompute":
-        data["logp_prox"] = fwd(state.model, data)[0]
-        if not bool(torch.isfinite(torch.where(data["loss_mask"], data["logp_prox"], 0.0)).all()):
-            raise FloatingPointError("recomputed proximal log-probs contain NaN/inf on trained tokens")
-    timing["timing/logp_s"] = time.perf_counter() - t0
-
-    # --- 6: advantages on the whole batch ---
-    t0 = time.perf_counter()
-    adv = compute_batch_advantages(data, cfg=cfg, value=value_old, logp_ref=logp_ref)
-    data["adv"], data["returns"] = adv.adv.float(), adv.returns.float()
-    if value_old is not None:
-        data["value_old"] = value_old
-    if logp_ref is not None:
-        data["logp_ref"] = logp_ref
-    timing["timing/adv_s"] = time.perf_counter() - t0
-    mask_all = data["loss_mask"]
-    metrics["ppo_actor/advantages"] = _masked_stats(data["adv"], mask_all)
-    metrics["ppo_actor/kl_rewards"] = _masked_stats(adv.kl_rewards, mask_all)
-    metrics["ppo_actor/final_reward"] = _masked_stats(adv.tot_rewards, mask_all)
-    metrics["ppo_actor/task_reward"] = batch["rewards"].float().mean()
-    metrics["ppo_actor/seq_len"] = batch["attention_mask"].sum(1).float().mean()
-    metrics["ppo_actor/n_tokens"] = float(batch["attention_mask"].sum())
-    metrics["ppo_actor/n_valid_tokens"] = float(mask_all.sum())
-    gen_versions = data["versions"] if "versions" in data else None
-    if gen_versions is not None:
-        stale = (state.version - gen_versions).float()
-        metrics["version_stats/staleness_mean"] = _masked_stats(stale, mask_all & (gen_versions >= 0))
-        metrics["version_stats/staleness_max"] = torch.where(mask_all & (gen_versions >= 0), stale, 0.0).max()
-
-    # --- 7: actor update: one optimizer step per minibatch ---
-    t0 = time.perf_counter()
-    lengths = [int(x) for x in data["attention_mask"].sum(1).tolist()]
-    skipped = 0
-    update: dict[str, Tensor] = {}
-    mbs_rows = microbatch.minibatches(lengths, cfg.ppo_n_minibatches, granularity=cfg.mb.granularity)
-    for rows in mbs_rows:
-        n_local = float(mask_all[rows].sum())
-        denom = float(_all_reduce_sum(torch.tensor(n_local)))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=_device_of(state.model))
-        for mb in _iter_microbatches(data, rows, cfg.mb):
-            if mb is None:
-                (_dummy_forward(state.model, temperature=cfg.temperature)).backward()
-                continue
-            logp, entropy = _forward_padded(state.model, mb, temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple)
-            dev = logp.device
-            mask = _h2d(mb["loss_mask"], dev)
-            behav = _h2d(mb["logprobs"], dev).float()
-            mb_metrics: dict[str, Tensor] = {}
-            if cfg.prox == "recompute":
-                logp_prox = _h2d(mb["logp_prox"], dev)
-            elif cfg.prox == "interpolate":
-                logp_prox, m = prox_lib.prox_logp(
-                    logp, behav, _h2d(mb["versions"], dev), mask, current_version=state.version, cfg=cfg.prox_cfg
-                )
-                mb_metrics.update(m)
-            else:
-                logp_prox = behav
-            keep = mask
-            for mcfg in cfg.keep_masks:
-                keep, m = _keep_mask_fn(mcfg)(logp_prox, behav, keep, cfg=mcfg)
-                mb_metrics.update(m)
-            extra = {"logp_ref": _h2d(mb["logp_ref"], dev)} if "logp_ref" in mb else {}
-            loss, m = fn(logp, logp_prox, behav, _h2d(mb["adv"], dev), keep, cfg=obj_cfg, denom=denom, **extra)
-            mb_metrics.update(m)
-            if cfg.distill_cfg is not None:
-                loss, m = distill_lib.loss(
-                    logp, behav, _h2d(mb["teacher_logp"], dev), keep, cfg=cfg.distill_cfg, rl_loss=loss, denom=denom
-                )
-                mb_metrics.update(m)
-            (loss * dp).backward()
-            loss_sum = loss_sum + loss.detach().double().to(loss_sum.device)
-            w = float(mb["loss_mask"].sum()) / max(n_local, 1.0)
-            mb_metrics["ppo_actor/entropy"] = _masked_stats(entropy.detach(), mask)
-            mb_metrics["ppo_actor/new_logp"] = _masked_stats(logp.detach(), mask)
-            _accumulate(update, mb_metrics, w / len(mbs_rows))
-        ok, norm = _optimizer_step(state.model, state.optim, loss_sum, cfg.max_grad_norm)
-        skipped += 0 if ok else 1
-        _accumulate(update, {"ppo_actor/loss": loss_sum, "ppo_actor/grad_norm": norm, "ppo_actor/update_successful": float(ok)}, 1 / len(mbs_rows))
-    metrics["ppo_actor/lr"] = float(state.optim.param_groups[0]["lr"])
-    _sched_step(state.sched)
-    metrics.update(update)
-    timing["timing/actor_s"] = time.perf_counter() - t0
+    st, metrics["ppo_actor/lr"] = state, float(state.optim.param_groups[0]["lr"])
+    mbs = minibatches(data, cfg.ppo_n_minibatches, granularity=cfg.mb.granularity)
+    for i, mbatch in enumerate(mbs):
+        st, m = train_step(st, mbatch, loss_fn, cfg=dataclasses.replace(scfg, schedule=i == len(mbs) - 1))
+        m = {k: v for k, v in m.items() if not k.startswith(("timing/", "perf/", "train/lr"))}
+        _accumulate(metrics, _renamed(m, "ppo_actor/"), 1 / len(mbs))
+    skipped = st.skipped_steps - state.skipped_steps
+    metrics["timing/actor_s"] = time.perf_counter() - t0
 
     # --- 8: critic update on the same advantage batch ---
     if state.critic is not None:
         t0 = time.perf_counter()
-        metrics.update(_critic_update(state, data, lengths, cfg=cfg, dp=dp))
-        timing["timing/critic_s"] = time.perf_counter() - t0
+        cbs = minibatches(data, cfg.critic_n_minibatches, granularity=cfg.mb.granularity)
+        for i, cbatch in enumerate(cbs):
+            ccfg = dataclasses.replace(scfg, module="critic", schedule=i == len(cbs) - 1)
+            st, m = train_step(st, cbatch, value_loss_fn(cfg.value_cfg), cfg=ccfg)
+            m = {("ppo_critic/" + k.split("/")[-1]): v for k, v in m.items() if not k.startswith(("timing/", "perf/"))}
+            _accumulate(metrics, {k: v for k, v in m.items() if k != "ppo_critic/lr"}, 1 / len(cbs))
+        metrics["timing/critic_s"] = time.perf_counter() - t0
 
     step_s = time.perf_counter() - t_start
-    timing["timing/step_s"] = step_s
-    metrics.update(timing)
-    metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / max(step_s, 1e-9)
+    metrics["timing/step_s"] = step_s
+    metrics["perf/tokens_per_s"] = float(data.attention_mask.sum()) / max(step_s, 1e-9)
     metrics["ppo_actor/skipped_steps"] = float(state.skipped_steps + skipped)
-    new_state = dataclasses.replace(state, step=state.step + 1, skipped_steps=state.skipped_steps + skipped)
+    new_state = dataclasses.replace(st, step=state.step + 1, skipped_steps=state.skipped_steps + skipped)
     return new_state, _to_host(metrics)
 
 
-def _critic_update(state: TrainState, data: dict[str, Tensor], lengths: list[int], *, cfg: RLStepConfig, dp: int) -> Metrics:
-    assert state.critic is not None and state.critic_optim is not None
-    out: dict[str, Tensor] = {}
-    mbs_rows = microbatch.minibatches(lengths, cfg.critic_n_minibatches, granularity=cfg.mb.granularity)
-    for rows in mbs_rows:
-        n_local = float(data["loss_mask"][rows].sum())
-        denom = float(_all_reduce_sum(torch.tensor(n_local)))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=_device_of(state.critic))
-        for mb in _iter_microbatches(data, rows, cfg.mb):
-            if mb is None:
-                _dummy_forward(state.critic, temperature=cfg.temperature).backward()
-                continue
-            (value,) = _forward_padded(state.critic, mb, temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple)
-            dev = value.device
-            mask = _h2d(mb["loss_mask"], dev)
-            loss, m = value_lib.loss(
-                value, _h2d(mb["value_old"], dev), _h2d(mb["returns"], dev), mask, cfg=cfg.value_cfg, denom=denom
-            )
-            (loss * dp).backward()
-            loss_sum = loss_sum + loss.detach().double().to(loss_sum.device)
-            _accumulate(out, {f"ppo_critic/{k.split('/')[-1]}": v for k, v in m.items()}, float(mb["loss_mask"].sum()) / max(n_local, 1.0) / len(mbs_rows))
-        ok, norm = _optimizer_step(state.critic, state.critic_optim, loss_sum, cfg.max_grad_norm)
-        _accumulate(out, {"ppo_critic/loss": loss_sum, "ppo_critic/grad_norm": norm, "ppo_critic/update_successful": float(ok)}, 1 / len(mbs_rows))
-    if state.critic_sched is not None:
-        _sched_step(state.critic_sched)
+def rl_prepare(
+    state: TrainState, batch: dict[str, Tensor] | RolloutBatch, *, cfg: RLStepConfig, teacher: nn.Module | None = None
+) -> tuple[TokenBatch, dict[str, Any]]:
+    """DEPRECATED helper of ``rl_step``: spec §1 steps 2-6 -> the predictive batch with every loss input filled.
+
+    Values (pre-update critic), reference / teacher / proximal log-probs, ``ℓ^old`` per spec §4.1 (the recomputed
+    tensor for coupled PPO with ``prox='recompute'``), and advantages on the whole batch. Returns the batch and
+    its step-level metrics (``ppo_actor/advantages``, ``ppo_actor/kl_rewards``, ``version_stats/*``, ``timing/*``).
+    """
+    rollout = batch if isinstance(batch, RolloutBatch) else RolloutBatch.from_dict(batch)
+    rollout.require("logprobs", "rewards")
+    data = TokenBatch.from_rollout(rollout)
+    _, obj_cfg = _objective(cfg)
+    scfg = _legacy_step_cfg(cfg, cfg.temperature)
+    metrics: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    value_old = critic_values(state, data, cfg=scfg) if state.critic is not None else None
+    need_ref = cfg.gae.kl_ctl > 0 or getattr(obj_cfg, "kl_coef", 0) or getattr(obj_cfg, "kl_ctl", 0)
+    logp_ref = ref_logp(state, data, cfg=scfg) if need_ref else None
+    logp_t = teacher_logp(teacher, data, cfg=scfg) if teacher is not None else data.extras.get("teacher_logp")
+    if cfg.distill_cfg is not None and logp_t is None:
+        raise ValueError("RLStepConfig.distill_cfg needs a teacher module or a 'teacher_logp' (b l) batch entry")
+    data = dataclasses.replace(data, logp_prox=policy_logp(state, data, cfg=scfg) if cfg.prox == "recompute" else None,
+                               value_old=value_old, logp_ref=logp_ref, logp_teacher=logp_t)
+    metrics["timing/logp_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    acfg = AdvantageConfig(gae=cfg.gae, shaping=cfg.shaping, reward_norm=cfg.reward_norm, adv_norm=cfg.adv_norm,
+                           group_size=cfg.group_size)
+    logp_old = old_logp(data, coupled_recompute=_coupled_recompute(cfg, obj_cfg))
+    adv = compute_batch_advantages(data, cfg=acfg, logp_old=logp_old, value=value_old, logp_ref=logp_ref)
+    data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
+    metrics["timing/adv_s"] = time.perf_counter() - t0
+    metrics.update(_batch_metrics(state, data, adv, rollout))
+    return data, metrics
+
+
+def _batch_metrics(state: TrainState, data: TokenBatch, adv: gae_lib.Advantages, rollout: RolloutBatch) -> dict:
+    mask = data.loss_mask
+    out: dict[str, Any] = {
+        "ppo_actor/advantages": _masked_stats(data.adv, mask),
+        "ppo_actor/kl_rewards": _masked_stats(adv.kl_rewards, mask),
+        "ppo_actor/final_reward": _masked_stats(adv.tot_rewards, mask),
+        "ppo_actor/task_reward": rollout.rewards.float().mean(),
+        "ppo_actor/seq_len": rollout.attention_mask.sum(1).float().mean(),
+        "ppo_actor/n_tokens": float(rollout.attention_mask.sum()),
+        "ppo_actor/n_valid_tokens": float(mask.sum()),
+    }
+    if data.versions is not None:
+        gen = mask & (data.versions >= 0)
+        stale = (state.version - data.versions).float()
+        out["version_stats/staleness_mean"] = _masked_stats(stale, gen)
+        out["version_stats/staleness_max"] = torch.where(gen, stale, 0.0).max()
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# SFT, DPO and reward-model steps
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _supervised_update(
-    state: TrainState,
-    model: nn.Module,
-    optim: torch.optim.Optimizer,
-    data: dict[str, Tensor],
-    *,
-    mb_cfg: microbatch.MicroBatchConfig,
-    pad_to_multiple: int | None,
-    temperature: float,
-    max_grad_norm: float,
-    denom: float,
-    loss_of: Callable[[tuple[Tensor, ...], dict[str, Tensor]], tuple[Tensor, dict, float]],
-) -> tuple[bool, Metrics]:
-    """One optimizer step over all micro-batches of ``data`` (one minibatch)."""
-    dp = fsdp.dp_size()
-    acc: dict[str, Tensor] = {}
-    loss_sum = torch.zeros((), dtype=torch.float64, device=_device_of(model))
-    rows = list(range(data["input_ids"].shape[0]))
-    for mb in _iter_microbatches(data, rows, mb_cfg):
-        if mb is None:
-            _dummy_forward(model, temperature=temperature).backward()
-            continue
-        outs = _forward_padded(model, mb, temperature=temperature, pad_to_multiple=pad_to_multiple)
-        loss, m, w = loss_of(outs, mb)
-        (loss * dp).backward()
-        loss_sum = loss_sum + loss.detach().double().to(loss_sum.device)
-        _accumulate(acc, m, w)
-    ok, norm = _optimizer_step(model, optim, loss_sum, max_grad_norm)
-    acc["train/loss"] = loss_sum.float()
-    acc["train/grad_norm"] = norm
-    acc["train/update_successful"] = torch.tensor(float(ok))
-    return ok, acc
-
-
-def _finish(state: TrainState, ok: bool, metrics: Metrics, sched, t_start: float, n_tokens: float) -> tuple[TrainState, Metrics]:
-    if sched is not None:
-        _sched_step(sched)
-    dt = time.perf_counter() - t_start
-    metrics["timing/step_s"] = dt
-    metrics["perf/tokens_per_s"] = n_tokens / max(dt, 1e-9)
-    skipped = state.skipped_steps + (0 if ok else 1)
-    return dataclasses.replace(state, step=state.step + 1, skipped_steps=skipped), _to_host(metrics)
-
-
 def sft_step(state: TrainState, batch: dict[str, Tensor], *, cfg: SFTStepConfig = SFTStepConfig()) -> tuple[TrainState, Metrics]:
-    """One supervised step: global token-mean NLL on ``loss_mask`` tokens (spec §13.3).
-
-    ``batch`` is a padded ``(b l)`` dict with ``input_ids``, ``attention_mask`` and ``loss_mask`` (token-own).
-    """
-    t_start = time.perf_counter()
-    data = _with_row_ids(shift_to_predictive(batch))
-    data["loss_mask"] = data["loss_mask"].bool()
-    denom = float(_all_reduce_sum(data["loss_mask"].sum().float()))
-    n_local = max(float(data["loss_mask"].sum()), 1.0)
-
-    def loss_of(outs, mb):
-        logp = outs[0]
-        mask = mb["loss_mask"].to(logp.device)
-        loss, m = sft_lib.loss(logp, mask=mask, cfg=cfg.sft, denom=denom)
-        m = dict(m)
-        m["sft/entropy"] = _masked_stats(outs[1].detach(), mask)
-        return loss, m, float(mb["loss_mask"].sum()) / n_local
-
-    ok, metrics = _supervised_update(
-        state, state.model, state.optim, data, mb_cfg=cfg.mb, pad_to_multiple=cfg.pad_to_multiple,
-        temperature=cfg.temperature, max_grad_norm=cfg.max_grad_norm, denom=denom, loss_of=loss_of,
-    )
-    metrics["train/lr"] = float(state.optim.param_groups[0]["lr"])
-    return _finish(state, ok, metrics, state.sched, t_start, float(batch["attention_mask"].sum()))
-
-
-def _pair_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
-    n = mask.sum(1)
-    return n[0::2], n[1::2]
+    """DEPRECATED wrapper: ``train_step(state, TokenBatch.from_rollout(batch), sft_loss_fn(cfg.sft), ...)``."""
+    return train_step(state, TokenBatch.from_rollout(batch), sft_loss_fn(cfg.sft), cfg=_legacy_step_cfg(cfg, cfg.temperature))
 
 
 def dpo_step(state: TrainState, batch: dict[str, Tensor], *, cfg: PairStepConfig = PairStepConfig()) -> tuple[TrainState, Metrics]:
-    """One DPO / IPO step on interleaved pairs (spec §13.1); needs ``state.ref``.
-
-    ``batch``: padded ``(b l)`` with ``input_ids``, ``attention_mask``, ``loss_mask`` (1 on response tokens),
-    rows ``[chosen_0, rejected_0, chosen_1, ...]``. Loss = global mean over valid pairs.
-    """
-    if state.ref is None:
-        raise ValueError("dpo_step needs a frozen reference policy: init_train_state(..., ref=True)")
-    t_start = time.perf_counter()
-    data = _with_row_ids(shift_to_predictive(batch))
-    data["loss_mask"] = data["loss_mask"].bool()
-    data["logp_ref"] = forward_logp(state.ref, data, mb_cfg=cfg.mb, pad_to_multiple=cfg.pad_to_multiple, aligned=True)[0]
-    nc, nr = _pair_counts(data["loss_mask"])
-    n_valid_local = float(((nc > 0) & (nr > 0)).sum())
-    denom = float(_all_reduce_sum(torch.tensor(n_valid_local)))
-
-    def loss_of(outs, mb):
-        logp = outs[0]
-        mask = mb["loss_mask"].to(logp.device)
-        lp, n = dpo_lib.sequence_logp(logp, mask)
-        lr, _ = dpo_lib.sequence_logp(mb["logp_ref"].to(logp.device), mask)
-        (pc, pr), (rc, rr), (lc, lrj) = dpo_lib.pairs(lp), dpo_lib.pairs(lr), dpo_lib.pairs(n)
-        loss, m = dpo_lib.loss(pc, pr, rc, rr, cfg=cfg.dpo, len_chosen=lc, len_rejected=lrj, denom=denom)
-        c_cpu, r_cpu = _pair_counts(mb["loss_mask"])
-        v = float(((c_cpu > 0) & (r_cpu > 0)).sum())
-        return loss, m, v / max(n_valid_local, 1.0)
-
-    ok, metrics = _supervised_update(
-        state, state.model, state.optim, data, mb_cfg=cfg.mb, pad_to_multiple=cfg.pad_to_multiple,
-        temperature=1.0, max_grad_norm=cfg.max_grad_norm, denom=denom, loss_of=loss_of,
-    )
-    return _finish(state, ok, metrics, state.sched, t_start, float(batch["attention_mask"].sum()))
+    """DEPRECATED wrapper: DPO / IPO on interleaved pairs ``[chosen_0, rejected_0, ...]`` through ``train_step``."""
+    data = _with_ref(state, TokenBatch.from_rollout(batch), _legacy_step_cfg(cfg))
+    n_pairs = global_sum(_valid_pairs(data.loss_mask).sum())  # DPO's denominator: valid pairs on all ranks
+    return train_step(state, data, dpo_loss_fn(cfg.dpo, n_pairs=n_pairs), cfg=_legacy_step_cfg(cfg))
 
 
 def rm_step(state: TrainState, batch: dict[str, Tensor], *, cfg: PairStepConfig = PairStepConfig()) -> tuple[TrainState, Metrics]:
-    """One Bradley–Terry reward-model step (spec §13.2) on ``state.critic`` (or ``state.model`` if it is a critic).
-
-    The score of a sequence is the value head at its last real token; rows are interleaved pairs.
-    """
-    model, optim, sched = state.critic, state.critic_optim, state.critic_sched
-    if model is None:
-        model, optim, sched = state.model, state.optim, state.sched
-    t_start = time.perf_counter()
-    data = _with_row_ids(shift_to_predictive(batch))
-    data["loss_mask"] = data["loss_mask"].bool()
-    denom = float(_all_reduce_sum(torch.tensor(float(data["input_ids"].shape[0] // 2))))
-    n_local = max(data["input_ids"].shape[0] // 2, 1)
-
-    def loss_of(outs, mb):
-        values = outs[0]
-        lengths = mb["attention_mask"].sum(1).to(values.device)
-        scores = rm_lib.last_token_scores(values, lengths)
-        sc, sr = dpo_lib.pairs(scores)
-        loss, m = rm_lib.loss(sc, sr, denom=denom)
-        return loss, m, (mb["input_ids"].shape[0] // 2) / n_local
-
-    ok, metrics = _supervised_update(
-        state, model, optim, data, mb_cfg=cfg.mb, pad_to_multiple=cfg.pad_to_multiple,
-        temperature=1.0, max_grad_norm=cfg.max_grad_norm, denom=denom, loss_of=loss_of,
-    )
-    return _finish(state, ok, metrics, sched, t_start, float(batch["attention_mask"].sum()))
+    """DEPRECATED wrapper: Bradley–Terry on ``state.critic`` (or ``state.model`` if it is a critic) via ``train_step``."""
+    data, module = TokenBatch.from_rollout(batch), "critic" if state.critic is not None else "policy"
+    scfg = dataclasses.replace(_legacy_step_cfg(cfg), module=module)
+    return train_step(state, data, rm_loss_fn(n_pairs=global_sum(data.num_rows // 2)), cfg=scfg)
 
 
 __all__ = [
-    "RLStepConfig",
-    "SFTStepConfig",
-    "PairStepConfig",
-    "shift_to_predictive",
-    "forward_logp",
-    "compute_batch_advantages",
-    "rl_step",
-    "sft_step",
-    "dpo_step",
-    "rm_step",
+    "StepConfig", "AdvantageConfig", "RLStepConfig", "SFTStepConfig", "PairStepConfig", "LossFn",
+    "train_step", "with_global_counts", "global_sum", "minibatches",
+    "policy_logp", "ref_logp", "teacher_logp", "critic_values", "old_logp", "compute_batch_advantages",
+    "value_loss_fn", "sft_loss_fn", "dpo_loss_fn", "rm_loss_fn",
+    "legacy_loss_fn", "rl_prepare", "rl_step", "sft_step", "dpo_step", "rm_step", "shift_to_predictive", "forward_logp",
 ]

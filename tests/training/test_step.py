@@ -234,3 +234,16 @@ def test_init_from_dir_disables_dropout_and_schedules(tmp_path):
         ts.OptimConfig(schedule="linear")
     with pytest.raises(FileNotFoundError, match="local directory"):
         ts.init_train_state(str(tmp_path / "missing"), ts.OptimConfig())
+
+
+def test_dict_shift_and_typed_shift_agree_and_legacy_loss_fn_names_missing_inputs():
+    batch = make_batch(24, stale=True)
+    d = step.shift_to_predictive(batch)
+    tb = step.TokenBatch.from_rollout(batch)
+    assert torch.equal(d["targets"], tb.targets) and torch.equal(d["logprobs"], tb.logp_behav)
+    assert all(torch.equal(d[k], getattr(tb, k)) for k in ("loss_mask", "versions", "turn_ids"))
+    tb = step.with_global_counts(tb)
+    assert float(tb.n_tokens) == float(tb.loss_mask.sum()) and float(tb.n_seqs) == float((tb.loss_mask.sum(1) > 0).sum())
+    loss_fn = step.legacy_loss_fn(step.RLStepConfig())
+    with pytest.raises(ValueError, match="policy_logp"):
+        loss_fn(tb.logp_behav, tb)
