@@ -263,14 +263,14 @@ try:
     _names = set(_hello["names"])
 except Exception:
     _names = None
+_g = {"__name__": "__test__", "__builtins__": builtins}  # shared: a test may use what an earlier one bound
 for _i, _stmt in enumerate(_tests):
     _ok = False
     if _names is not None:
         try:
             _code = compile(_stmt, f"<test {_i}>", "exec")
-            _g = {"__name__": "__test__", "__builtins__": builtins}
             for _n in sorted({n.id for n in ast.walk(ast.parse(_stmt)) if isinstance(n, ast.Name)}):
-                if _n in _names and not hasattr(builtins, _n):
+                if _n in _names and _n not in _g and not hasattr(builtins, _n):
                     _g[_n] = _rpc("get", name=_n)
             exec(_code, _g)
             _ok = True
