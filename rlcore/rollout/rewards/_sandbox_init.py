@@ -144,7 +144,7 @@ def _drop_and_run(libc, spec: dict, *, namespaced: bool) -> None:
         if got == pid:
             break
     _report(spec, status=status)
-    if not namespaced and root:
+    if not namespaced and spec["fresh_uid"]:
         os.kill(-1, signal.SIGKILL)  # every process of this run's own uid (nothing else has it)
     os._exit(0)  # as pid 1: the kernel kills whatever is left in the namespace
 

@@ -301,8 +301,10 @@ def _run_asserts(program: str, asserts: Sequence[str], cfg: sandbox.SandboxConfi
                 tester.kill()
                 out, _ = tester.proc.communicate(timeout=5.0)
             candidate.kill()
-            if "error" in tester.status():
-                raise sandbox.SandboxSetupError(tester.status()["error"])
+            candidate.proc.wait()
+            for box in (tester, candidate):
+                if "error" in box.status():
+                    raise sandbox.SandboxSetupError(box.status()["error"])
     finally:
         for fd in fds:
             os.close(fd)

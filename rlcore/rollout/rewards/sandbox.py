@@ -85,7 +85,8 @@ class SandboxConfig:
     max_open_files: int = 64
     """RLIMIT_NOFILE."""
     uid: int | None = None
-    """uid/gid inside the sandbox; None: a fresh random uid per run (as root), 65534 in a user namespace."""
+    """uid/gid inside the sandbox; None: a fresh random uid per run (as root), 65534 in a user namespace.
+    A fixed uid as root is shared by every run (RLIMIT_NPROC then counts all of them, no end-of-run sweep)."""
     seccomp: bool = True
     """Keep True; False exists so tests can check the namespace layer on its own."""
     namespaces: bool = True
@@ -271,8 +272,8 @@ def _count_tasks_of_uid(uid: int) -> int:
 class Sandboxed:
     """One running sandbox; made by ``spawn``. ``proc`` is the init's ``Popen`` (its stdio is the program's)."""
 
-    def __init__(self, proc: subprocess.Popen, status_r: int, uid: int, started: float):
-        self.proc, self.uid, self.started = proc, uid, started
+    def __init__(self, proc: subprocess.Popen, status_r: int, uid: int, started: float, sweep: bool):
+        self.proc, self.uid, self.started, self._sweep = proc, uid, started, sweep
         self._status_r = status_r
         self._status: dict = {}
 
@@ -280,7 +281,7 @@ class Sandboxed:
         """Kill the init's process group (pid 1 of the namespace included, so the whole namespace dies)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        if os.getuid() == 0:  # belt and braces: the run's uid is its own
+        if self._sweep:  # belt and braces: as root with a fresh uid, every process of that uid is this run's
             for pid in _tasks_of_uid(self.uid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -333,6 +334,7 @@ def spawn(code: str, *, cfg: SandboxConfig = SandboxConfig(), stdin=subprocess.P
     """
     root = os.getuid() == 0
     uid = cfg.uid if cfg.uid is not None else ((1 << 20) + secrets.randbelow(1 << 30) if root else 65534)
+    fresh_uid = root and cfg.uid is None
     nproc = cfg.max_processes + (0 if root else _count_tasks_of_uid(os.getuid()))
     mem = int(cfg.memory_mb) << 20
     rlimits = {"RLIMIT_CPU": (cfg.cpu_s, cfg.cpu_s + 1), "RLIMIT_AS": (mem, mem), "RLIMIT_DATA": (mem, mem),
@@ -360,17 +362,17 @@ def spawn(code: str, *, cfg: SandboxConfig = SandboxConfig(), stdin=subprocess.P
         spec = {"root": os.path.join(base, "root"), "inputs": inputs, "scratch": base, "uid": uid,
                 "python": exe, "prefixes": prefixes, "scratch_mb": cfg.scratch_mb, "status_fd": status_w,
                 "pass_fds": list(pass_fds), "allow_network": cfg.allow_network,
-                "require_isolation": cfg.require_isolation, "namespaces": cfg.namespaces,
+                "require_isolation": cfg.require_isolation, "namespaces": cfg.namespaces, "fresh_uid": fresh_uid,
                 "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent", "PYTHONHASHSEED": "0"}}
         proc = subprocess.Popen([exe, "-I", "-S", _INIT_SCRIPT, json.dumps(spec)], cwd="/",
                                 env={"LANG": "C.UTF-8"}, stdin=stdin, stdout=stdout, stderr=stderr,
                                 pass_fds=(status_w, *pass_fds), start_new_session=True)
         os.close(status_w)
         status_w = -1
-        yield Sandboxed(proc, status_r, uid, time.monotonic())
+        yield Sandboxed(proc, status_r, uid, time.monotonic(), fresh_uid)
     finally:
         if proc is not None:
-            Sandboxed(proc, status_r, uid, 0.0).kill()
+            Sandboxed(proc, status_r, uid, 0.0, fresh_uid).kill()
             for f in (proc.stdin, proc.stdout, proc.stderr):
                 if f is not None:
                     with contextlib.suppress(OSError):
@@ -388,7 +390,8 @@ def _read_all(proc: subprocess.Popen, stdin: bytes, deadline: float) -> tuple[by
         out, err = proc.communicate(stdin, timeout=max(deadline - time.monotonic(), 0.01))
         return out or b"", err or b"", False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=5.0)  # the namespace is dead: every write end is closed
         return out or b"", err or b"", True
 

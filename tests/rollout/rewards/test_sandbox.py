@@ -6,6 +6,7 @@ with ``gc`` and rewrite its defaults), so what is tested is the OS layer below i
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -293,3 +294,29 @@ def test_bad_config_names_the_field():
                       (dict(uid=0), "uid"), (dict(scratch_mb=0), "scratch_mb")):
         with pytest.raises(ValueError, match=field):
             sandbox.SandboxConfig(**kw)
+
+
+def test_unprivileged_caller_gets_a_user_namespace_or_says_it_fell_back():
+    """As uid 65534 (via setpriv and a system Python that uid can run): user namespace, else the fallback."""
+    python = "/usr/bin/python3"
+    if os.getuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path(python).exists():
+        pytest.skip("needs root, setpriv and a system python3 to become an unprivileged caller")
+    script = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(sandbox.__file__).parent)!r})\n"
+        "import sandbox\n"
+        "prog = " + repr(UNHOOK + "import os\nprint(os.getuid(), os.path.exists('/etc/passwd'))\n"
+                         "try:\n    os.fork()\nexcept OSError as e:\n    print('fork', e.strerror)\n") + "\n"
+        "out = {}\n"
+        "for name, ns in (('default', True), ('fallback', False)):\n"
+        "    r = sandbox.run_python(prog, cfg=sandbox.SandboxConfig(timeout_s=5.0, namespaces=ns))\n"
+        "    out[name] = {'isolation': r.isolation, 'stdout': r.stdout, 'stderr': r.stderr[-300:]}\n"
+        "print(json.dumps(out))\n")
+    proc = subprocess.run(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I",
+                           "-c", script], capture_output=True, text=True, timeout=60, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    if "mount" in out["default"]["isolation"]:  # user namespace worked: nothing of the host is visible
+        assert "False" in out["default"]["stdout"] and "fork Operation not permitted" in out["default"]["stdout"]
+    assert not {"mount", "pid", "net"} & set(out["fallback"]["isolation"])
+    assert "fork Operation not permitted" in out["fallback"]["stdout"], out["fallback"]
