@@ -19,7 +19,7 @@ Chain of processes (docs/rollout.md, "Sandbox guarantees", has the attack -> res
 - **pid namespace**: the user's program is never pid 1; when it exits (or at the timeout) pid 1 exits and the
   kernel kills every process left in the namespace, so nothing outlives the call and nothing holds stdout open.
 - **network namespace**: only a loopback that is down; ``allow_network=True`` keeps the host's network.
-- **seccomp** (x86_64): execve/execveat, fork/vfork and non-thread clone fail with EPERM (clone3 with ENOSYS, so
+- **seccomp** (x86_64, aarch64): execve/execveat, fork/vfork and non-thread clone fail with EPERM (clone3 with ENOSYS, so
   threads fall back to clone); kill/tgkill only to itself, tkill, ptrace, process_vm_*, pidfd_*, unshare, setns,
   mount, pivot_root, chroot, bpf, perf_event_open, userfaultfd, io_uring, keyrings refused; sockets other than
   AF_UNIX refused unless ``allow_network``.
@@ -172,17 +172,28 @@ _RUNNER = textwrap.dedent(
 # --------------------------------------------------------------------------------------------------------------
 # seccomp: a classic-BPF program built here (host side) and installed by the runner.
 
+_NEW_MOUNT_API = [428, 429, 430, 431, 432, 433, 442]  # open_tree .. fspick, mount_setattr (same on both)
 _X86_64 = {
-    "arch": 0xC000003E, "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "clone3": 435,
-    "kill": 62, "tkill": 200, "tgkill": 234, "socket": 41,
+    "arch": 0xC000003E, "x32": True, "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "execveat": 322,
+    "clone3": 435, "kill": 62, "tkill": 200, "tgkill": 234, "socket": 41,
     "denied": [101, 310, 311, 424, 434, 438,  # ptrace, process_vm_readv/writev, pidfd_send_signal/open/getfd
                272, 308, 165, 166, 155, 161,  # unshare, setns, mount, umount2, pivot_root, chroot
                321, 298, 323, 425, 426, 427,  # bpf, perf_event_open, userfaultfd, io_uring_setup/enter/register
-               248, 249, 250, 139, 169, 246],  # add_key, request_key, keyctl, sysfs, reboot, kexec_load
+               248, 249, 250, 139, 169, 246,  # add_key, request_key, keyctl, sysfs, reboot, kexec_load
+               *_NEW_MOUNT_API],
 }
-_SECCOMP_TABLES = {"x86_64": _X86_64}
+_AARCH64 = {  # asm-generic numbering; there is no fork/vfork syscall
+    "arch": 0xC00000B7, "x32": False, "clone": 220, "execve": 221, "execveat": 281, "clone3": 435,
+    "kill": 129, "tkill": 130, "tgkill": 131, "socket": 198,
+    "denied": [117, 270, 271, 424, 434, 438,  # ptrace, process_vm_readv/writev, pidfd_send_signal/open/getfd
+               97, 268, 40, 39, 41, 51,       # unshare, setns, mount, umount2, pivot_root, chroot
+               280, 241, 282, 425, 426, 427,  # bpf, perf_event_open, userfaultfd, io_uring_setup/enter/register
+               217, 218, 219, 142, 104,       # add_key, request_key, keyctl, reboot, kexec_load
+               *_NEW_MOUNT_API],
+}
+_SECCOMP_TABLES = {"x86_64": _X86_64, "aarch64": _AARCH64}
 _INIT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_init.py")
-"""The init, run by the caller's interpreter as ``python -I -S _sandbox_init.py SPEC`` (stdlib imports only)."""
+"""The init, run by the caller's interpreter as ``python -I -S _sandbox_init.py SPEC`` (stdlib only)."""
 _ALLOW, _EPERM, _ENOSYS, _KILL = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38, 0x80000000
 _LD, _JEQ, _JSET, _RET = 0x20, 0x15, 0x45, 0x06
 _CLONE_THREAD, _AF_UNIX = 0x00010000, 1
@@ -206,9 +217,11 @@ def _seccomp_program(allow_network: bool) -> list[tuple[int, int, int, int]] | N
     ins(_LD, 4)                                   # arch
     ins(_JEQ, tab["arch"], 0, "kill")
     ins(_LD, 0)                                   # syscall nr
-    ins(_JSET, 0x40000000, "eperm", 0)            # x32 ABI
+    if tab["x32"]:
+        ins(_JSET, 0x40000000, "eperm", 0)        # x32 ABI
     for name in ("execve", "execveat", "fork", "vfork", "tkill"):
-        ins(_JEQ, tab[name], "eperm", 0)
+        if name in tab:
+            ins(_JEQ, tab[name], "eperm", 0)
     ins(_JEQ, tab["kill"], "self", 0)
     ins(_JEQ, tab["tgkill"], "self", 0)
     for nr in tab["denied"]:
