@@ -228,7 +228,7 @@ def test_grandchild_holding_stdout_cannot_stretch_the_timeout(layers, parent_sle
                  + ("time.sleep(12)\n" if parent_sleeps else "print('bye')\n"),
         cfg=cfg)
     wall = time.monotonic() - t0
-    assert wall <= timeout + 2.0, f"took {wall:.1f} s with timeout_s={timeout}"
+    assert wall <= timeout + 4.0, f"took {wall:.1f} s with timeout_s={timeout}"  # before: 12 s
     assert res.timed_out == parent_sleeps
 
 
@@ -262,7 +262,7 @@ def test_timeout_kills_everything_and_reports_it():
                              cfg=sandbox.SandboxConfig(timeout_s=1.0))
     assert res.timed_out and not res.ok and res.returncode == -signal.SIGKILL
     assert res.stdout == "started\n"
-    assert time.monotonic() - t0 < 4.0
+    assert time.monotonic() - t0 < 6.0
 
 
 def test_honest_programs_still_work():
