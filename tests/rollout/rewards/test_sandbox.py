@@ -1,0 +1,322 @@
+"""The sandbox is a boundary: each attack a reward-hacking policy could write is run and must fail.
+
+Several attacks first switch the PEP 578 audit hook off the way issue 14 found it can be done (find the hook
+with ``gc`` and rewrite its defaults), so what is tested is the OS layer below it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from rlcore.rollout.rewards import sandbox
+
+FAST = sandbox.SandboxConfig(timeout_s=5.0, cpu_s=3, memory_mb=256)
+
+
+def _cfg(layers: str, **kw) -> sandbox.SandboxConfig:
+    """``all-layers``: the default; ``namespaces-only``: seccomp off, so fork/exec work and the namespace
+    layer is tested on its own (skipped where namespaces are unavailable)."""
+    base = dict(timeout_s=5.0, cpu_s=3, memory_mb=256, **kw)
+    if layers == "all-layers":
+        return sandbox.SandboxConfig(**base)
+    _needs_namespaces()
+    return sandbox.SandboxConfig(seccomp=False, **base)
+
+UNHOOK = """
+import gc
+for _o in gc.get_objects():
+    if callable(_o) and getattr(_o, "__name__", "") == "_guard":
+        _o.__defaults__ = ((), True)
+"""
+"""Disables the audit hook from inside (the hook's blocked list becomes empty, network allowed)."""
+
+PROJECT = Path(sandbox.__file__).resolve().parents[3]
+
+
+def _needs_namespaces():
+    probe = sandbox.run_python("pass", cfg=FAST)
+    if "mount" not in getattr(probe, "isolation", ("mount",)):
+        pytest.skip(f"no namespaces on this host (isolation={probe.isolation})")
+
+
+def _procs_named(comm: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if Path(f"/proc/{entry}/comm").read_text().strip() == comm:
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def _named(comm: str) -> str:
+    """Source that renames the current process (so the test can find it from outside by /proc/*/comm)."""
+    return f"import ctypes\nctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n"
+
+
+@pytest.fixture
+def victim():
+    """A process outside the sandbox (same host) that no sandboxed program may signal."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_runs_as_unprivileged_uid_with_no_new_privs_and_every_layer():
+    res = sandbox.run_python(
+        "import os\nprint(os.getuid(), os.getgid(), os.getgroups())\n"
+        "print([l for l in open('/proc/self/status') if l.startswith(('NoNewPrivs', 'CapEff', 'Seccomp:'))])",
+        cfg=FAST)
+    assert res.ok, res.stderr
+    uid, gid, *_ = res.stdout.split()
+    assert uid != "0" and gid != "0"
+    assert "NoNewPrivs:\\t1" in res.stdout and "CapEff:\\t0000000000000000" in res.stdout
+    assert "seccomp" in res.isolation and "rlimits" in res.isolation
+
+
+def test_cannot_read_host_files():
+    _needs_namespaces()
+    target = Path(sandbox.__file__).resolve()
+    res = sandbox.run_python(
+        "import os\n"
+        f"for p in ['/etc/passwd', '/etc/shadow', {str(target)!r}, {str(PROJECT / 'pyproject.toml')!r}]:\n"
+        "    try:\n        print(p, open(p).read()[:40].replace('\\n', ' '))\n"
+        "    except OSError as e:\n        print(p, 'DENIED', type(e).__name__)\n"
+        "print(sorted(os.listdir('/')))",
+        cfg=FAST)
+    assert res.ok, res.stderr
+    assert "root:x:0:0" not in res.stdout
+    assert "Run untrusted Python" not in res.stdout and "[project]" not in res.stdout
+    assert res.stdout.count("DENIED") == 4
+    listing = res.stdout.splitlines()[-1]
+    for hidden in ("'work'", "'home'", "'mnt'", "'farm'", "'opt'", "'var'", "'srv'"):
+        assert hidden not in listing
+
+
+def test_cannot_write_outside_scratch(tmp_path):
+    tmp_path.chmod(0o777)  # so a failure below is the sandbox's, not the directory's mode
+    site_packages = Path(os.__file__).parent / "site-packages"
+    targets = [tmp_path / "owned", PROJECT / f".owned-{secrets.token_hex(4)}", site_packages / f"owned-{secrets.token_hex(4)}.txt",
+               Path("/etc/owned"), Path("/usr/owned"), Path("/tmp") / f"owned-{secrets.token_hex(4)}"]
+    try:
+        res = sandbox.run_python(
+            "import os\n"
+            f"for p in {[str(t) for t in targets]!r}:\n"
+            "    try:\n        open(p, 'w').write('x'); print('WROTE', p)\n"
+            "    except OSError as e:\n        print('DENIED', p, e.strerror)\n"
+            "open('fine.txt', 'w').write('scratch is writable'); print(open('fine.txt').read())",
+            cfg=FAST)
+        assert "WROTE" not in res.stdout, res.stdout
+        assert "scratch is writable" in res.stdout
+        assert not any(t.exists() for t in targets)
+    finally:
+        for t in targets:
+            if t.exists():
+                t.unlink()
+
+
+def test_fork_exec_and_subprocess_spawn_nothing():
+    res = sandbox.run_python(
+        "import _posixsubprocess, os\n"
+        "r, w = os.pipe()\n"
+        "try:\n"
+        "    pid = _posixsubprocess.fork_exec([b'/bin/sh', b'-c', b'echo OWNED'], [b'/bin/sh'], True, (), None,"
+        " None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None, True)\n"
+        "    os.waitpid(pid, 0)\n"
+        "except OSError as e:\n"
+        "    print('refused', e)\n",
+        cfg=FAST)
+    assert "OWNED" not in res.stdout
+    assert "refused" in res.stdout
+
+
+@pytest.mark.parametrize("payload,evidence", [
+    ("import subprocess\nprint(subprocess.run(['sh', '-c', 'echo OWNED'], capture_output=True).stdout)", "OWNED"),
+    ("import os\nif os.fork() == 0:\n    print('OWNED child', flush=True)\n    os._exit(0)\nos.wait()", "OWNED"),
+    ("import os\nos.system('echo OWNED')", "OWNED"),
+], ids=["subprocess", "fork", "os.system"])
+def test_unhooked_spawn_fails(payload, evidence):
+    res = sandbox.run_python(UNHOOK + payload, cfg=FAST)
+    assert evidence not in res.stdout, res.stdout
+
+
+def test_unhooked_socket_cannot_reach_the_host():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.setblocking(False)
+    try:
+        port = srv.getsockname()[1]
+        res = sandbox.run_python(
+            UNHOOK + f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                     "s.sendall(b'exfiltrated'); print('CONNECTED')", cfg=FAST)
+        assert "CONNECTED" not in res.stdout
+        with pytest.raises(BlockingIOError):
+            srv.accept()
+    finally:
+        srv.close()
+
+
+def test_unhooked_ctypes_cannot_signal_or_spawn(victim):
+    res = sandbox.run_python(
+        UNHOOK + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                 f"print('kill', libc.kill({victim.pid}, 9), 'system', libc.system(b'echo OWNED'))", cfg=FAST)
+    assert "OWNED" not in res.stdout
+    time.sleep(0.1)
+    assert victim.poll() is None, "the sandbox killed a process outside it"
+
+
+def test_pidfd_send_signal_cannot_reach_outside(victim):
+    res = sandbox.run_python(
+        "import os, signal\n"
+        f"for pid, sig in (({victim.pid}, signal.SIGKILL), ({os.getpid()}, 0)):\n"
+        "    try:\n"
+        "        signal.pidfd_send_signal(os.pidfd_open(pid), sig)\n        print('REACHED', pid)\n"
+        "    except OSError as e:\n        print('refused', pid, e.strerror)\n",
+        cfg=FAST)
+    assert "REACHED" not in res.stdout, res.stdout
+    time.sleep(0.1)
+    assert victim.poll() is None, "the sandbox killed a process outside it"
+
+
+@pytest.mark.parametrize("layers", ["all-layers", "namespaces-only"])
+def test_detached_child_never_outlives_the_call(layers):
+    cfg = _cfg(layers)
+    marker = "rlx" + secrets.token_hex(4)
+    res = sandbox.run_python(
+        UNHOOK + "import os, time\n"
+                 "try:\n    pid = os.fork()\nexcept OSError as e:\n    print('fork refused', e); raise SystemExit\n"
+                 "if pid == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                 + "".join("        " + ln + "\n" for ln in _named(marker).splitlines())
+                 + "        time.sleep(30)\n    os._exit(0)\n"
+                 "time.sleep(0.5)\nprint('parent exits')",
+        cfg=cfg)
+    time.sleep(0.2)
+    survivors = _procs_named(marker)
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "a detached child outlived the sandbox call"
+    assert res.ok, res.stderr
+    assert ("parent exits" if layers == "namespaces-only" else "fork refused") in res.stdout
+    if res.uid > 0 and os.getuid() == 0:
+        assert not sandbox._tasks_of_uid(res.uid), "a process of the sandbox uid survived"
+
+
+@pytest.mark.parametrize("layers", ["all-layers", "namespaces-only"])
+@pytest.mark.parametrize("parent_sleeps", [False, True], ids=["parent-exits", "parent-hangs"])
+def test_grandchild_holding_stdout_cannot_stretch_the_timeout(layers, parent_sleeps):
+    timeout = 1.5
+    cfg = sandbox.SandboxConfig(timeout_s=timeout, cpu_s=3, memory_mb=256) if layers == "all-layers" else None
+    cfg = cfg or sandbox.SandboxConfig(**{**_cfg(layers).__dict__, "timeout_s": timeout})
+    t0 = time.monotonic()
+    res = sandbox.run_python(
+        UNHOOK + "import subprocess, time\n"
+                 "try:\n    subprocess.Popen(['sleep', '12'], start_new_session=True)\n"
+                 "except OSError as e:\n    print('spawn refused', e)\n"
+                 + ("time.sleep(12)\n" if parent_sleeps else "print('bye')\n"),
+        cfg=cfg)
+    wall = time.monotonic() - t0
+    assert wall <= timeout + 4.0, f"took {wall:.1f} s with timeout_s={timeout}"  # before: 12 s
+    assert res.timed_out == parent_sleeps
+
+
+def test_process_limit_bounds_a_fork_bomb():
+    cfg = _cfg("namespaces-only", max_processes=6)
+    res = sandbox.run_python(
+        UNHOOK + "import os, time\nn = 0\nfor _ in range(40):\n"
+                 "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+                 "    if pid == 0:\n        time.sleep(3)\n        os._exit(0)\n    n += 1\nprint('forked', n)",
+        cfg=cfg)
+    assert res.ok, res.stderr
+    assert 0 < int(res.stdout.split()[-1]) < 6
+
+
+def test_rlimits_file_size_open_files_and_scratch_size():
+    cfg = sandbox.SandboxConfig(timeout_s=5.0, cpu_s=3, memory_mb=256, max_file_mb=1, max_open_files=32)
+    res = sandbox.run_python(
+        "import os\n"
+        "try:\n    open('big', 'wb').write(b'x' * (2 << 20)); print('BIG')\n"
+        "except OSError as e:\n    print('fsize', e.strerror)\n"
+        "fs = []\ntry:\n    while True:\n        fs.append(open('/dev/null'))\n"
+        "except OSError as e:\n    print('nofile', len(fs) < 32)\n",
+        cfg=cfg)
+    assert "BIG" not in res.stdout and "fsize File too large" in res.stdout
+    assert "nofile True" in res.stdout
+
+
+def test_timeout_kills_everything_and_reports_it():
+    t0 = time.monotonic()
+    res = sandbox.run_python("import time\nprint('started', flush=True)\ntime.sleep(30)",
+                             cfg=sandbox.SandboxConfig(timeout_s=1.0))
+    assert res.timed_out and not res.ok and res.returncode == -signal.SIGKILL
+    assert res.stdout == "started\n"
+    assert time.monotonic() - t0 < 6.0
+
+
+def test_honest_programs_still_work():
+    res = sandbox.run_python(
+        "import json, math, tempfile, threading, sys\n"
+        "out = []\nt = threading.Thread(target=lambda: out.append(math.factorial(20)))\nt.start(); t.join()\n"
+        "with tempfile.NamedTemporaryFile('w+') as f:\n    f.write('tmp ok'); f.seek(0); print(f.read())\n"
+        "print(json.dumps({'n': out[0], 'stdin': sys.stdin.read()}))",
+        stdin="hello", cfg=FAST)
+    assert res.ok, res.stderr
+    assert res.stdout.splitlines() == ["tmp ok", '{"n": 2432902008176640000, "stdin": "hello"}']
+
+
+def test_fallback_without_namespaces_says_so_and_still_filters():
+    with pytest.raises(sandbox.SandboxSetupError, match="require_isolation"):
+        sandbox.run_python("pass", cfg=sandbox.SandboxConfig(namespaces=False, require_isolation=True))
+    cfg = sandbox.SandboxConfig(timeout_s=5.0, cpu_s=3, memory_mb=256, namespaces=False)
+    try:
+        res = sandbox.run_python(UNHOOK + "import os\nprint(os.fork())", cfg=cfg)
+    except sandbox.SandboxSetupError as e:  # root, interpreter under /root (0700): said so, not run as root
+        assert "cannot run the interpreter" in str(e)
+        return
+    assert not {"mount", "pid", "net"} & set(res.isolation)
+    assert "Operation not permitted" in res.stderr
+
+
+def test_bad_config_names_the_field():
+    for kw, field in ((dict(max_processes=1), "max_processes"), (dict(max_open_files=3), "max_open_files"),
+                      (dict(uid=0), "uid"), (dict(scratch_mb=0), "scratch_mb")):
+        with pytest.raises(ValueError, match=field):
+            sandbox.SandboxConfig(**kw)
+
+
+def test_unprivileged_caller_gets_a_user_namespace_or_says_it_fell_back():
+    """As uid 65534 (via setpriv and a system Python that uid can run): user namespace, else the fallback."""
+    python = "/usr/bin/python3"
+    if os.getuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path(python).exists():
+        pytest.skip("needs root, setpriv and a system python3 to become an unprivileged caller")
+    script = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(sandbox.__file__).parent)!r})\n"
+        "import sandbox\n"
+        "prog = " + repr(UNHOOK + "import os\nprint(os.getuid(), os.path.exists('/etc/passwd'))\n"
+                         "try:\n    os.fork()\nexcept OSError as e:\n    print('fork', e.strerror)\n") + "\n"
+        "out = {}\n"
+        "for name, ns in (('default', True), ('fallback', False)):\n"
+        "    r = sandbox.run_python(prog, cfg=sandbox.SandboxConfig(timeout_s=5.0, namespaces=ns))\n"
+        "    out[name] = {'isolation': r.isolation, 'stdout': r.stdout, 'stderr': r.stderr[-300:]}\n"
+        "print(json.dumps(out))\n")
+    proc = subprocess.run(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I",
+                           "-c", script], capture_output=True, text=True, timeout=60, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    if "mount" in out["default"]["isolation"]:  # user namespace worked: nothing of the host is visible
+        assert "False" in out["default"]["stdout"] and "fork Operation not permitted" in out["default"]["stdout"]
+    assert not {"mount", "pid", "net"} & set(out["fallback"]["isolation"])
+    assert "fork Operation not permitted" in out["fallback"]["stdout"], out["fallback"]
