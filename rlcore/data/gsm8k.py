@@ -5,25 +5,41 @@ A row becomes ``{"messages": [{"role": "user", "content": ...}], "prompt": "Ques
 "answer": "<number>", "question": ..., "solution": ...}``; ``messages`` is what the workflows template (the raw
 ``prompt`` is used instead when the tokenizer has no chat template, i.e. a base model), ``answer`` is what
 ``rlcore.rollout.rewards.math.gsm8k_reward`` checks against.
+
+The data ships with rlcore (``rlcore/data/gsm8k/{train,test}.jsonl``, MIT, see the ``LICENSE`` there), so
+``load_split`` works on any installation; ``RLCORE_GSM8K_DIR`` or an experiment's ``--data-dir`` override it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "gsm8k"
+"""The copy shipped as package data (``train.jsonl``, ``test.jsonl``, ``LICENSE``)."""
 
 
 def _default_dir() -> Path:
-    """``$RLCORE_GSM8K_DIR``, else ``shared/data/gsm8k`` beside the checkout, else ``/work/shared/data/gsm8k``."""
+    """``$RLCORE_GSM8K_DIR`` when set, else the bundled copy."""
     if os.environ.get("RLCORE_GSM8K_DIR"):
         return Path(os.environ["RLCORE_GSM8K_DIR"])
-    beside = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
-    return beside if beside.is_dir() else Path("/work/shared/data/gsm8k")
+    return BUNDLED_DIR
 
 
 GSM8K_DIR = _default_dir()
-"""Default location of ``train.jsonl`` and ``test.jsonl`` (override with ``RLCORE_GSM8K_DIR`` or a path flag)."""
+"""Default location of ``train.jsonl`` and ``test.jsonl`` (override with ``RLCORE_GSM8K_DIR`` or ``--data-dir``)."""
+
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
+
+HOW_TO_GET = (
+    "drop --data-dir (and unset RLCORE_GSM8K_DIR) to use the copy bundled with rlcore (rlcore/data/gsm8k/; "
+    "reinstall rlcore if it is missing), or download it: python -c \"from datasets import load_dataset; "
+    "[load_dataset('openai/gsm8k', 'main', split=s).to_json(f'DIR/{s}.jsonl') for s in ('train', 'test')]\" "
+    "and pass --data-dir DIR"
+)
+"""The two ways to get the data, quoted in the missing-file error."""
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 """Appended to every question (the prompt suffix AReaL's GSM8K examples use)."""
@@ -48,10 +64,16 @@ def parse_row(line: str, *, path: str | Path = "<string>", lineno: int = 1, inst
     final = solution.rsplit("####", 1)[1].strip()
     if not final:
         raise ValueError(f"{where}: field 'answer' has an empty final answer after '####'; expected a number")
+    number = final.replace(",", "")
+    if not _NUMBER.fullmatch(number):
+        raise ValueError(
+            f"{where}: field 'answer' has a non-numeric final answer {final[:60]!r} after '####'; "
+            "expected a number such as '#### 1,203' or '#### -4.5'"
+        )
     return {
         "messages": [{"role": "user", "content": raw["question"].strip() + instruction}],
         "prompt": "Question: " + raw["question"].strip() + instruction + "\nAnswer:",
-        "answer": final.replace(",", ""),
+        "answer": number,
         "question": raw["question"],
         "solution": solution,
     }
@@ -61,10 +83,20 @@ def load(path: str | Path, *, limit: int | None = None, instruction: str = INSTR
     """Read a GSM8K-style jsonl file (blank lines skipped) into prompt rows, at most ``limit`` of them."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GSM8K file {path} does not exist; pass path= a jsonl with 'question'/'answer' rows")
+        raise FileNotFoundError(
+            f"GSM8K file {path} does not exist (from --data-dir / RLCORE_GSM8K_DIR / path=); expected a jsonl "
+            f"with 'question'/'answer' rows. To get the data: {HOW_TO_GET}"
+        )
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}: {e.reason}); "
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
             if not line.strip():
                 continue
             rows.append(parse_row(line, path=path, lineno=lineno, instruction=instruction))

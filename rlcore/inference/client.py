@@ -15,6 +15,22 @@ Concurrency invariants (spec system.md §3):
   thread. Blocked loops poll the pause flag every ``ClientConfig.pause_poll_s``.
 - Routing state (sticky rid → server LRU, round-robin cursor, dead servers) is guarded by a lock, and
   HTTP sessions are kept per event loop, so one client may be shared by several threads' loops.
+- Tokens are labelled with the version the engine reports it sampled them with
+  (``meta_info.output_token_versions``, sent by rlcore's engine); only a server that reports none (SGLang)
+  gets the pinned ``v_req``. A server whose weight push failed (or that missed a push while dead) is
+  *evicted*: it is not routed to until a later push succeeds on it, so it never serves old weights
+  while the trainer believes it holds the new version. A push that no server acknowledged raises.
+
+Failures (what ``agenerate`` and the controller do with them):
+
+- transport error, timeout, 5xx, malformed body: retried on the same server ``retries`` times with
+  exponential back-off (defaults ride out a server restart of about a minute), then ``EngineError``
+  (the rollout controller re-queues the prompt).
+- 429, or 503 with ``Retry-After`` (a full engine queue): the server is alive but busy. The call waits
+  ``Retry-After`` (capped at ``backoff_max_s``) and tries again, for at most ``busy_wait_s`` in all, without
+  counting towards ``retries`` or dead-marking; ``backpressure()`` tells the controller to stop starting tasks.
+- any other 4xx (e.g. an over-long prompt): ``EngineRejected`` at once with the server's message, never
+  retried (the controller fails that task alone).
 """
 
 from __future__ import annotations
@@ -50,12 +66,17 @@ class ClientConfig:
 
     timeout_s: float = 3600.0
     """Wall-clock limit of one HTTP call (one /generate segment or one control call)."""
-    retries: int = 3
-    """Extra attempts after a failed call (transport error, timeout, 5xx, malformed body)."""
+    retries: int = 6
+    """Extra attempts after a failed call (transport error, timeout, 5xx, malformed body). With the default
+    back-off the retries sleep 1 + 2 + 4 + 8 + 16 + 30 = 61 s in all, so a lone engine that restarts within
+    about a minute is ridden out (``retry_window_s``); a 4xx is never retried."""
     backoff_s: float = 1.0
     """Sleep before the first retry; doubles on each further retry."""
     backoff_max_s: float = 30.0
-    """Upper bound on one back-off sleep."""
+    """Upper bound on one back-off sleep (also caps one ``Retry-After`` wait)."""
+    busy_wait_s: float = 600.0
+    """Longest total wait of one call on 429 / 503-with-Retry-After answers (engine queue full) before
+    ``EngineError``; these waits do not count towards ``retries`` and never mark a server dead."""
     max_aborts_unpaused: int = 3
     """Consecutive aborts of one request that happen while the client is not paused (and no weight
     update happened) before ``agenerate`` gives up and raises; rlcore's bound on AReaL's endless resubmits."""
@@ -78,6 +99,8 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.retries must be >= 0, got {self.retries}")
         if self.backoff_s < 0 or self.backoff_max_s < 0:
             raise ValueError("ClientConfig.backoff_s and backoff_max_s must be >= 0")
+        if self.busy_wait_s < 0:
+            raise ValueError(f"ClientConfig.busy_wait_s must be >= 0, got {self.busy_wait_s}")
         if self.max_aborts_unpaused < 1:
             raise ValueError(f"ClientConfig.max_aborts_unpaused must be >= 1, got {self.max_aborts_unpaused}")
         if self.dead_after_failures < 1:
@@ -87,9 +110,23 @@ class ClientConfig:
         if self.pause_poll_s <= 0 or self.health_poll_s <= 0:
             raise ValueError("ClientConfig.pause_poll_s and health_poll_s must be > 0")
 
+    @property
+    def retry_window_s(self) -> float:
+        """Total back-off sleep of one call's retries: how long a server may be down before the call fails."""
+        return sum(_backoff(self, a) for a in range(self.retries))
+
 
 class EngineError(RuntimeError):
     """A generation or control call failed for good (after retries, or a non-retryable error)."""
+
+
+class EngineRejected(EngineError):
+    """The server answered but refused the request (a 4xx other than 429/503, or an error abort with a 4xx
+    code): retrying cannot help, so neither the client nor the rollout controller retries it."""
+
+    def __init__(self, msg: str, status: int | None = None):
+        super().__init__(msg)
+        self.status = status
 
 
 class _Retryable(Exception):
@@ -126,6 +163,27 @@ class _Server:
             )
         self.failures = 0
         self.dead = False
+        self.weights: Any = None
+        """Key of the last weight push this server acknowledged (None: the weights it started with)."""
+        self.failed_push: Any = None
+        """Key of a weight push that failed on this server (a later bucket of it cannot re-sync it)."""
+        self.busy_until = 0.0
+        """monotonic time until which the server asked (429/503 Retry-After) not to get more work."""
+
+
+_BROKEN = object()  # a server's ``weights`` after a failed push: matches no push key
+
+
+def _retry_after(headers: Any, body: Any) -> float | None:
+    """Seconds from a ``Retry-After`` header (or an in-process body's ``retry_after``), None if absent."""
+    raw = headers.get("Retry-After") if headers is not None else None
+    if raw is None and isinstance(body, dict):
+        raw = body.get("retry_after")
+    try:
+        val = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return val if math.isfinite(val) and val >= 0 else None
 
 
 def _backoff(cfg: ClientConfig, attempt: int) -> float:
@@ -206,6 +264,8 @@ class EngineClient:
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._rr = random.Random(cfg.seed).randrange(len(self.servers))
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._pushed: Any = None  # key of the newest weight push; servers holding other weights are evicted
+        self._anon_pushes = 0
 
     # ---------------------------------------------------------------- version / pause (any thread)
     def get_version(self) -> int:
@@ -262,11 +322,28 @@ class EngineClient:
 
     # ---------------------------------------------------------------- routing
     def live_servers(self) -> list[str]:
-        """Names of the servers still routable."""
+        """Names of the servers not marked dead (including any waiting for a weight re-sync)."""
         return [s.name for s in self.servers if not s.dead]
 
+    def stale_servers(self) -> list[str]:
+        """Live servers evicted from routing because they do not hold the last pushed weights (their push
+        failed, or they were dead during it); the next successful push re-syncs them."""
+        return [s.name for s in self.servers if not s.dead and not self._synced(s)]
+
+    def _synced(self, s: _Server) -> bool:
+        return s.weights is self._pushed or s.weights == self._pushed
+
+    def backpressure(self) -> float:
+        """Seconds until some live, synced server will take new work again (0: one takes work now).
+
+        Set by 429 / 503 ``Retry-After`` answers; the rollout controller stops starting tasks while > 0."""
+        now = time.monotonic()
+        waits = [max(s.busy_until - now, 0.0) for s in self.servers if not s.dead and self._synced(s)]
+        return min(waits) if waits else 0.0
+
     def revive(self, name: str | None = None) -> None:
-        """Make a dead server (or all, with None) routable again, e.g. after it was restarted."""
+        """Make a dead server (or all, with None) routable again, e.g. after it was restarted. A server that
+        missed a weight push stays evicted until the next push succeeds on it (``stale_servers``)."""
         with self._lock:
             for s in self.servers:
                 if name is None or s.name == name:
@@ -275,16 +352,20 @@ class EngineClient:
     def _choose(self, rid: str) -> _Server:
         with self._lock:
             idx = self._sticky.get(rid)
-            if idx is not None and not self.servers[idx].dead:
+            if idx is not None and not self.servers[idx].dead and self._synced(self.servers[idx]):
                 self._sticky.move_to_end(rid)
                 return self.servers[idx]
             n = len(self.servers)
             for _ in range(n):
                 idx = self._rr
                 self._rr = (self._rr + 1) % n
-                if not self.servers[idx].dead:
+                if not self.servers[idx].dead and self._synced(self.servers[idx]):
                     break
             else:
+                stale = self.stale_servers()
+                if stale:
+                    raise EngineError(f"no server holds the last pushed weights: {stale} missed a weight push "
+                                      "(evicted until the next successful push re-syncs them)")
                 raise EngineError(f"no live server left (all of {[s.name for s in self.servers]} marked dead)")
             if self.cfg.sticky_lru > 0:
                 self._sticky[rid] = idx
@@ -306,12 +387,16 @@ class EngineClient:
                 log.warning("engine server %s failed %d times in a row: marked dead", server.name, server.failures)
 
     # ---------------------------------------------------------------- transport
-    async def _call_once(self, server: _Server, method: str, endpoint: str, payload: dict | None) -> tuple[int, Any]:
-        """One call without retries. Transport errors and timeouts raise ``_Retryable``."""
+    async def _call_once(
+        self, server: _Server, method: str, endpoint: str, payload: dict | None
+    ) -> tuple[int, Any, float | None]:
+        """One call without retries: ``(status, body, Retry-After seconds or None)``. Transport errors and
+        timeouts raise ``_Retryable``."""
         try:
             if server.engine is not None:
                 coro = server.engine.handle(endpoint, dict(payload or {}))
-                return await asyncio.wait_for(coro, self.cfg.timeout_s)
+                status, body = await asyncio.wait_for(coro, self.cfg.timeout_s)
+                return status, body, _retry_after(None, body)
             timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
             kw: dict[str, Any] = {"timeout": timeout}
             if method == "POST":
@@ -322,7 +407,7 @@ class EngineClient:
                     body: Any = json.loads(text) if text else {}
                 except json.JSONDecodeError:
                     body = {"_raw": text}
-                return resp.status, body
+                return resp.status, body, _retry_after(resp.headers, body)
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError) as e:
             raise _Retryable(f"{server.name}{endpoint}: {type(e).__name__}: {e}") from e
 
@@ -337,18 +422,39 @@ class EngineClient:
         """Call with retries and exponential back-off on one server.
 
         Retries transport errors, timeouts, 5xx and bodies rejected by ``check`` (ValueError); raises
-        ``EngineError`` at once on 4xx. Every failure counts towards marking the server dead; when it is
+        ``EngineRejected`` at once on a 4xx. 429 and 503-with-Retry-After are waited out (``busy_wait_s``)
+        without using up retries. Every other failure counts towards marking the server dead; when it is
         marked dead the call stops retrying it (the caller may re-route).
         """
         last = ""
-        for attempt in range(self.cfg.retries + 1):
+        attempt = 0
+        busy_left = self.cfg.busy_wait_s
+        busy_n = 0
+        while attempt <= self.cfg.retries:
             if attempt:
                 await asyncio.sleep(_backoff(self.cfg, attempt - 1))
             try:
-                status, body = await self._call_once(server, method, endpoint, payload)
+                status, body, retry_after = await self._call_once(server, method, endpoint, payload)
+                if status == 429 or (status == 503 and retry_after is not None):
+                    self._record(server, True)  # alive, only busy
+                    delay = min(retry_after if retry_after is not None else _backoff(self.cfg, busy_n),
+                                self.cfg.backoff_max_s)
+                    busy_n += 1
+                    server.busy_until = max(server.busy_until, time.monotonic() + delay)
+                    if delay > busy_left:
+                        raise EngineError(f"{server.name}{endpoint}: still busy ({status}) after waiting "
+                                          f"{self.cfg.busy_wait_s - busy_left:.1f}s (ClientConfig.busy_wait_s): {body}")
+                    busy_left -= delay
+                    log.info("%s%s busy (%d), retrying in %.2fs", server.name, endpoint, status, delay)
+                    await asyncio.sleep(delay)
+                    continue
+                server.busy_until = 0.0
                 if 400 <= status < 500:
                     self._record(server, True)  # the server answered; the request was bad
-                    raise EngineError(f"{server.name}{endpoint} rejected the request ({status}): {body}")
+                    msg = body.get("error", body) if isinstance(body, dict) else body
+                    if isinstance(msg, dict) and "message" in msg:
+                        msg = msg["message"]
+                    raise EngineRejected(f"{server.name}{endpoint} rejected the request ({status}): {msg}", status)
                 if status >= 500:
                     raise _Retryable(f"{server.name}{endpoint}: HTTP {status}: {body}")
                 out = check(body) if check is not None else body
@@ -363,6 +469,7 @@ class EngineClient:
             self._record(server, False)
             if server.dead:
                 break
+            attempt += 1
         raise _ServerFailed(server, last)
 
     # ---------------------------------------------------------------- generation
@@ -411,13 +518,16 @@ class EngineClient:
                 ttft = time.monotonic() - t0
             tokens += new
             logps += new_lp
-            # The engine's own per-token versions are exact across an in_place weight load; the client's pinned
-            # version is the floor (an engine that was never told the trainer's version reports an older one).
-            versions += [max(v_req, v) for v in new_versions] if new_versions is not None else [v_req] * len(new)
+            # Tokens carry the version the engine says it sampled them with (exact across an in_place weight
+            # load, and honest when the engine holds older weights than the trainer's version); a server that
+            # reports none (SGLang) gets the pinned v_req, which eviction of unsynced servers keeps truthful.
+            versions += list(new_versions) if new_versions is not None else [v_req] * len(new)
             if reason == "abort":
                 expected = self._paused or self._pause_epoch != epoch or self.get_version() != v_req
                 code = fr.get("status_code")
-                if not expected and isinstance(code, int) and code >= 400:
+                if not expected and isinstance(code, int) and 400 <= code < 500:
+                    raise EngineRejected(f"request {req.rid}: server rejected it: {fr.get('message', fr)}", code)
+                if not expected and isinstance(code, int) and code >= 500:
                     raise EngineError(f"request {req.rid}: server aborted with an error: {fr}")
                 aborts_unpaused = 0 if expected else aborts_unpaused + 1
                 if aborts_unpaused >= self.cfg.max_aborts_unpaused:
@@ -480,6 +590,37 @@ class EngineClient:
             raise EngineError(f"{endpoint}: every server failed")
         return out
 
+    async def _weight_fanout(self, endpoint: str, payload: dict, key: Any) -> dict[str, Any]:
+        """A weight push to every live server (synced or not). Servers that acknowledge hold push ``key``;
+        one that fails is evicted (unroutable) until a later push succeeds on it. Raises ``EngineError``
+        when no server acknowledged, so the version is never bumped over old weights everywhere."""
+        targets = [s for s in self.servers if not s.dead]
+        if not targets:
+            raise EngineError(f"{endpoint}: no live server left")
+        self._pushed = key
+        results = await asyncio.gather(
+            *(self._call(s, "POST", endpoint, payload) for s in targets), return_exceptions=True
+        )
+        out: dict[str, Any] = {}
+        failed: dict[str, str] = {}
+        for s, r in zip(targets, results):
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+            if isinstance(r, Exception) or (isinstance(r, dict) and r.get("success") is False):
+                why = str(r) if isinstance(r, Exception) else str(r.get("message", r))
+                s.weights, s.failed_push = _BROKEN, key
+                failed[s.name] = why
+                continue
+            if s.failed_push is not key and s.failed_push != key:
+                s.weights = key
+            out[s.name] = r
+        if failed:
+            log.error("%s failed on %s; evicted from routing until a later weight push succeeds on them "
+                      "(they would serve old weights): %s", endpoint, sorted(failed), failed)
+        if not out:
+            raise EngineError(f"{endpoint} failed on every server, weights not updated: {failed}")
+        return out
+
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """POST /pause_generation on all servers. ``abort`` returns in-flight requests with their partial
         output; ``retract``/``in_place`` keep them server-side. Aborts caused by this call never count
@@ -497,7 +638,7 @@ class EngineClient:
         """Load an HF checkpoint directory on all servers (aborting their in-flight requests)."""
         self._pause_epoch += 1
         payload = {"model_path": str(path), "abort_all_requests": True, "weight_version": str(int(version))}
-        return await self._fanout("POST", "/update_weights_from_disk", payload)
+        return await self._weight_fanout("/update_weights_from_disk", payload, ("v", int(version)))
 
     def init_weights_update_group(
         self,
@@ -552,7 +693,8 @@ class EngineClient:
         """Start POST /update_weights_from_distributed on all servers and return at once (a Task).
 
         The servers return only after receiving every listed tensor by broadcast from rank 0, so the
-        trainer must broadcast while this is in flight, then await the task.
+        trainer must broadcast while this is in flight, then await the task. Give ``version`` (every bucket
+        of one update the same): a server that fails any bucket stays evicted until a later version's push.
         """
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes must have equal lengths, got {len(names)}/{len(dtypes)}/{len(shapes)}")
@@ -565,8 +707,13 @@ class EngineClient:
         }
         if version is not None:
             payload["weight_version"] = str(int(version))
+            key: Any = ("v", int(version))
+        else:
+            self._anon_pushes += 1
+            key = ("anon", self._anon_pushes)
         self._pause_epoch += 1
-        return asyncio.get_running_loop().create_task(self._fanout("POST", "/update_weights_from_distributed", payload))
+        return asyncio.get_running_loop().create_task(
+            self._weight_fanout("/update_weights_from_distributed", payload, key))
 
     async def flush_cache(self) -> dict[str, Any]:
         """POST /flush_cache on all servers (400 while requests run: raises EngineError)."""
@@ -581,7 +728,7 @@ class EngineClient:
 
         async def one(s: _Server) -> bool:
             try:
-                status, _ = await self._call_once(s, "GET", "/health", None)
+                status, _, _ = await self._call_once(s, "GET", "/health", None)
             except _Retryable:
                 return False
             return status == 200
@@ -679,6 +826,18 @@ class SyncEngineClient:
 
     def flush_cache(self) -> dict[str, Any]:
         return self.run(self.client.flush_cache())
+
+    def live_servers(self) -> list[str]:
+        return self.client.live_servers()
+
+    def stale_servers(self) -> list[str]:
+        return self.client.stale_servers()
+
+    def backpressure(self) -> float:
+        return self.client.backpressure()
+
+    def revive(self, name: str | None = None) -> None:
+        self.client.revive(name)
 
     def get_model_info(self) -> dict[str, Any]:
         return self.run(self.client.get_model_info())

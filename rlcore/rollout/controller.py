@@ -8,8 +8,18 @@ Admission (checked before every task start, under one lock)::
 
     capacity = min(C - running, (eta + v + 1) * B - (accepted + running))
 
-with ``v`` the controller's version (set by the trainer after each weight push), ``accepted``
-cumulative (never decremented by consumption) and rejected tasks freeing their slot at once.
+with ``v = max(version, done)``: the controller's version (set by the trainer after each weight push), or
+``done``, the batches the trainer is finished with (those handed out before its current ``prepare_batch``
+call began), whichever is larger. Counting batches consumed means a trainer that skips a publish (e.g. for
+a ``dynamic_bs`` batch where every group was filtered, or one that publishes every k steps) never stalls
+the gate. The bound still holds: the version moves at most once per batch, and a trainer asking for batch
+``done`` has finished its publish (if any) for batch ``done - 1``, so a task admitted now still lands
+within eta versions of its own.
+``accepted`` is cumulative (never decremented by consumption); rejected tasks free their slot at once
+(with ``dynamic_bs`` they keep it, since a batch consumes them too).
+
+Back-pressure: while the client's ``backpressure()`` is positive (the engine answered 429/503 with
+Retry-After: its queue is full) no new task starts; running ones wait inside the client.
 
 Ordering invariant (rlcore's addition): ``prepare_batch`` consumes finished tasks in *start* order,
 waiting for an earlier-started task even if later ones are done. A task started at version ``v_s``
@@ -26,7 +36,8 @@ version and lets them resubmit; ``resume()`` re-opens starts. The trainer's orde
 push weights → ``set_version(v+1)`` → ``resume()`` (spec §3.2), which is what
 rlcore.training.weight_sync.publish_weights does when given ``rollout=ctl``. Background failures (loop crash, a loader or
 ``should_accept`` exception) are re-raised by the next public call (fail fast); a failing *episode*
-only rejects its task.
+only rejects its task: a hung request or reward past ``task_timeout_s`` (default 30 min) is cancelled and
+counted in ``rollout/timeouts``, and a request the engine refused (4xx, ``EngineRejected``) is never retried.
 """
 
 from __future__ import annotations
@@ -48,6 +59,16 @@ from rlcore.rollout import workflows
 log = logging.getLogger(__name__)
 
 Traj = dict[str, torch.Tensor]
+
+
+def default_no_retry_on() -> tuple[type[BaseException], ...]:
+    """Exceptions that are never retried even when they subclass a ``retry_on`` type: the engine answered and
+    refused the request (a 4xx such as an over-long prompt), so a resubmission would fail the same way."""
+    try:
+        from rlcore.inference.client import EngineRejected
+    except ImportError:  # pragma: no cover
+        return ()
+    return (EngineRejected,)
 
 
 def default_retry_on() -> tuple[type[BaseException], ...]:
@@ -85,8 +106,11 @@ class RolloutConfig:
     """Reject a group when any of its episodes returned None or failed."""
     dynamic_bs: bool = False
     """prepare_batch stops once accepted + rejected >= B and returns only the accepted (variable size)."""
-    task_timeout_s: float | None = None
-    """Per-task wall-clock limit; a task past it is cancelled and counted rejected. None: no limit."""
+    task_timeout_s: float | None = 1800.0
+    """Per-task (one group, rewards included) wall-clock limit: a task past it is cancelled, counted rejected and
+    in ``rollout/timeouts``, and its slot goes to a fresh prompt, so one hung request or reward cannot stall a
+    batch for longer than this. Default 30 min; None disables it (not recommended: ordered consumption then
+    waits for a hung task forever)."""
     max_task_retries: int = 3
     """Re-queues of a prompt whose task failed with an engine-unreachable error before it is rejected."""
     retry_backoff_s: float = 0.5
@@ -205,6 +229,8 @@ class RolloutController:
             the group and a fresh prompt takes its slot. Exceptions from it are fatal (fail fast).
         retry_on: exception types meaning "engine unreachable": the prompt is re-queued (at most
             ``cfg.max_task_retries`` times) instead of being dropped.
+        no_retry_on: exceptions never retried even if they match ``retry_on`` (default: ``EngineRejected``,
+            a 4xx answer): the task fails alone with the server's message.
 
     Lifetime: ``with RolloutController(...) as ctl:``. Submission starts at the first
     ``prepare_batch`` (so ``load_state_dict`` can still be applied after entering).
@@ -219,12 +245,14 @@ class RolloutController:
         *,
         should_accept: Callable[[Traj], bool] | None = None,
         retry_on: tuple[type[BaseException], ...] | None = None,
+        no_retry_on: tuple[type[BaseException], ...] | None = None,
     ):
         self.client = client
         self.cfg = cfg
         self.loader = loader
         self.should_accept = should_accept
         self.retry_on = default_retry_on() if retry_on is None else tuple(retry_on)
+        self.no_retry_on = default_no_retry_on() if no_retry_on is None else tuple(no_retry_on)
         self._single = episode
         self._episode = workflows.group(episode, cfg.group_size, drop_incomplete=cfg.drop_incomplete_group)
         self._cv = threading.Condition()
@@ -244,6 +272,12 @@ class RolloutController:
         self.retried = 0
         self.timeouts = 0
         self.consumed = 0
+        self.batches = 0
+        """Batches handed out by ``prepare_batch``."""
+        self._done_batches = 0  # batches handed out before the current prepare_batch began (the gate's floor)
+        self.throttled = 0
+        """Times task starts were held back by the client's ``backpressure()`` (engine queue full)."""
+        self._throttled_now = False
         self.last_batch_indices: list[int] = []
         """Dataset indices of the groups returned by the last ``prepare_batch`` (same order)."""
         self.last_metrics: dict[str, float] = {}
@@ -346,9 +380,14 @@ class RolloutController:
     def get_version(self) -> int:
         return self._version
 
+    def _gate_version(self) -> int:
+        """The ``v`` of the admission formula: max(version, batches consumed) (caller holds the lock)."""
+        return max(self._version, self._done_batches)
+
     def get_capacity(self) -> int:
         with self._cv:
-            return capacity(version=self._version, running=len(self._running), accepted=self._gated(), cfg=self.cfg)
+            return capacity(version=self._gate_version(), running=len(self._running), accepted=self._gated(),
+                            cfg=self.cfg)
 
     def stats(self) -> dict[str, float]:
         """Current counters: ``rollout/{accepted,rejected,running,retried,timeouts,buffered,version}``."""
@@ -360,8 +399,10 @@ class RolloutController:
                 "rollout/running": float(len(self._running)),
                 "rollout/retried": float(self.retried),
                 "rollout/timeouts": float(self.timeouts),
+                "rollout/throttled": float(self.throttled),
                 "rollout/buffered": float(buffered),
                 "rollout/version": float(self._version),
+                "rollout/gate_version": float(self._gate_version()),
             }
 
     # ------------------------------------------------------------------ background loop
@@ -409,7 +450,16 @@ class RolloutController:
             return
         if time.monotonic() < self._backoff_until:
             return
-        while capacity(version=self._version, running=len(self._running), accepted=self._gated(), cfg=self.cfg) > 0:
+        bp = getattr(self.client, "backpressure", None)
+        busy = callable(bp) and bp() > 0
+        if busy and not self._throttled_now:
+            self.throttled += 1
+            log.info("rollout: the engine reports a full queue; holding back new tasks")
+        self._throttled_now = busy
+        if busy:
+            return
+        while capacity(version=self._gate_version(), running=len(self._running), accepted=self._gated(),
+                       cfg=self.cfg) > 0:
             index, item = next(self.loader)
             task = _Task(self._seq, index, self._version, time.monotonic(), self._attempts.get(index, 0))
             self._seq += 1
@@ -433,7 +483,7 @@ class RolloutController:
         exc = inner.exception()
         if exc is None:
             return "ok", inner.result()
-        if isinstance(exc, self.retry_on):
+        if isinstance(exc, self.retry_on) and not isinstance(exc, self.no_retry_on):
             return "retry", exc
         return "error", exc
 
@@ -512,6 +562,7 @@ class RolloutController:
         seen_rejected = 0
         with self._cv:
             self._submitting = True
+            self._done_batches = max(self._done_batches, self.batches)  # the trainer is done with those
             self._poke()
             while True:
                 self._check()
@@ -533,6 +584,7 @@ class RolloutController:
                     raise TimeoutError(f"prepare_batch: only {len(taken)}/{want} groups after {timeout}s")
                 self._cv.wait(wait)
             self.consumed += len(taken)
+            self.batches += 1
             self.last_batch_indices = [r.index for r in taken]
             self.last_metrics = self._batch_metrics(taken, seen_rejected)
         self._poke()
@@ -564,6 +616,9 @@ class RolloutController:
             "rollout/running": float(len(self._running)),
             "rollout/batch_groups": float(len(taken)),
             "rollout/batch_rejected": float(rejected),
+            "rollout/timeouts": float(self.timeouts),
+            "rollout/retried": float(self.retried),
+            "rollout/throttled": float(self.throttled),
             "rollout/gen_tokens_per_s": gen / elapsed,
         }
         if taken:
@@ -654,6 +709,7 @@ class RolloutController:
             self._version = int(state["version"])
             self.accepted = self._version * self.cfg.batch_size + len(state["buffered"])
             self.consumed = self._version * self.cfg.batch_size
+            self.batches = self._done_batches = self._version
             self.rejected = 0
         if hasattr(self.client, "set_version"):
             self.client.set_version(self._version)
@@ -680,6 +736,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutController",
     "capacity",
+    "default_no_retry_on",
     "default_retry_on",
     "head_version",
     "pass_at_k",

@@ -8,7 +8,9 @@ dataset row. The result is a trajectory dict (rlcore.data.trajectory): ``(b l)``
 prompt, feedback and tool tokens), ``turn_ids`` and one reward per row; ``None`` rejects the item.
 
 The factories below build episodes from a tokenizer and a reward function
-``reward_fn(completion: str, item) -> float`` (e.g. rlcore.rollout.rewards.math.gsm8k_reward):
+``reward_fn(completion: str, item) -> float`` (e.g. rlcore.rollout.rewards.math.gsm8k_reward). Rewards always
+run off the event loop: in a ``RewardPool`` when one is given (processes, hard timeout), else on a thread;
+they must return an int, float or bool (``rewards.pool.as_reward``; strings are rejected):
 
 - ``rlvr``: single-turn RL with a verifiable reward (spec §1.5).
 - ``multi_turn``: retry with feedback until the reward is non-zero, reward discounted per extra attempt
@@ -28,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,6 +42,7 @@ import torch
 
 from rlcore.data import trajectory
 from rlcore.inference.protocol import ModelRequest, ModelResponse, SamplingParams
+from rlcore.rollout.rewards import pool as _reward_types
 from rlcore.rollout.rewards import sandbox
 
 log = logging.getLogger(__name__)
@@ -189,11 +194,27 @@ def feedback_suffix(tokenizer: Any, feedback: str) -> list[int]:
     return _encode(tokenizer, text[pos + len(mark) :])
 
 
+_INLINE_REWARDS: ThreadPoolExecutor | None = None
+
+
+def _inline_executor() -> ThreadPoolExecutor:
+    """Threads for rewards run without a pool (created on first use, shared by every loop)."""
+    global _INLINE_REWARDS
+    if _INLINE_REWARDS is None:
+        _INLINE_REWARDS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reward-inline")
+    return _INLINE_REWARDS
+
+
 async def _score(reward_fn: RewardFn, text: str, item: Mapping, pool: Any | None) -> float:
+    """Score off the event loop: in ``pool`` (worker processes, hard timeout) when given, else on a thread, so a
+    slow or blocking reward never freezes the other rollouts. The result must be an int, float or bool
+    (``rewards.pool.as_reward``): a string such as ``"0.75"`` raises TypeError, which rejects that run."""
     sample_id = f"{TASK_ID.get()}/{SAMPLE_IDX.get()}"
     if pool is not None:
         return float(await pool.acall(reward_fn, text, dict(item), sample_id=sample_id))
-    return float(reward_fn(text, item))
+    loop = asyncio.get_running_loop()
+    value = await loop.run_in_executor(_inline_executor(), functools.partial(reward_fn, text, item))
+    return _reward_types.as_reward(value, reward_fn)
 
 
 class _Row:

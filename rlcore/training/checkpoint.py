@@ -10,10 +10,17 @@ Layout under ``root``::
         extra.pt                # caller state: dataloader position, rollout controller, counters, ...
         rng/rank{r}.pt          # python / numpy / torch CPU / CUDA RNG of every rank
 
-Invariants (what may happen while saving):
-- A checkpoint directory is written under a temporary name and renamed into place only once every
-  file is flushed; ``latest`` is switched afterwards with ``os.replace``. A crash at any point leaves
-  the previous checkpoint and ``latest`` intact; stray ``.tmp-*`` directories are ignored and cleaned.
+Invariants (what may happen while saving; a SIGKILL may land between any two file operations):
+- A checkpoint directory is written as ``.tmp-step_N``, flushed, marked ``COMPLETE`` and only then renamed
+  to ``step_N``; ``latest`` is switched afterwards with ``os.replace``. A ``step_N`` directory is therefore
+  always complete: it is never written or deleted in place.
+- Re-saving an existing step renames the live ``step_N`` aside to ``.old-step_N`` before the new one is
+  renamed in, and deletes the old copy only after ``latest`` moved; pruning (``keep``) renames a directory
+  to ``.del-step_M`` before deleting it. So at every instant some complete copy exists (``step_N``,
+  ``.old-step_N`` or a ``COMPLETE`` ``.tmp-step_N``).
+- ``latest``/``restore`` use the directory ``latest`` names when it is complete; otherwise (a crash between
+  the renames) they fall back to the newest complete copy and log a warning naming both directories.
+  The next successful ``save`` removes stray ``.tmp-*``/``.old-*``/``.del-*`` directories.
 - Every rank must call ``save``/``restore`` (collectives gather FSDP2-sharded tensors); only rank 0
   writes the shared files, each rank writes its own RNG file.
 - Weights are saved in full (unsharded, CPU) form, so a checkpoint restores onto any world size.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
 import shutil
@@ -36,6 +44,9 @@ import torch.distributed as dist
 from torch import nn
 
 S = TypeVar("S")
+log = logging.getLogger(__name__)
+
+_MARKER = "COMPLETE"  # written last into a temporary directory, after every file was flushed
 
 _SKIP_FIELDS = ("ref", "teacher")  # frozen models are rebuilt from their path, not checkpointed
 
@@ -100,14 +111,68 @@ def _fsync_dir(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def _is_complete(path: Path) -> bool:
+    """Every file a restore needs is there (and a temporary copy was marked ``COMPLETE`` after its fsync)."""
+    if not path.is_dir():
+        return False
+    if path.name.startswith(".tmp-") and not (path / _MARKER).exists():
+        return False
+    rng = path / "rng"
+    return all((path / f).is_file() for f in ("meta.json", "train.pt", "extra.pt")) and rng.is_dir() and any(
+        rng.iterdir()
+    )
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Complete checkpoint copies under ``root``, best first: highest step, then live > new temp > old."""
+    rank = {"step_": 0, ".tmp-step_": 1, ".old-step_": 2}
+    found = []
+    for p in root.iterdir() if root.is_dir() else ():
+        for prefix, r in rank.items():
+            if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and _is_complete(p):
+                found.append((-int(p.name[len(prefix):]), r, p))
+    return [p for *_, p in sorted(found)]
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a directory entry (makes the renames inside it durable); best effort where unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` or None."""
+    """The newest complete checkpoint under ``root`` or None.
+
+    Normally the directory named by ``root/latest``. If that one is missing or incomplete (a crash while
+    re-saving the same step), the newest complete copy (``step_*``, ``.old-step_*`` or a ``COMPLETE``
+    ``.tmp-step_*``) is returned instead and a warning names both directories.
+    """
     root = Path(root)
     ptr = root / "latest"
-    if not ptr.exists():
+    named = root / ptr.read_text().strip() if ptr.exists() else None
+    if named is not None and _is_complete(named):
+        return named
+    found = _candidates(root)
+    if not found:
         return None
-    path = root / ptr.read_text().strip()
-    return path if (path / "meta.json").exists() else None
+    what = f"'latest' names {named}, which is missing or incomplete" if named else f"{ptr} is missing"
+    log.warning("checkpoint: %s; falling back to the newest complete checkpoint %s", what, found[0])
+    return found[0]
 
 
 def save(root: str | os.PathLike, state: Any, *, extra: dict[str, Any] | None = None, keep: int = 2) -> Path:
@@ -153,21 +218,27 @@ def save(root: str | os.PathLike, state: Any, *, extra: dict[str, Any] | None = 
     _barrier()
     if rank == 0:
         _fsync_dir(tmp)
+        _write_synced(tmp / _MARKER, name)
         final = root / name
-        if final.exists():  # re-saving the same step: move the old one aside first
-            shutil.rmtree(final)
+        aside = root / f".old-{name}"
+        if final.exists():  # re-saving the same step: keep the old copy until `latest` moved
+            if aside.exists():  # left by an earlier crash; `final` is complete, so this copy is redundant
+                shutil.rmtree(aside)
+            os.rename(final, aside)
         os.rename(tmp, final)
         ptr_tmp = root / ".latest.tmp"
-        ptr_tmp.write_text(name)
-        with open(ptr_tmp, "rb") as f:
-            os.fsync(f.fileno())
+        _write_synced(ptr_tmp, name)
         os.replace(ptr_tmp, root / "latest")
+        _fsync_path(root)
         ckpts = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
         for old in ckpts[: max(len(ckpts) - keep, 0)]:
             if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
-        for stray in root.glob(".tmp-*"):
-            shutil.rmtree(stray, ignore_errors=True)
+                doomed = root / f".del-{old.name}"
+                os.rename(old, doomed)  # never leave a half-deleted step_* behind
+                shutil.rmtree(doomed, ignore_errors=True)
+        for pattern in (".tmp-*", ".old-*", ".del-*"):
+            for stray in root.glob(pattern):
+                shutil.rmtree(stray, ignore_errors=True)
     _barrier()
     return root / name
 

@@ -12,7 +12,10 @@
 7. ``rollout.resume()``: interrupted requests resubmit under the new version label.
 
 If any push or acknowledgement fails, the exception propagates, the version is NOT bumped and the
-engines stay paused (their weights may be partially updated; re-publish before resuming).
+engines stay paused (their weights may be partially updated; re-publish before resuming). Through an
+engine client (``SyncEngineClient`` fanning out to several servers) a push that fails on *some* servers
+evicts those from routing until a later push succeeds on them (``client.stale_servers()``), so they never
+serve old weights under the new version; a push that no server acknowledged raises ``WeightSyncError``.
 
 All train ranks must call :func:`publish_weights` together (gathering a sharded parameter is a
 collective); only rank 0 talks to the engines. Nothing else may step the optimizer meanwhile.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -31,6 +32,8 @@ BAD_ROWS = [
     (json.dumps({"question": "q", "answer": 5}), "field 'answer'"),
     (json.dumps({"question": "q", "answer": "no marker"}), "field 'answer' must end with '####"),
     (json.dumps({"question": "q", "answer": "x ####  "}), "empty final answer"),
+    (json.dumps({"question": "q", "answer": "x\n#### banana"}), "non-numeric final answer 'banana'"),
+    (json.dumps({"question": "q", "answer": "x\n#### 12 apples"}), "non-numeric final answer"),
 ]
 
 
@@ -44,17 +47,46 @@ def test_malformed_row_names_file_line_and_field(tmp_path_factory, bad, before):
     assert f"bad.jsonl:{before + 1}:" in str(e.value)
 
 
+def test_non_utf8_file_names_file_and_line(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes((json.dumps(GOOD) + "\n").encode() + json.dumps({**GOOD, "question": "caf\u00e9"}, ensure_ascii=False).encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not valid UTF-8 \(byte 0xe9") as e:
+        gsm8k.load(p)
+    assert "re-encode" in str(e.value)
+
+
+def test_numeric_final_answers_accepted():
+    for final, want in [("1,203", "1203"), ("-4", "-4"), ("2.50", "2.50"), ("+7", "+7"), (".5", ".5")]:
+        assert gsm8k.parse_row(json.dumps({"question": "q", "answer": f"x\n#### {final}"}))["answer"] == want
+
+
 def test_missing_file_and_split_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="does not exist") as e:
         gsm8k.load(tmp_path / "nope.jsonl")
+    msg = str(e.value)  # names the flag and both ways to get the data
+    assert "--data-dir" in msg and "bundled" in msg and "load_dataset('openai/gsm8k'" in msg
     with pytest.raises(ValueError, match="split"):
         gsm8k.load_split("dev")
 
 
-@pytest.mark.skipif(not (gsm8k.GSM8K_DIR / "test.jsonl").is_file(), reason="GSM8K data not present")
-def test_real_split_loads():
-    rows = gsm8k.load_split("test", limit=50)
-    assert len(rows) == 50 and all(r["answer"] and "####" not in r["answer"] for r in rows)
+def test_bundled_data_is_the_default_and_loads_whole(monkeypatch):
+    monkeypatch.delenv("RLCORE_GSM8K_DIR", raising=False)
+    assert gsm8k._default_dir() == gsm8k.BUNDLED_DIR
+    assert gsm8k.BUNDLED_DIR.parent == Path(gsm8k.__file__).resolve().parent  # inside the package
+    assert "MIT License" in (gsm8k.BUNDLED_DIR / "LICENSE").read_text()
+    sizes = {split: len(gsm8k.load_split(split, root=gsm8k.BUNDLED_DIR)) for split in ("train", "test")}
+    assert sizes == {"train": 7473, "test": 1319}
+    monkeypatch.setenv("RLCORE_GSM8K_DIR", "/some/where")
+    assert gsm8k._default_dir() == Path("/some/where")
+
+
+def test_package_data_declared_in_pyproject():
+    import tomllib
+
+    root = Path(gsm8k.__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["rlcore.data"]
+    for name in ("train.jsonl", "test.jsonl", "LICENSE"):
+        assert any(Path("gsm8k", name).match(pat) for pat in data), name
 
 
 @given(n=st.integers(1, 9), seed=st.integers(0, 99), epochs=st.integers(1, 3), shuffle=st.booleans())

@@ -17,10 +17,12 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlcore.inference import client as client_mod
 from rlcore.inference.client import (
     ClientConfig,
     EngineClient,
     EngineError,
+    EngineRejected,
     SyncEngineClient,
     parse_generate,
 )
@@ -56,6 +58,7 @@ class FakeSGLang:
         self.control: list[tuple[str, dict]] = []
         self.produced = 0  # tokens produced by all /generate calls so far
         self.health_fail = 0  # answer 503 to this many /health calls first
+        self.fail_push = False  # answer 500 to weight pushes
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -68,6 +71,8 @@ class FakeSGLang:
             return web.json_response({"error": "boom"}, status=500)
         if action == "400":
             return web.json_response({"error": {"message": "bad input_ids"}}, status=400)
+        if action == "503":  # queue full: come back shortly
+            return web.json_response({"error": "queue full"}, status=503, headers={"Retry-After": "0.05"})
         if action == "malformed":
             return web.Response(text="{not json", content_type="application/json")
         if action == "slow":
@@ -120,6 +125,8 @@ class FakeSGLang:
         elif ep == "/continue_generation":
             self.paused = False
         elif ep in ("/update_weights_from_disk", "/update_weights_from_distributed"):
+            if self.fail_push:
+                return web.json_response({"error": "load failed"}, status=500)
             if payload.get("model_path") == "/fail":
                 return web.json_response({"success": False, "message": "no such dir"})
             self.abort_flag += 1
@@ -565,3 +572,132 @@ def test_parse_generate_takes_exact_per_token_versions_when_the_server_sends_the
     for bad in ([3], [3, "4"], [3, True], "34"):
         with pytest.raises(ValueError, match="output_token_versions"):
             parse_generate({"meta_info": {**meta, "output_token_versions": bad}}, 4)
+
+
+# ------------------------------------------------------------------------------------------ robustness (issues 14, 16)
+def _gen_body(n: int, version: int | None = None) -> dict:
+    meta = {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 7, None]] * n}
+    if version is not None:
+        meta["output_token_versions"] = [version] * n
+    return {"meta_info": meta}
+
+
+class _Restarting:
+    """In-process engine that refuses connections until a (fake) clock reaches ``up_at`` seconds."""
+
+    def __init__(self, up_at: float):
+        self.clock, self.up_at, self.calls = 0.0, up_at, 0
+
+    async def handle(self, endpoint, payload):
+        self.calls += 1
+        if self.clock < self.up_at:
+            raise ConnectionRefusedError("engine restarting")
+        return 200, _gen_body(2)
+
+
+def test_default_retries_ride_out_a_30s_engine_restart(monkeypatch):
+    assert ClientConfig().retry_window_s >= 30
+    eng = _Restarting(up_at=35.0)
+    real_sleep = asyncio.sleep
+
+    async def fake_sleep(d, *a, **kw):  # the restart takes 35 s of back-off time, not of test time
+        eng.clock += d
+        await real_sleep(0)
+
+    monkeypatch.setattr(client_mod.asyncio, "sleep", fake_sleep)
+
+    async def main():
+        client = EngineClient(eng, ClientConfig(seed=0))  # the defaults
+        return await client.agenerate(req(4))
+
+    r = asyncio.run(main())
+    assert r.output_len == 2 and eng.clock >= 35 and eng.calls >= 2
+
+
+def test_4xx_is_not_retried_and_names_the_servers_message():
+    async def main():
+        async with FakeSGLang() as srv, EngineClient(srv.url, FAST) as client:
+            srv.script = ["400"]
+            with pytest.raises(EngineRejected, match=r"rejected the request \(400\): bad input_ids") as e:
+                await client.agenerate(req(4))
+            assert e.value.status == 400 and len(srv.calls) == 1
+
+    asyncio.run(main())
+
+
+def test_429_and_503_retry_after_are_waited_out_and_signal_backpressure():
+    async def main():
+        cfg = ClientConfig(timeout_s=5.0, retries=0, backoff_s=0.01, dead_after_failures=1, seed=0)
+        async with FakeSGLang() as a, EngineClient([a.url], cfg) as client:
+            a.script = ["503", "503"]
+            seen = []
+
+            async def watch():
+                while True:
+                    seen.append(client.backpressure())
+                    await asyncio.sleep(0.01)
+
+            w = asyncio.create_task(watch())
+            r = await client.agenerate(req(4))  # retries=0: only the busy path can make this succeed
+            w.cancel()
+            assert r.output_len == 4
+            assert client.servers[0].failures == 0 and len(a.calls) == 3  # busy is not a failure
+            assert max(seen) > 0 and client.backpressure() == 0
+
+        class Busy:
+            calls = 0
+
+            async def handle(self, endpoint, payload):
+                Busy.calls += 1
+                return 429, {"error": "slow down", "retry_after": 0.02}
+
+        client = EngineClient(Busy(), ClientConfig(retries=0, busy_wait_s=0.1, seed=0))
+        with pytest.raises(EngineError, match="still busy"):
+            await client.agenerate(req(4))
+        assert 3 <= Busy.calls <= 7
+
+    asyncio.run(main())
+
+
+def test_failed_weight_push_evicts_the_server_until_resynced():
+    """b's push of v1 fails: it is never routed to while it holds v0 weights — not even after revive() — and
+    it serves again (labelled truthfully) once the push of v2 succeeds on it."""
+    async def main():
+        cfg = ClientConfig(timeout_s=5.0, retries=0, backoff_s=0.0, dead_after_failures=1, seed=0)
+        async with FakeSGLang(name="a") as a, FakeSGLang(name="b") as b, EngineClient([a.url, b.url], cfg) as client:
+            b.fail_push = True
+            out = await client.update_weights_from_disk("/ckpt/v1", 1)
+            assert list(out) == [a.url]  # b is dead (and stale)
+            client.set_version(1)
+            client.revive()  # b restarted: still holds old weights, so still evicted
+            assert client.stale_servers() == [b.url]
+            rs = await asyncio.gather(*(client.agenerate(req(4)) for _ in range(6)))
+            assert len(b.calls) == 0
+            for r in rs:  # the label is the version of the weights that really produced the token
+                assert all(version_of(lp) == v == 1 for lp, v in zip(r.output_logprobs, r.output_versions))
+            b.fail_push = False
+            await client.update_weights_from_disk("/ckpt/v2", 2)
+            client.set_version(2)
+            assert client.stale_servers() == []
+            rs = await asyncio.gather(*(client.agenerate(req(4)) for _ in range(6)))
+            assert len(b.calls) > 0
+            for r in rs:
+                assert all(version_of(lp) == v == 2 for lp, v in zip(r.output_logprobs, r.output_versions))
+            a.fail_push = b.fail_push = True
+            with pytest.raises(EngineError, match="failed on every server"):
+                await client.update_weights_from_disk("/ckpt/v3", 3)
+
+    asyncio.run(main())
+
+
+def test_tokens_carry_the_version_the_engine_reports():
+    class Old:  # an engine still holding v0 weights while the trainer is at v3
+        async def handle(self, endpoint, payload):
+            return 200, _gen_body(3, version=0)
+
+    async def main():
+        client = EngineClient(Old(), FAST)
+        client.set_version(3)
+        return await client.agenerate(req(3))
+
+    assert asyncio.run(main()).output_versions == [0, 0, 0]

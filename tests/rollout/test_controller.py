@@ -502,3 +502,135 @@ def test_dynamic_bs_with_a_filter_keeps_the_staleness_bound():
         train(ctl, engine, steps=12, on_batch=on_batch, step_time=0.01)
         s = ctl.stats()
     assert s["rollout/rejected"] > 0
+
+
+# ------------------------------------------------------------------ robustness (issue 16.4)
+def test_all_filtered_dynamic_bs_batches_never_stall_the_gate():
+    """eta + 1 (here 4) consecutive all-filtered batches; the trainer skips the publish of an empty batch (as
+    gsm8k_grpo does). The gate counts batches handed out, so generation goes on; the bound still holds."""
+    eta, b = 0, 2
+    keep = lambda g: float(g["rewards"][0]) >= 8  # noqa: E731  (reward = item index: the first 8 are filtered)
+    cfg = RolloutConfig(batch_size=b, max_staleness=eta, dynamic_bs=True, poll_s=0.002)
+    engine = FakeEngine(2, max_delay=0.0005)
+    version, empty, full = 0, 0, 0
+    with RolloutController(engine, simple_episode(2, lambda item: float(item["i"])),
+                           PromptLoader(dataset(40), shuffle=False), cfg, should_accept=keep) as ctl:
+        for _ in range(10):
+            batch = ctl.prepare_batch(timeout=10)
+            if not batch:
+                empty += 1
+                continue  # no train step, no publish
+            full += 1
+            for t in batch:
+                assert version - rollout.head_version(t) <= eta
+            ctl.pause()
+            engine.pause()
+            version += 1
+            ctl.set_version(version)
+            engine.resume()
+            ctl.resume()
+    assert empty >= eta + 1 + 2 and full >= 3
+
+
+def test_4xx_fails_its_task_alone_and_is_never_retried(caplog):
+    """An over-long prompt answered 400: that task is rejected once with the server's message; other tasks
+    and batches go on; nothing is re-queued or backed off."""
+    from rlcore.inference.client import ClientConfig, EngineClient
+
+    class Strict:
+        def __init__(self):
+            self.calls: dict[int, int] = {}
+
+        async def handle(self, endpoint, payload):
+            n = len(payload["input_ids"])
+            self.calls[n] = self.calls.get(n, 0) + 1
+            if n > 5:
+                return 400, {"error": {"message": f"prompt of {n} tokens exceeds the context length 5"}}
+            m = payload["sampling_params"]["max_new_tokens"]
+            return 200, {"meta_info": {"finish_reason": {"type": "length"},
+                                       "output_token_logprobs": [[-0.1, 9, None]] * m}}
+
+    async def episode(client, item):
+        resp = await client.agenerate(ModelRequest(input_ids=[1] * (3 + 3 * (item["i"] == 0)),
+                                                   sampling=SamplingParams(max_new_tokens=2)))
+        return make_row(resp.input_tokens, resp.output_tokens, resp.output_logprobs, resp.output_versions, 1.0)
+
+    eng = Strict()
+    client = EngineClient(eng, ClientConfig(backoff_s=0.01, seed=0))
+    cfg = RolloutConfig(batch_size=2, max_staleness=1, poll_s=0.005, retry_backoff_s=5.0)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="rlcore.rollout.controller"):
+        with RolloutController(client, episode, PromptLoader(dataset(6), shuffle=False), cfg) as ctl:
+            ctl.prepare_batch(timeout=10)
+            assert 0 not in ctl.last_batch_indices
+            s = ctl.stats()
+    assert eng.calls[6] == 1 and s["rollout/retried"] == 0 and s["rollout/rejected"] == 1
+    assert "exceeds the context length 5" in caplog.text
+    assert time.monotonic() - t0 < 5  # no retry back-off was taken
+
+
+def test_default_task_timeout_fails_a_hung_task_alone():
+    assert RolloutConfig().task_timeout_s is not None and math.isfinite(RolloutConfig().task_timeout_s)
+
+    class Hangs(FakeEngine):
+        async def agenerate(self, req):
+            if req.input_ids[2] == 3:  # the prompt of item 0 hangs forever in the engine
+                await asyncio.Event().wait()
+            return await super().agenerate(req)
+
+    cfg = RolloutConfig(batch_size=2, max_staleness=0, task_timeout_s=0.3, poll_s=0.005)
+    with RolloutController(Hangs(1), simple_episode(2), PromptLoader(dataset(10), shuffle=False), cfg) as ctl:
+        t0 = time.monotonic()
+        ctl.prepare_batch(timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert 0 not in ctl.last_batch_indices
+        assert ctl.last_metrics["rollout/timeouts"] == 1 and ctl.last_metrics["rollout/rejected"] >= 1
+
+
+def test_hung_inline_reward_times_out_without_freezing_the_loop():
+    """A reward without a pool that blocks for 3 s: its task is timed out at task_timeout_s; the batch fills."""
+    from tests.rollout.test_workflows import TOK
+
+    def reward(text, item):
+        if item["i"] == 0:
+            time.sleep(3)
+        return 1.0
+
+    episode = workflows.rlvr(TOK, reward, workflows.WorkflowConfig(max_new_tokens=2))
+    data = [{"i": i, "prompt": f"q{i}"} for i in range(8)]
+
+    class Gen(FakeEngine):
+        async def agenerate(self, req):
+            r = await super().agenerate(req)
+            r.output_tokens = [TOK.convert_tokens_to_ids("a")] * len(r.output_tokens)
+            return r
+
+    cfg = RolloutConfig(batch_size=2, max_staleness=0, task_timeout_s=0.5, poll_s=0.005)
+    with RolloutController(Gen(1), episode, PromptLoader(data, shuffle=False), cfg) as ctl:
+        t0 = time.monotonic()
+        ctl.prepare_batch(timeout=20)
+        assert time.monotonic() - t0 < 2.5  # a reward on the loop would hold everything for 3 s
+        assert ctl.last_batch_indices == [1, 2] and ctl.last_metrics["rollout/timeouts"] == 1
+
+
+def test_engine_backpressure_stops_task_starts():
+    class Busy(FakeEngine):
+        busy_until = 0.0
+
+        def backpressure(self) -> float:
+            return max(self.busy_until - time.monotonic(), 0.0)
+
+    engine = Busy(1)
+    cfg = RolloutConfig(batch_size=2, max_staleness=3, max_concurrent=8, poll_s=0.005)
+    with RolloutController(engine, simple_episode(2), PromptLoader(dataset(100)), cfg) as ctl:
+        ctl.prepare_batch(timeout=10)
+        engine.busy_until = time.monotonic() + 0.5
+        time.sleep(0.05)
+        calls = engine.calls
+        ctl.prepare_batch(timeout=10)  # buffered groups: served without new starts
+        time.sleep(0.3)
+        assert engine.calls == calls, "tasks were started while the engine reported a full queue"
+        assert ctl.stats()["rollout/throttled"] >= 1
+        time.sleep(0.3)
+        ctl.prepare_batch(timeout=10)
+        assert engine.calls > calls

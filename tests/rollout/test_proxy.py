@@ -334,6 +334,7 @@ def test_cli_serves_openai_clients(engine, tok, tmp_path):
     from rlcore.inference.server import make_app
 
     tok.save_pretrained(tmp_path / "tok")
+    engine.set_version(7)  # tokens carry the version the engine reports serving (the client's is only a fallback)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 

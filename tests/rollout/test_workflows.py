@@ -216,3 +216,48 @@ def test_gsm8k_rows_carry_a_raw_prompt_for_base_models(tmp_path):
     (row,) = gsm8k.load(f)
     assert row["prompt"].startswith("Question: What is 2+3?") and row["prompt"].endswith("\nAnswer:")
     assert row["messages"][0]["content"] in row["prompt"]
+
+
+# ------------------------------------------------------------------ rewards off the event loop (issue 16.4)
+def test_a_blocking_reward_does_not_delay_another_tasks_generation():
+    import time
+
+    def slow_reward(text, item):
+        if item.get("slow"):
+            time.sleep(2.0)  # a blocking reward (e.g. a verifier that shells out), no pool
+        return 1.0
+
+    episode = workflows.rlvr(TOK, slow_reward, workflows.WorkflowConfig(max_new_tokens=4))
+
+    class Ticking:
+        """A client whose generation needs the loop: 20 steps of 10 ms."""
+
+        def get_version(self):
+            return 0
+
+        async def agenerate(self, req):
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+            out = enc("ok")
+            return ModelResponse(list(req.input_ids), out, [-0.1] * len(out), [0] * len(out), "stop")
+
+    async def main():
+        t0 = time.monotonic()
+        other = asyncio.create_task(episode(Ticking(), {"prompt": "q2"}))  # generating: needs the loop
+        slow = asyncio.create_task(episode(ScriptedClient(["abc"]), {"prompt": "q", "slow": True}))
+        other = await other
+        took = time.monotonic() - t0
+        await slow
+        return took, other
+
+    took, other = asyncio.run(main())
+    assert float(other["rewards"][0]) == 1.0
+    assert took < 1.0, f"another task's generation waited {took:.2f}s behind a blocking reward"
+
+
+def test_inline_reward_must_be_a_number():
+    episode = workflows.rlvr(TOK, lambda text, item: "0.75", workflows.WorkflowConfig(max_new_tokens=4))
+    with pytest.raises(TypeError, match="returned str '0.75'"):
+        asyncio.run(episode(ScriptedClient(["abc"]), {"prompt": "q"}))
+    episode = workflows.rlvr(TOK, lambda text, item: True, workflows.WorkflowConfig(max_new_tokens=4))
+    assert float(asyncio.run(episode(ScriptedClient(["abc"]), {"prompt": "q"}))["rewards"][0]) == 1.0

@@ -151,3 +151,41 @@ def test_gloo_broadcast_to_engine_server(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_failed_push_to_one_server_never_serves_old_weights_under_the_new_version(tmp_path):
+    """Two engines behind one client; the disk load fails on b. The publish goes on with a (version 1), b is
+    evicted — even after revive() — so no token is ever labelled 1 while sampled from b's old weights; when the
+    push fails everywhere, publish raises and the version is not bumped."""
+    from rlcore.inference.server import InProcessServer
+
+    class Flaky:
+        def __init__(self, engine):
+            self.inner, self.fail, self.generated = InProcessServer(engine), False, 0
+
+        async def handle(self, endpoint, payload):
+            if endpoint.strip("/") == "update_weights_from_disk" and self.fail:
+                return 500, {"error": "disk read failed"}
+            if endpoint.strip("/") == "generate":
+                self.generated += 1
+            return await self.inner.handle(endpoint, payload)
+
+    st = trained_state()
+    with engine_for(st.model) as ea, engine_for(st.model) as eb:
+        a, b = Flaky(ea), Flaky(eb)
+        b.fail = True
+        cfg = ClientConfig(timeout_s=60, retries=0, dead_after_failures=1, seed=0)
+        with SyncEngineClient([a, b], cfg) as client:
+            pub = weight_sync.PublishConfig(mode="disk", dtype="float32", disk_root=str(tmp_path / "w"))
+            st2 = weight_sync.publish_weights(st, [client], cfg=pub)
+            assert st2.version == 1 == client.get_version() == ea.version and eb.version == 0
+            client.client.revive()  # b is back, but still holds the old weights
+            b_before = b.generated
+            for i in range(4):
+                resp = client.generate(ModelRequest(input_ids=[5, 9, 13 + i], sampling=SamplingParams(max_new_tokens=3)))
+                assert resp.output_versions == [1] * len(resp.output_tokens)
+            assert b.generated == b_before, "a server holding old weights served tokens labelled with the new version"
+            a.fail = True
+            with pytest.raises(weight_sync.WeightSyncError, match="version 2"):
+                weight_sync.publish_weights(st2, [client], cfg=pub)
+            assert client.get_version() == 1

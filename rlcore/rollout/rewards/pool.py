@@ -2,8 +2,8 @@
 
 ``RewardPool`` keeps ``num_workers`` processes of its own (not a ProcessPoolExecutor: that cannot
 stop a hung task). A call takes an idle worker, sends ``(fn, args, kwargs)`` over a pipe and waits
-up to ``timeout_s``. A reward that raises, returns a non-number, kills its process or runs past the
-timeout yields ``cfg.default`` (0.0), increments ``errors`` / ``timeouts`` and logs a warning with the
+up to ``timeout_s``. A reward that raises, returns something other than a real number (see
+``as_reward``), kills its process or runs past the timeout yields ``cfg.default`` (0.0), increments ``errors`` / ``timeouts`` and logs a warning with the
 sample id; a hung or dead worker is killed and replaced. The run always goes on.
 
 Concurrency: ``call`` is thread-safe and blocks one thread; ``acall`` runs it on a private thread
@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import multiprocessing as mp
+import numbers
 import pickle
 import queue
 import threading
@@ -56,6 +57,23 @@ class RewardPoolConfig:
             )
 
 
+def as_reward(value: Any, fn: Any = None) -> float:
+    """The reward contract's type check: ``value`` as a float, or TypeError naming the type and the fix.
+
+    Accepted: ``int``, ``float``, ``bool`` (a pass/fail predicate scores ``True`` = 1.0, ``False`` = 0.0) and
+    other real-number scalars such as NumPy's (anything registered as ``numbers.Real``). Rejected: strings
+    (``"0.75"`` is not silently parsed), ``None``, tensors, lists and every other type. Non-finite values are
+    checked separately by the callers (they are errors too).
+    """
+    if isinstance(value, numbers.Real):
+        return float(value)
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    raise TypeError(
+        f"reward fn {name} returned {type(value).__name__} {value!r:.60}; a reward must be an int, float or bool "
+        "(convert it yourself, e.g. float(x) for a numeric string or x.item() for a 0-d tensor)"
+    )
+
+
 def _serve(conn) -> None:
     """Worker loop: receive ``(fn, args, kwargs)``, reply ``(ok, value_or_message)``; ``None`` stops."""
     while True:
@@ -67,7 +85,7 @@ def _serve(conn) -> None:
             return
         fn, args, kwargs = msg
         try:
-            out = (True, float(fn(*args, **kwargs)))
+            out = (True, as_reward(fn(*args, **kwargs), fn))
         except BaseException as e:  # the worker must survive anything the reward does
             out = (False, f"{type(e).__name__}: {e}")
         try:
@@ -154,7 +172,7 @@ class RewardPool:
         return _Worker(self._ctx)
 
     def call(self, fn: Callable[..., float], *args: Any, sample_id: Any = None, **kwargs: Any) -> float:
-        """``float(fn(*args, **kwargs))`` in a worker, or ``cfg.default`` after errors/timeouts (never raises
+        """``as_reward(fn(*args, **kwargs))`` in a worker, or ``cfg.default`` after errors/timeouts (never raises
         for the reward's own failures; raises TypeError if ``fn`` cannot be pickled, RuntimeError if closed)."""
         if self._closed:
             raise RuntimeError("RewardPool is closed; create a new one")

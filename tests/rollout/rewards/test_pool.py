@@ -72,3 +72,22 @@ def test_retries_and_misuse(pool):
     p.close()
     with pytest.raises(RuntimeError, match="closed"):
         p.call(float, "1")
+
+
+def test_reward_types_are_checked_not_coerced(pool, caplog):
+    """Documented decision: int/float/bool (True = 1.0) and NumPy scalars are rewards; a string such as "0.75"
+    is an error (scored ``default``, counted, and the log names the type), never silently parsed."""
+    import numpy as np
+
+    from rlcore.rollout.rewards.pool import as_reward
+
+    assert pool.call(bool, 1) == 1.0 and pool.call(bool, 0) == 0.0 and pool.call(int, "3") == 3.0
+    errors = pool.stats()["reward/errors"]
+    with caplog.at_level(logging.WARNING, logger="rlcore.rollout.rewards.pool"):
+        assert pool.call(str, "0.75", sample_id="str-reward") == 0.0
+    assert pool.stats()["reward/errors"] == errors + 1
+    assert "returned str '0.75'" in caplog.text and "int, float or bool" in caplog.text
+    assert as_reward(True) == 1.0 and as_reward(np.float32(0.5)) == 0.5 and as_reward(np.int64(2)) == 2.0
+    for bad in ("0.75", None, [1.0], b"1"):
+        with pytest.raises(TypeError, match="must be an int, float or bool"):
+            as_reward(bad)
