@@ -30,6 +30,15 @@ every child (SIGTERM, SIGKILL after a grace period), kills every actor and remov
 Ray session it started itself is shut down. The script and ``rlcore`` must be importable at the same path
 on every node (a shared filesystem or the same checkout); disk weight updates need a directory every node
 sees (``--engine.disk-root``).
+
+Why not Ray Train's ``TorchTrainer`` for the trainer ranks (checked against Ray 2.60's source; docs/scaling.md
+has the details): it runs a Python function in its workers and always calls ``dist.init_process_group`` there
+first, while the trainer here is an arbitrary experiment script that sets up its own group, as under torchrun
+(running it inside the worker initialises the group twice; as the worker's child, the env must be rebuilt and
+rank 0's ``MASTER_PORT`` is taken); its worker group has its own placement group of identical bundles, so the
+engines' ``{"GPU": T}`` bundles cannot share it; it restarts the group on failure instead of returning the
+trainer's exit code and tolerating dead engines; and it needs ``ray[train]``. Placement groups, actors and GPU
+ids are Ray's; only ``trainer_envs`` (torchrun's variables) is ours.
 """
 
 from __future__ import annotations
