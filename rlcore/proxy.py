@@ -1,28 +1,29 @@
 """Run the OpenAI-compatible agent proxy in front of one or more engine servers.
 
-    python -m rlcore.proxy --engine http://127.0.0.1:30000[,http://...] --model /path/to/tokenizer \\
+    rlcore-proxy --engine http://127.0.0.1:30000[,http://...] --model /path/to/tokenizer \\
         --host 127.0.0.1 --port 8000 --admin-key SECRET
 
 Agents then use ``base_url=http://127.0.0.1:8000/v1`` and a session key obtained by the trainer from
-``POST /rl/start_session`` (admin key). See docs/agents.md.
+``POST /rl/start_session`` (admin key). See docs/agents.md. ``python -m rlcore.proxy`` takes the same flags.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
 
-from rlcore.inference.client import ClientConfig, EngineClient
-from rlcore.rollout.proxy import DEFAULT_ADMIN_KEY, AgentProxy, ProxyConfig
+DEFAULT_ADMIN_KEY = "rlcore-admin"
+"""``rlcore.rollout.proxy.DEFAULT_ADMIN_KEY``, repeated so that ``--help`` imports no torch (a test keeps them equal)."""
 
 
 @dataclass(frozen=True)
 class Args:
-    """Command line of ``python -m rlcore.proxy``."""
+    """Command line of ``rlcore-proxy`` / ``python -m rlcore.proxy``."""
 
     engine: str
     """Comma-separated engine addresses (our engine server or SGLang), e.g. http://127.0.0.1:30000."""
@@ -50,6 +51,9 @@ async def serve(args: Args) -> None:
     """Serve until cancelled (Ctrl-C)."""
     from transformers import AutoTokenizer
 
+    from rlcore.inference.client import ClientConfig, EngineClient
+    from rlcore.rollout.proxy import AgentProxy, ProxyConfig
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     client = EngineClient(args.engine, ClientConfig(timeout_s=args.timeout_s))
     client.set_version(args.version)
@@ -62,9 +66,10 @@ async def serve(args: Args) -> None:
         await asyncio.Event().wait()
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    """``rlcore-proxy``: tyro over ``Args`` (``argv`` default ``sys.argv[1:]``), serve until Ctrl-C."""
+    args = tyro.cli(Args, args=argv, prog="rlcore-proxy", description=__doc__)
     logging.basicConfig(level=logging.INFO)
-    args = tyro.cli(Args)
     try:
         asyncio.run(serve(args))
     except KeyboardInterrupt:

@@ -1,6 +1,6 @@
 """Serve an HF causal LM with the embedded engine over SGLang's HTTP protocol.
 
-Run:    python -m rlcore.serve --model /path/to/hf_dir --host 127.0.0.1 --port 30000
+Run:    rlcore-serve --model /path/to/hf_dir --host 127.0.0.1 --port 30000      (or python -m rlcore.serve ...)
 Then:   curl -s localhost:30000/generate -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8},
         "return_logprob": true}'
 """
@@ -8,6 +8,7 @@ Then:   curl -s localhost:30000/generate -d '{"input_ids": [1, 2, 3], "sampling_
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Command line of ``python -m rlcore.serve``."""
+    """Command line of ``rlcore-serve`` / ``python -m rlcore.serve``."""
 
     model: str
     """Local HF model directory (config.json + *.safetensors; a tokenizer there enables text I/O)."""
@@ -74,6 +75,7 @@ def build_app(engine: Engine, cfg: ServeConfig) -> web.Application:
 
 
 def main(cfg: ServeConfig) -> None:
+    """Load the model, bind ``cfg.host:cfg.port`` and serve until interrupted."""
     import asyncio
     import socket
 
@@ -119,8 +121,15 @@ async def _serve(web, app, sock) -> None:
         await runner.cleanup()
 
 
-if __name__ == "__main__":
+def cli(argv: Sequence[str] | None = None) -> None:
+    """``rlcore-serve``: tyro over ``ServeConfig`` (``argv`` default ``sys.argv[1:]``), then ``main``; Ctrl-C
+    exits 0."""
+    cfg = tyro.cli(ServeConfig, args=argv, prog="rlcore-serve", description=__doc__)
     try:
-        main(tyro.cli(ServeConfig))
+        main(cfg)
     except KeyboardInterrupt:
         sys.exit(0)
+
+
+if __name__ == "__main__":
+    cli()

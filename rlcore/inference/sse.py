@@ -1,5 +1,19 @@
 """Server-Sent Events plumbing: the one SSE writer of the OpenAI routes (``rlcore.serve`` and the agent proxy)
-and the queue drain shared with SGLang's streaming ``/generate``."""
+and the queue drain shared with SGLang's streaming ``/generate``.
+
+Why not aiohttp-sse (checked against its 3.0 release, ``EventSourceResponse`` / ``sse_response``): it would not
+make this simpler or keep the wire format, and it narrows the supported Pythons.
+
+- It requires Python >= 3.11 (``typing.Self``, ``asyncio.timeout``); rlcore supports 3.10.
+- The OpenAI streams are ``POST`` requests; it answers 405 unless ``allow_all_methods=True``.
+- Its default line separator is ``\r\n``; OpenAI and SGLang send ``data: ...\n\n``, which the clients and our
+  tests read byte for byte, so every call site would pass ``sep="\n"``.
+- It starts a ping task per stream (``: ping`` comments every 15 s) and sets ``TCP_USER_TIMEOUT``; our streams
+  end when generation does, and a client that left is found by ``next_stream_items`` (the engine request is
+  aborted then), which aiohttp-sse does not replace.
+- What remains ours either way: JSON with ``allow_nan=False``, the ``[DONE]`` sentinel and an idempotent end.
+  ``EventWriter`` is those three plus two headers, about 25 lines.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Launch one experiment on one node: inference engines on some GPUs, an FSDP2 trainer on the others.
 
-    python -m rlcore.launch --alloc engines:2+trainer:2 --model /models/qwen2.5-1.5b \\
+    rlcore-launch --alloc engines:2+trainer:2 --model /models/qwen2.5-1.5b \\
         -- experiments/gsm8k_grpo.py grpo --model /models/qwen2.5-1.5b
 
 Allocation syntax: ``engines:N[xT]+trainer:M`` — N engine servers of T GPUs each (tensor parallel,
@@ -8,8 +8,8 @@ SGLang only), then an M-rank trainer. GPUs are assigned in order: engines take `
 trainer ``[N·T, N·T+M)``. ``engines:0+trainer:M`` runs a colocated experiment (the experiment embeds its
 own engine). On a machine without GPUs every process gets ``CUDA_VISIBLE_DEVICES=""`` (CPU run).
 
-Engine servers are ``python -m rlcore.serve`` (``--engine embedded``) or SGLang (``--engine sglang``,
-through ``rlcore.inference.sglang``'s flags). Their addresses reach the trainer as the
+Engine servers are ``python -m rlcore.serve`` (``rlcore-serve``; ``--engine embedded``) or SGLang
+(``--engine sglang``, through ``rlcore.inference.sglang``'s flags). Their addresses reach the trainer as the
 environment variable ``RLCORE_ENGINE_ADDRS`` (comma-separated ``host:port``), which every experiment
 reads when its ``engine_addrs`` field is empty.
 
@@ -18,6 +18,9 @@ SIGTERM, and when any child dies, all children are terminated (SIGTERM, then SIG
 period) so no orphan survives. The launcher's exit code is the trainer's (or the dead engine's).
 ``--slurm`` prints an sbatch script for the same allocation instead of running anything; ``--ray``
 runs it on a Ray cluster instead (``rlcore.launch.ray_cluster``, multi-node).
+
+Command line: ``rlcore-launch`` (or ``python -m rlcore.launch``), tyro over ``rlcore.launch.cli.LaunchArgs``;
+everything after the first ``--`` is the trainer command, passed on verbatim.
 """
 
 from __future__ import annotations

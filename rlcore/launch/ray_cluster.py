@@ -1,9 +1,9 @@
 """Launch one experiment on a Ray cluster: engine servers and trainer ranks as actors of one placement group.
 
     ray start --head                       # on the head node; on the others: ray start --address HEAD:6379
-    python -m rlcore.launch --ray --address auto --alloc engines:2+trainer:4 --model /models/qwen2.5-1.5b \\
+    rlcore-launch --ray --address auto --alloc engines:2+trainer:4 --model /models/qwen2.5-1.5b \\
         -- experiments/gsm8k_grpo.py grpo --model /models/qwen2.5-1.5b
-    (or: python -m rlcore.launch.ray_cluster --address auto --alloc ... -- script.py [flags])
+    (or: rlcore-ray-launch / python -m rlcore.launch.ray_cluster --address auto --alloc ... -- script.py [flags])
 
 The allocation syntax is ``rlcore.launch``'s: ``engines:N[xT]+trainer:M``. One placement group holds
 ``N + M`` bundles — engine ``i`` is bundle ``i`` with ``{"GPU": T}``, trainer rank ``r`` is bundle ``N + r``
@@ -30,11 +30,19 @@ every child (SIGTERM, SIGKILL after a grace period), kills every actor and remov
 Ray session it started itself is shut down. The script and ``rlcore`` must be importable at the same path
 on every node (a shared filesystem or the same checkout); disk weight updates need a directory every node
 sees (``--engine.disk-root``).
+
+Why not Ray Train's ``TorchTrainer`` for the trainer ranks (checked against Ray 2.60's source; docs/scaling.md
+has the details): it runs a Python function in its workers and always calls ``dist.init_process_group`` there
+first, while the trainer here is an arbitrary experiment script that sets up its own group, as under torchrun
+(running it inside the worker initialises the group twice; as the worker's child, the env must be rebuilt and
+rank 0's ``MASTER_PORT`` is taken); its worker group has its own placement group of identical bundles, so the
+engines' ``{"GPU": T}`` bundles cannot share it; it restarts the group on failure instead of returning the
+trainer's exit code and tolerating dead engines; and it needs ``ray[train]``. Placement groups, actors and GPU
+ids are Ray's; only ``trainer_envs`` (torchrun's variables) is ours.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import os
@@ -48,7 +56,9 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import tyro
 
 from rlcore import launch
 
@@ -480,42 +490,58 @@ def launch_ray(
             run.teardown()
 
 
-def add_ray_flags(ap: argparse.ArgumentParser) -> None:
-    """The Ray-only flags, shared by ``python -m rlcore.launch.ray_cluster`` and ``rlcore.launch --ray``."""
-    ap.add_argument(
-        "--address", default=None, help="'auto', 'ray://host:10001', or empty for a local cluster"
-    )
-    ap.add_argument("--strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
-    ap.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local cluster started here")
+@dataclass(frozen=True, kw_only=True)
+class RayArgs:
+    """Command line of ``rlcore-ray-launch`` / ``python -m rlcore.launch.ray_cluster`` (also the Ray flags of
+    ``rlcore-launch --ray``): ``--alloc ... --model DIR -- script.py [its flags]``."""
+
+    alloc: str
+    """Allocation ``engines:N[xT]+trainer:M``: N engine servers of T GPUs each, then an M-rank trainer."""
+    model: str
+    """HF model directory served by the engines (the same path on every node)."""
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """Engine server: ``rlcore.serve`` (embedded) or SGLang (tensor parallel needs SGLang)."""
+    host: str | None = "auto"
+    """Address the engine servers bind; auto: 0.0.0.0 on a multi-node cluster, else 127.0.0.1."""
+    setup_timeout: float = 300.0
+    """Seconds allowed for placing the group and for every engine to answer /health."""
+    address: str | None = None
+    """Ray cluster to join: 'auto', 'ray://HOST:10001' (Ray Client), or None for a local cluster."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy (PACK: as few nodes as possible)."""
+    num_cpus: int | None = None
+    """CPUs of a local cluster started here (no --address); None: all of this machine's."""
+    cmd: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="-- SCRIPT [FLAGS]")] = ()
+    """The trainer command after ``--``: the experiment script and its own flags."""
+
+    def __post_init__(self) -> None:
+        launch.parse_allocation(self.alloc)  # raises, naming --alloc and the syntax
+        if not self.cmd:
+            raise ValueError(
+                "give the trainer command after '--', e.g. -- experiments/gsm8k_grpo.py grpo --model PATH"
+            )
+
+    def ray_config(self) -> RayLaunchConfig:
+        """The ``RayLaunchConfig`` these flags select."""
+        return RayLaunchConfig(
+            address=self.address, engine=self.engine, host=self.host or "auto", strategy=self.strategy,
+            setup_timeout_s=self.setup_timeout, num_cpus=self.num_cpus,
+        )  # fmt: skip
+
+
+def run_args(a: RayArgs) -> int:
+    """Run the launch ``a`` describes; the trainer's exit code (130 after SIGINT/SIGTERM, once torn down)."""
+    try:
+        return launch_ray(launch.parse_allocation(a.alloc), a.cmd, model=a.model, cfg=a.ray_config())
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM: the run was already torn down
+        _log(f"interrupted ({e}); children stopped, placement group removed")
+        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--alloc", required=True, help="engines:N[xT]+trainer:M")
-    ap.add_argument(
-        "--model", required=True, help="HF model directory served by the engines (same path on every node)"
-    )
-    ap.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
-    ap.add_argument(
-        "--host", default="auto", help="engine bind address; auto: 0.0.0.0 on multi-node clusters"
-    )
-    ap.add_argument("--setup-timeout", type=float, default=300.0)
-    add_ray_flags(ap)
-    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- script.py [its flags]")
-    a = ap.parse_args(argv)
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-    if not cmd:
-        ap.error("give the trainer command after '--', e.g. -- experiments/gsm8k_grpo.py --model PATH")
-    cfg = RayLaunchConfig(
-        address=a.address, engine=a.engine, host=a.host, strategy=a.strategy,
-        setup_timeout_s=a.setup_timeout, num_cpus=a.num_cpus,
-    )  # fmt: skip
-    return launch_ray(launch.parse_allocation(a.alloc), cmd, model=a.model, cfg=cfg)
+    """``rlcore-ray-launch``: parse ``argv`` (default ``sys.argv[1:]``) and ``run_args``."""
+    return run_args(tyro.cli(RayArgs, args=argv, prog="rlcore-ray-launch", description=__doc__))
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt as e:  # SIGINT / SIGTERM: the run was already torn down
-        _log(f"interrupted ({e}); children stopped, placement group removed")
-        sys.exit(130)
+    sys.exit(main())
