@@ -5,23 +5,9 @@ thread owns the model and runs the scheduler loop; everything else (submitting, 
 weights) hands the loop a command and waits on a future, so every state change happens between two forward
 passes and a token is always tagged with the weight version that produced its logits.
 
-KV layout. The engine keeps its own per-slot KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer,
-behind a ``transformers`` ``Cache`` subclass, and drives the unmodified HF forward with explicit
-``position_ids`` and an explicit 4-D additive attention mask. Slot ``s`` holds its sequence at columns
-``[0, n_s)``; a decode step writes each row's new key/value at that row's own position. Requests join by a
-batched prefill (rows of similar length, right-padded, no padding mask: the model's own causal mask) whose
-keys/values are copied into free slots with one copy per layer, and leave by having the last busy slot
-moved into their place, so the busy slots are always ``[0, m)``. No architecture-specific attention code is
-involved: any model whose attention calls ``cache.update(k, v, layer_idx)`` and honours a 4-D mask works
-(Qwen2, Llama, Mistral, GPT-2, ... are tested). On CUDA the decode step of each power-of-two batch bucket is
-captured once in a CUDA graph (fixed shapes: the mask always spans ``max_seq_len`` columns).
-
-Sampling convention (documented in docs/engine.md): the reported log-prob of a sampled token is its log-prob
-under the distribution it was actually drawn from, i.e. ``logits / T`` restricted to the top-k / top-p set and
-renormalised; with ``top_p = 1`` and ``top_k = -1`` this is exactly ``log_softmax(logits / T)``. Greedy
-(``T = 0``) reports ``log_softmax(logits)`` at the argmax (no filtering). Requests that set penalties or
-``min_new_tokens`` have their logits changed first (``apply_penalties``, ``mask_banned``), on the sampling side
-after the forward, and report log-probs of that changed distribution; other rows are not touched.
+The KV store and the HF-forward adapter live in ``kv_cache.py``, the pure sampling math in ``sampling.py``,
+the grouped-KV decode attention in ``attention.py`` and weight reading / the update group in ``weights.py``.
+On CUDA the decode step of each power-of-two batch bucket is captured once in a CUDA graph here.
 
 Concurrency invariants:
 - only the loop thread touches the model, the KV store and the request tables;
@@ -35,9 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
-import inspect
 import itertools
-import json
 import math
 import os
 import random
@@ -51,9 +35,20 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
-from rlcore.inference.protocol import SamplingParams
+from rlcore.inference.attention import install_grouped_attention
+from rlcore.inference.kv_cache import ModelForward, SlotCache
+from rlcore.inference.protocol import EngineError, GenerateOutput, SamplingParams
+from rlcore.inference.sampling import (
+    LogitProc,
+    apply_penalties,
+    counter_uniform,
+    mask_banned,
+    sample_tokens,
+    stop_strings,
+    uses_penalty,
+)
+from rlcore.inference.weights import DTYPES, init_custom_process_group, parse_dtype, safetensors_files
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -110,418 +105,6 @@ class EngineConfig:
             )
 
 
-@dataclass
-class GenerateOutput:
-    """Result of one request; the three ``output_*`` lists have one entry per generated token."""
-
-    rid: str
-    input_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    output_versions: list[int]
-    finish_reason: dict
-    """SGLang shape: ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
-    ``{"type": "abort", "message": str}``."""
-    weight_version: int = 0
-    """Engine version when the request finished."""
-    latency: float = 0.0
-    ttft: float = 0.0
-
-
-class EngineError(ValueError):
-    """Bad input to the engine; the message names the offending field and the fix."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Pure sampling math (no host syncs; vectorised over rows)
-
-_MASK64 = (1 << 64) - 1
-
-
-def _signed64(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-_GOLDEN = _signed64(0x9E3779B97F4A7C15)
-_MIX1 = _signed64(0xBF58476D1CE4E5B9)
-_MIX2 = _signed64(0x94D049BB133111EB)
-
-
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch shifts arithmetically)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """Counter-based uniforms in ``[0, 1)``: a splitmix64 hash of ``(seed, counter)``.
-
-    Args:
-      seed: ``(b,)`` int64 per-row seeds.
-      counter: ``(b,)`` int64 per-row draw index (tokens generated so far).
-    Returns:
-      ``(b,)`` float32 with 24 random bits, identical on every device for the same inputs.
-    """
-    z = seed * _GOLDEN + (counter + 1) * _MIX2  # int64 arithmetic wraps modulo 2**64
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    return _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    uniform: torch.Tensor,
-    *,
-    filtered: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row by inverse-CDF sampling and return its sampling-distribution log-prob.
-
-    Args:
-      logits: ``(b v)`` raw next-token logits.
-      temperature: ``(b,)``; rows with ``temperature <= 0`` are greedy.
-      top_p: ``(b,)`` nucleus mass in (0, 1]; the kept set is the shortest prefix of the sorted distribution
-        whose mass reaches ``top_p`` (the most likely token is always kept).
-      top_k: ``(b,)`` int; ``<= 0`` keeps all tokens.
-      uniform: ``(b,)`` in ``[0, 1)``, the per-row random draw.
-      filtered: apply top-k / top-p (sorts the vocabulary); pass False when every row has ``top_p = 1`` and
-        ``top_k <= 0`` to skip the sort (greedy rows must then also be unfiltered, which they are by convention).
-    Returns:
-      ``ids (b,)`` int64 and ``logp (b,)`` float32: ``log_softmax(logits / T)`` renormalised over the kept set,
-      at ``ids``; for greedy rows ``log_softmax(logits)`` at the argmax.
-    """
-    greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
-    scaled = logits.to(torch.float32) / temp[:, None]
-    if filtered:
-        # Greedy rows are never filtered (their log-prob is the plain log_softmax at the argmax).
-        top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
-        top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
-        srt, idx = scaled.sort(dim=-1, descending=True)
-        probs = srt.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        rank = torch.arange(srt.shape[-1], device=srt.device)
-        keep = (mass_before < top_p[:, None].to(probs.dtype)) & (
-            (top_k[:, None] <= 0) | (rank[None] < top_k[:, None])
-        )
-        keep[:, 0] = True
-        logp_sorted = torch.where(keep, srt, torch.full_like(srt, -math.inf)).log_softmax(dim=-1)
-        cdf = logp_sorted.exp().cumsum(dim=-1)
-        j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=srt.shape[-1] - 1)
-        j = torch.where(greedy[:, None], torch.zeros_like(j), j)
-        return idx.gather(-1, j).squeeze(-1), logp_sorted.gather(-1, j).squeeze(-1)
-    logp_all = scaled.log_softmax(dim=-1)
-    cdf = logp_all.exp().cumsum(dim=-1)
-    j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
-    ids = torch.where(greedy[:, None], scaled.argmax(dim=-1, keepdim=True), j)
-    return ids.squeeze(-1), logp_all.gather(-1, ids).squeeze(-1)
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    counts: torch.Tensor,
-    frequency: torch.Tensor,
-    presence: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties on the logits of tokens generated so far.
-
-    Args:
-      logits: ``(b v)`` next-token logits (before temperature and top-k / top-p).
-      counts: ``(b v)`` how often each token occurs in the row's output so far (prompt tokens are not counted,
-        as in SGLang).
-      frequency: ``(b,)`` OpenAI ``frequency_penalty``; subtracts ``frequency * count``.
-      presence: ``(b,)`` OpenAI ``presence_penalty``; subtracts ``presence`` from every seen token.
-      repetition: ``(b,)`` CTRL / HF ``repetition_penalty`` (> 0, 1 = off); a seen token's logit is divided by
-        it when positive and multiplied by it otherwise.
-    Returns:
-      ``(b v)`` penalised logits, same dtype as ``logits``. Rows with ``(0, 0, 1)`` come back bit-identical.
-    """
-    seen = counts > 0
-    rep = repetition[:, None].to(logits.dtype)
-    scaled = torch.where(logits > 0, logits / rep, logits * rep)
-    out = torch.where(seen, scaled, logits)
-    out = out - frequency[:, None].to(logits.dtype) * counts.to(logits.dtype)
-    return out - presence[:, None].to(logits.dtype) * seen.to(logits.dtype)
-
-
-def mask_banned(logits: torch.Tensor, banned: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """Set the logits of ``banned`` token ids to ``-inf`` in the ``active`` rows (``min_new_tokens``).
-
-    Args:
-      logits: ``(b v)``.
-      banned: ``(b w)`` int64 token ids per row, padded with ``v`` (the padding id bans nothing).
-      active: ``(b,)`` bool; inactive rows are returned unchanged.
-    Returns:
-      ``(b v)`` logits with ``-inf`` at each active row's banned ids.
-    """
-    b, v = logits.shape
-    idx = torch.where(active[:, None], banned, torch.full_like(banned, v))
-    ext = torch.cat([logits, logits.new_zeros((b, 1))], dim=-1)
-    ext = ext.scatter(-1, idx, torch.full(idx.shape, -math.inf, dtype=logits.dtype, device=logits.device))
-    return ext[:, :v]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# KV store behind the HF Cache interface
-
-
-class SlotCache(DynamicCache):
-    """Per-slot static KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer, allocated on first use.
-
-    The engine sets the mode before each forward:
-      - ``prefill``: the forward's keys ``(k, h, L, d)`` belong to joiners going to slots ``[base, base + k)``
-        and are written to columns ``[0, L)`` with one copy per layer; attention runs over the chunk. Rows are
-        right-padded (``shift is None``: column ``j`` is token ``j``; padding lands past each row's end, where
-        no query looks and decoding overwrites it) or, on the fallback path, left-padded (``shift (k L)``
-        gathers each row's tokens to the front first).
-      - ``decode``: the forward covers slots ``[0, m)`` with one query each; row ``i`` writes at column
-        ``pos[i]`` and attends over columns ``[0, kv_len)`` of its slot (the mask hides the rest).
-    Only ``update`` is used by the models; positions and masks come from the engine.
-    """
-
-    def __init__(self, slots: int, max_seq_len: int) -> None:
-        super().__init__()
-        self.slots, self.max_seq_len = slots, max_seq_len
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.mode = "decode"
-        self.base = 0
-        self.shift: torch.Tensor | None = None
-        self.pos: torch.Tensor | None = None
-        self.kv_len = max_seq_len
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        while len(self.k) <= layer_idx:
-            b, h, _, d = key_states.shape
-            shape_k = (self.slots, h, self.max_seq_len, d)
-            shape_v = (self.slots, value_states.shape[1], self.max_seq_len, value_states.shape[-1])
-            self.k.append(torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device))
-            self.v.append(torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device))
-        kc, vc = self.k[layer_idx], self.v[layer_idx]
-        if self.mode == "prefill":
-            k, length = key_states.shape[0], key_states.shape[2]
-            ks, vs = key_states, value_states
-            if self.shift is not None:
-                idx = self.shift[:, None, :, None]
-                ks = ks.gather(2, idx.expand(-1, ks.shape[1], -1, ks.shape[3]))
-                vs = vs.gather(2, idx.expand(-1, vs.shape[1], -1, vs.shape[3]))
-            kc[self.base : self.base + k, :, :length].copy_(ks)
-            vc[self.base : self.base + k, :, :length].copy_(vs)
-            return key_states, value_states
-        m = key_states.shape[0]
-        rows = torch.arange(m, device=key_states.device)
-        kc[:m][rows, :, self.pos] = key_states[:, :, 0]
-        vc[:m][rows, :, self.pos] = value_states[:, :, 0]
-        return kc[:m, :, : self.kv_len], vc[:m, :, : self.kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always passed explicitly
-        return 0
-
-    @property
-    def is_compileable(self) -> bool:
-        """False on every transformers 5.x (lets HF skip the causal mask for SDPA: ``is_causal`` / flash)."""
-        return False
-
-    def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int = 0, *args, **kwargs) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` for HF-built prefill masks: the keys are the chunk itself. ``query`` is the
-        chunk length (transformers 5.24) or its ``cache_position`` tensor (older 5.x). Decode passes its own
-        4-D mask, so HF never asks there."""
-        return (query if isinstance(query, int) else int(query.shape[-1])), 0
-
-    def move_slot(self, src: int, dst: int) -> None:
-        """Copy slot ``src`` into slot ``dst`` in every layer (used to keep busy slots contiguous)."""
-        for kc, vc in zip(self.k, self.v):
-            kc[dst].copy_(kc[src])
-            vc[dst].copy_(vc[src])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Decode attention for grouped KV heads (registered with transformers' AttentionInterface)
-
-GROUPED_ATTENTION = "rlcore_grouped_sdpa"
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """HF attention-interface function: one-token queries attend per KV head, without ``repeat_kv``.
-
-    ``query (b h 1 d)``, ``key/value (b kvh s d)`` with ``h = kvh * g``; query head ``j`` uses KV head
-    ``j // g`` (HF's ``repeat_kv`` convention), so folding the query to ``(b kvh g d)`` gives the same result
-    while reading each cached key/value once. Anything else (prefill, MHA, dropout, softcap, sinks, position
-    bias) goes to HF's sdpa implementation unchanged. Returns ``((b 1 h d), None)`` like HF's functions.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    b, h, q, d = query.shape
-    kvh = key.shape[1]
-    unusual = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
-    if (
-        q != 1
-        or h == kvh
-        or h % kvh
-        or dropout
-        or unusual
-        or key.shape[-1] != value.shape[-1]
-        or query.shape[-1] != key.shape[-1]
-    ):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(b, kvh, h // kvh, d), key, value, attn_mask=mask, scale=scaling
-    )
-    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
-
-
-def _install_grouped_attention(model: nn.Module) -> bool:
-    """Switch an sdpa model with grouped KV heads to ``grouped_decode_attention``; True when installed."""
-    from transformers import AttentionInterface
-
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not heads or kv == heads:
-        return False
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)
-    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)  # HF-built masks stay sdpa masks
-    configs = {
-        id(m.config): m.config
-        for m in model.modules()
-        if isinstance(getattr(m, "config", None), type(model.config))
-    }
-    configs[id(model.config)] = model.config
-    for c in configs.values():
-        c._attn_implementation = GROUPED_ATTENTION
-    return True
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Adapter over the HF forward (kwarg names differ across transformers 5.x releases)
-
-
-class _Forward:
-    """Calls an HF causal LM with our cache, positions and masks, whatever its kwarg spelling."""
-
-    def __init__(self, model: nn.Module, max_seq_len: int) -> None:
-        self.model = model
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        window = getattr(cfg, "sliding_window", None)
-        layer_types = getattr(cfg, "layer_types", None)
-        self.types: dict[str, int | None] = {}
-        if layer_types:
-            for t in dict.fromkeys(layer_types):
-                self.types[t] = window if (t == "sliding_attention" and isinstance(window, int)) else None
-        elif isinstance(window, int) and getattr(cfg, "use_sliding_window", True) is not False:
-            self.types["full_attention"] = window
-        else:
-            self.types["full_attention"] = None
-        self.max_seq_len = max_seq_len
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.head: nn.Module | None = head if isinstance(head, nn.Module) else None
-
-    def _masks(self, allowed: Callable[[int | None], torch.Tensor], dtype: torch.dtype):
-        neg = torch.finfo(dtype).min
-        out = {}
-        for t, w in self.types.items():
-            ok = allowed(w)
-            out[t] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, neg)
-        if list(out) == ["full_attention"]:
-            return out["full_attention"]
-        return out
-
-    def __call__(self, ids, pos, mask, cache: SlotCache, keep_last: bool) -> torch.Tensor:
-        kwargs: dict[str, Any] = {
-            "input_ids": ids,
-            "position_ids": pos,
-            "attention_mask": mask,
-            self.cache_kw: cache,
-            "use_cache": True,
-        }
-        if keep_last and self.keep_kw is not None:
-            kwargs[self.keep_kw] = 1
-        logits = self.model(**kwargs).logits
-        return logits[:, -1]
-
-    def prefill_right(self, ids: torch.Tensor, last: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """Right-padded prefill: row ``i`` of ``ids (k L)`` is real at columns ``[0, last[i]]``.
-
-        Every row sits at positions ``0..L-1``, so no padding mask is needed: the model builds its own causal
-        (or sliding-window) mask exactly as for one unpadded sequence, which on CUDA lets SDPA take the
-        flash kernel instead of a dense-mask kernel. Padding sits after each row's last token, where causal
-        attention keeps it out of every real query. A pre-hook on the output embeddings keeps only row ``i``'s
-        hidden state at ``last[i]``, so the LM head runs on ``k`` vectors, not ``k * L``. Returns ``(k v)``.
-        """
-        k, length = ids.shape
-        pos = torch.arange(length, device=ids.device)[None].expand(k, length)
-        hit: list[bool] = []
-        owner = threading.get_ident()  # leave calls from other threads (a trainer sharing the module) alone
-
-        def keep_last(module, args):
-            h = args[0] if args else None
-            if threading.get_ident() != owner or not isinstance(h, torch.Tensor) or h.dim() != 3:
-                return None
-            if h.shape[:2] != (k, length):
-                return None
-            hit.append(True)
-            return (h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1])), *args[1:])
-
-        cache.mode, cache.shift = "prefill", None
-        handle = self.head.register_forward_pre_hook(keep_last)
-        try:
-            logits = self.model(
-                input_ids=ids, position_ids=pos, attention_mask=None, use_cache=True, **{self.cache_kw: cache}
-            ).logits
-        finally:
-            handle.remove()
-        if hit:
-            return logits[:, -1]
-        return logits.gather(1, last[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
-
-    def prefill(
-        self, ids: torch.Tensor, pad: torch.Tensor, cache: SlotCache, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Fallback (no output-embedding module): ``ids (k L)`` left-padded by ``pad (k,)`` with an explicit
-        4-D mask; returns next-token logits ``(k v)``."""
-        length = ids.shape[1]
-        ar = torch.arange(length, device=ids.device)
-        pos = (ar[None] - pad[:, None]).clamp(min=0)  # (k L)
-
-        def allowed(w):
-            q, c = ar[None, :, None], ar[None, None, :]
-            ok = (c <= q) & (c >= pad[:, None, None])
-            if w is not None:
-                ok &= (q - c) < w
-            return (ok | (c == q))[:, None]  # (k 1 L L); padded queries see themselves (no empty rows)
-
-        cache.mode = "prefill"
-        cache.shift = (ar[None] + pad[:, None]).clamp(max=length - 1)
-        return self(ids, pos, self._masks(allowed, dtype), cache, keep_last=True)
-
-    def decode(
-        self, ids: torch.Tensor, pos: torch.Tensor, cache: SlotCache, kv_len: int, dtype
-    ) -> torch.Tensor:
-        """``ids (m 1)`` at positions ``pos (m,)`` of slots ``[0, m)``; returns logits ``(m v)``."""
-        cols = torch.arange(kv_len, device=ids.device)
-
-        def allowed(w):
-            ok = cols[None] <= pos[:, None]
-            if w is not None:
-                ok &= (pos[:, None] - cols[None]) < w
-            return ok[:, None, None]  # (m 1 1 kv)
-
-        cache.mode, cache.pos, cache.kv_len = "decode", pos, kv_len
-        return self(ids, pos[:, None], self._masks(allowed, dtype), cache, keep_last=False)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Requests
 
@@ -550,104 +133,11 @@ class _Request:
     """Called on the loop thread with ``(token id, log-prob, version)`` after each committed token."""
 
 
-@dataclass
-class _LogitProc:
-    """Per-batch logit processing for the rows that need it (None fields: no row of that kind)."""
-
-    pen_rows: torch.Tensor | None = None
-    """``(k,)`` batch rows with penalties."""
-    pen_slots: torch.Tensor | None = None
-    """``(k,)`` their KV slots (rows of ``Engine._counts``)."""
-    frequency: torch.Tensor | None = None
-    presence: torch.Tensor | None = None
-    repetition: torch.Tensor | None = None
-    mn_rows: torch.Tensor | None = None
-    """``(j,)`` batch rows with ``min_new_tokens > 0`` and something to ban."""
-    mn_min: torch.Tensor | None = None
-    """``(j,)`` their ``min_new_tokens``."""
-    mn_banned: torch.Tensor | None = None
-    """``(j w)`` eos + stop token ids per row, padded with the vocabulary size."""
-
-
-def stop_strings(sampling: SamplingParams) -> tuple[str, ...]:
-    """``sampling.stop`` as a tuple (a bare string is one stop string)."""
-    stop = sampling.stop
-    if not stop:
-        return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
-
-
-def _uses_penalty(sp: SamplingParams) -> bool:
-    return sp.frequency_penalty != 0 or sp.presence_penalty != 0 or sp.repetition_penalty != 1
-
-
 def _bucket(m: int, cap: int) -> int:
     b = 1
     while b < m:
         b *= 2
     return min(b, cap)
-
-
-def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
-):
-    """A process group that does not need (or touch) the default group: SGLang's weight-update recipe.
-
-    Rendezvous on ``init_method`` (``tcp://host:port``; rank 0 hosts the store), prefix the store with
-    ``group_name`` and build the backend. Both the trainer (rank 0) and every engine must build their side
-    with this same recipe, concurrently. Returns the group handle for ``torch.distributed.broadcast``.
-    """
-    import datetime
-    from urllib.parse import urlparse
-
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    url = urlparse(init_method)
-    if url.scheme != "tcp" or not url.hostname or not url.port:
-        raise ValueError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
-    # A TCPStore built here rather than through c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
-    # rendezvous makes every rank a client of the agent's store, so rank 0 would never host this group's store.
-    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
-    store = dist.PrefixStore(group_name, store)
-    opt_name = (
-        "backend_options"
-        if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
-        else "pg_options"
-    )
-    pg, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        dist.Backend(backend),
-        store,
-        group_name=group_name,
-        timeout=timeout,
-        **{opt_name: None},
-    )
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``"bf16"`` -> ``torch.bfloat16`` (and so on)."""
-    key = str(name).removeprefix("torch.")
-    key = {
-        "bf16": "bfloat16",
-        "fp16": "float16",
-        "half": "float16",
-        "fp32": "float32",
-        "float": "float32",
-    }.get(key, key)
-    dt = getattr(torch, key, None)
-    if not isinstance(dt, torch.dtype):
-        raise EngineError(f"unknown dtype {name!r}; use e.g. 'bfloat16' or 'float32'")
-    return dt
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -679,7 +169,7 @@ class Engine:
         if cfg.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
-            self.dtype = _DTYPES[cfg.dtype]
+            self.dtype = DTYPES[cfg.dtype]
         if isinstance(model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
@@ -716,8 +206,8 @@ class Engine:
             else int(mcfg.vocab_size)
         )
 
-        self.grouped_attention = cfg.grouped_decode_attention and _install_grouped_attention(self.model)
-        self._fwd = _Forward(self.model, self.max_seq_len)
+        self.grouped_attention = cfg.grouped_decode_attention and install_grouped_attention(self.model)
+        self._fwd = ModelForward(self.model, self.max_seq_len)
         self._cache = SlotCache(cfg.max_batch, self.max_seq_len)
         self._version = int(version)
         self._epoch = 0
@@ -848,7 +338,7 @@ class Engine:
             # A stop string completed by the newest token starts within its last len(utf-8 bytes) tokens
             # (every token decodes to at least one byte), so one more token of context is enough.
             req.stop_window = max(len(x.encode("utf-8")) for x in req.stops) + 1
-        req.penalized = _uses_penalty(sampling)
+        req.penalized = uses_penalty(sampling)
         if self._thread is None:
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
         self._inbox.append(("req", req))
@@ -958,7 +448,7 @@ class Engine:
 
     def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
         """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``."""
-        files = _safetensors_files(path)
+        files = safetensors_files(path)
 
         def items():
             from safetensors import safe_open
@@ -1309,7 +799,7 @@ class Engine:
         filtered = any((r.sampling.top_p < 1 or k > 0) and r.sampling.temperature > 0 for r, k in zip(rs, ks))
         return temp, top_p, top_k, seed, filtered, self._logit_proc(rs)
 
-    def _logit_proc(self, rs: list[_Request]) -> _LogitProc | None:
+    def _logit_proc(self, rs: list[_Request]) -> LogitProc | None:
         """Penalty / ``min_new_tokens`` settings of the rows that use them; None (no work) when none does."""
         dev = self.device
         pen = [i for i, r in enumerate(rs) if r.penalized]
@@ -1330,7 +820,7 @@ class Engine:
         def f32(xs: list) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.float32, device=dev)
 
-        proc = _LogitProc()
+        proc = LogitProc()
         if pen:
             sps = [rs[i].sampling for i in pen]
             proc.pen_rows, proc.pen_slots = i64(pen), i64([rs[i].slot for i in pen])
@@ -1343,7 +833,7 @@ class Engine:
             proc.mn_banned = i64([b + [self.vocab_size] * (w - len(b)) for b in banned])
         return proc
 
-    def _process_logits(self, logits: torch.Tensor, proc: _LogitProc, count: torch.Tensor) -> torch.Tensor:
+    def _process_logits(self, logits: torch.Tensor, proc: LogitProc, count: torch.Tensor) -> torch.Tensor:
         """Penalties and ``min_new_tokens`` masks on the rows that use them (float32, out of place).
 
         Runs after the (graph-captured) forward on the sampling side; rows without these features keep their
@@ -1533,36 +1023,10 @@ class Engine:
                 traceback.print_exc()
 
 
-def _safetensors_files(path: str | os.PathLike) -> list[str]:
-    p = os.fspath(path)
-    if os.path.isfile(p):
-        return [p]
-    if not os.path.isdir(p):
-        raise EngineError(f"model_path {p!r} does not exist; pass an HF model directory with *.safetensors")
-    index = os.path.join(p, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(p, n) for n in names]
-    files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
-    if not files:
-        raise EngineError(
-            f"model_path {p!r} has no *.safetensors files; save with save_pretrained(safe_serialization=True)"
-        )
-    return files
-
-
 __all__ = [
     "Engine",
     "EngineConfig",
     "EngineError",
     "GenerateOutput",
-    "SlotCache",
-    "apply_penalties",
-    "counter_uniform",
     "init_custom_process_group",
-    "mask_banned",
-    "parse_dtype",
-    "sample_tokens",
-    "stop_strings",
 ]

@@ -77,6 +77,28 @@ class SamplingParams:
 
 
 @dataclass
+class GenerateOutput:
+    """Result of one request; the three ``output_*`` lists have one entry per generated token."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: dict
+    """SGLang shape: ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
+    ``{"type": "abort", "message": str}``."""
+    weight_version: int = 0
+    """Engine version when the request finished."""
+    latency: float = 0.0
+    ttft: float = 0.0
+
+
+class EngineError(ValueError):
+    """Bad input to the engine; the message names the offending field and the fix."""
+
+
+@dataclass
 class ModelRequest:
     """One generation request at the rollout level (n_samples is always 1 here)."""
 

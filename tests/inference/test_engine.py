@@ -20,17 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from rlcore.inference.engine import (
-    Engine,
-    EngineConfig,
-    EngineError,
-    apply_penalties,
-    counter_uniform,
-    grouped_decode_attention,
-    init_custom_process_group,
-    mask_banned,
-    sample_tokens,
-)
+from rlcore.inference.attention import grouped_decode_attention
+from rlcore.inference.engine import Engine, EngineConfig, EngineError
+from rlcore.inference.sampling import apply_penalties, counter_uniform, mask_banned, sample_tokens
+from rlcore.inference.weights import init_custom_process_group
 from rlcore.inference.protocol import SamplingParams
 
 V = 64
