@@ -5,9 +5,10 @@ thread owns the model and runs the scheduler loop; everything else (submitting, 
 weights) hands the loop a command and waits on a future, so every state change happens between two forward
 passes and a token is always tagged with the weight version that produced its logits.
 
-The KV store and the HF-forward adapter live in ``kv_cache.py``, the pure sampling math in ``sampling.py``,
-the grouped-KV decode attention in ``attention.py`` and weight reading / the update group in ``weights.py``.
-On CUDA the decode step of each power-of-two batch bucket is captured once in a CUDA graph here.
+The loop-thread state and the step (admit -> decode -> sample -> commit, failure isolation) live in
+``scheduler.py``, the fixed-shape decode and its CUDA graphs in ``graphs.py``, the KV store and the HF-forward
+adapter in ``kv_cache.py``, the pure sampling math and request checks in ``sampling.py``, the grouped-KV decode
+attention in ``attention.py``, and weight reading, staged (atomic) loads and the update group in ``weights.py``.
 
 Concurrency invariants:
 - only the loop thread touches the model, the KV store and the request tables;
@@ -606,6 +607,7 @@ class Engine:
 
 __all__ = [
     "Engine",
+    "EngineBusy",
     "EngineConfig",
     "EngineError",
     "GenerateOutput",
