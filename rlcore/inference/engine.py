@@ -5,23 +5,10 @@ thread owns the model and runs the scheduler loop; everything else (submitting, 
 weights) hands the loop a command and waits on a future, so every state change happens between two forward
 passes and a token is always tagged with the weight version that produced its logits.
 
-KV layout. The engine keeps its own per-slot KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer,
-behind a ``transformers`` ``Cache`` subclass, and drives the unmodified HF forward with explicit
-``position_ids`` and an explicit 4-D additive attention mask. Slot ``s`` holds its sequence at columns
-``[0, n_s)``; a decode step writes each row's new key/value at that row's own position. Requests join by a
-batched prefill (rows of similar length, right-padded, no padding mask: the model's own causal mask) whose
-keys/values are copied into free slots with one copy per layer, and leave by having the last busy slot
-moved into their place, so the busy slots are always ``[0, m)``. No architecture-specific attention code is
-involved: any model whose attention calls ``cache.update(k, v, layer_idx)`` and honours a 4-D mask works
-(Qwen2, Llama, Mistral, GPT-2, ... are tested). On CUDA the decode step of each power-of-two batch bucket is
-captured once in a CUDA graph (fixed shapes: the mask always spans ``max_seq_len`` columns).
-
-Sampling convention (documented in docs/engine.md): the reported log-prob of a sampled token is its log-prob
-under the distribution it was actually drawn from, i.e. ``logits / T`` restricted to the top-k / top-p set and
-renormalised; with ``top_p = 1`` and ``top_k = -1`` this is exactly ``log_softmax(logits / T)``. Greedy
-(``T = 0``) reports ``log_softmax(logits)`` at the argmax (no filtering). Requests that set penalties or
-``min_new_tokens`` have their logits changed first (``apply_penalties``, ``mask_banned``), on the sampling side
-after the forward, and report log-probs of that changed distribution; other rows are not touched.
+The loop-thread state and the step (admit -> decode -> sample -> commit, failure isolation) live in
+``scheduler.py``, the fixed-shape decode and its CUDA graphs in ``graphs.py``, the KV store and the HF-forward
+adapter in ``kv_cache.py``, the pure sampling math and request checks in ``sampling.py``, the grouped-KV decode
+attention in ``attention.py``, and weight reading, staged (atomic) loads and the update group in ``weights.py``.
 
 Concurrency invariants:
 - only the loop thread touches the model, the KV store and the request tables;
@@ -35,28 +22,36 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
-import inspect
-import itertools
-import json
-import math
 import os
 import random
 import threading
-import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
-from rlcore.inference.protocol import SamplingParams
-
-PauseMode = Literal["abort", "retract", "in_place"]
-
+from rlcore.inference.attention import install_grouped_attention
+from rlcore.inference.graphs import DecodeGraphs
+from rlcore.inference.kv_cache import ModelForward, SlotCache
+from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams
+from rlcore.inference.sampling import (
+    check_request,
+    stop_strings,
+    uses_penalty,
+)
+from rlcore.inference.scheduler import PauseMode, Scheduler, _Request
+from rlcore.inference.weights import (
+    DTYPES,
+    check_specs,
+    init_custom_process_group,
+    parse_dtype,
+    read_safetensors,
+    stage_weights,
+)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config and results
@@ -88,6 +83,13 @@ class EngineConfig:
     synchronisations and fall back to eager decode. Costs a few seconds and the graphs' logits buffers."""
     seed: int = 0
     """Seeds the per-request seeds drawn for requests that do not bring their own."""
+    control_workers: int = 2
+    """Threads for blocking control work (disk loads, group rendezvous, broadcast receives), apart from the
+    default pool: when all are busy another such call is refused (``EngineBusy``, HTTP 503) instead of queuing,
+    and pause / continue / abort never wait for a thread."""
+    max_waiting: int = 4096
+    """Most requests queued for a slot (paused or not); one more is refused with ``EngineBusy`` (HTTP 503 with
+    ``Retry-After``), so a client backs off instead of growing the queue without bound."""
     grouped_decode_attention: bool = True
     """For sdpa models with grouped KV heads, run one-token decode attention with the query heads folded per KV
     head instead of HF's ``repeat_kv`` copies (same math; every other call goes to HF's sdpa unchanged)."""
@@ -103,551 +105,15 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}; pass e.g. 8192."
             )
+        if self.control_workers < 1:
+            raise ValueError(f"EngineConfig.control_workers must be >= 1, got {self.control_workers}; pass e.g. 2.")
+        if self.max_waiting < 1:
+            raise ValueError(f"EngineConfig.max_waiting must be >= 1, got {self.max_waiting}; pass e.g. 4096.")
         if self.prefill_defer_steps < 0:
             raise ValueError(
                 f"EngineConfig.prefill_defer_steps must be >= 0, got {self.prefill_defer_steps}; pass e.g. 8 "
                 "(or 0 to prefill joiners at once)."
             )
-
-
-@dataclass
-class GenerateOutput:
-    """Result of one request; the three ``output_*`` lists have one entry per generated token."""
-
-    rid: str
-    input_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    output_versions: list[int]
-    finish_reason: dict
-    """SGLang shape: ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
-    ``{"type": "abort", "message": str}``."""
-    weight_version: int = 0
-    """Engine version when the request finished."""
-    latency: float = 0.0
-    ttft: float = 0.0
-
-
-class EngineError(ValueError):
-    """Bad input to the engine; the message names the offending field and the fix."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Pure sampling math (no host syncs; vectorised over rows)
-
-_MASK64 = (1 << 64) - 1
-
-
-def _signed64(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-_GOLDEN = _signed64(0x9E3779B97F4A7C15)
-_MIX1 = _signed64(0xBF58476D1CE4E5B9)
-_MIX2 = _signed64(0x94D049BB133111EB)
-
-
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch shifts arithmetically)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """Counter-based uniforms in ``[0, 1)``: a splitmix64 hash of ``(seed, counter)``.
-
-    Args:
-      seed: ``(b,)`` int64 per-row seeds.
-      counter: ``(b,)`` int64 per-row draw index (tokens generated so far).
-    Returns:
-      ``(b,)`` float32 with 24 random bits, identical on every device for the same inputs.
-    """
-    z = seed * _GOLDEN + (counter + 1) * _MIX2  # int64 arithmetic wraps modulo 2**64
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    return _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    uniform: torch.Tensor,
-    *,
-    filtered: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row by inverse-CDF sampling and return its sampling-distribution log-prob.
-
-    Args:
-      logits: ``(b v)`` raw next-token logits.
-      temperature: ``(b,)``; rows with ``temperature <= 0`` are greedy.
-      top_p: ``(b,)`` nucleus mass in (0, 1]; the kept set is the shortest prefix of the sorted distribution
-        whose mass reaches ``top_p`` (the most likely token is always kept).
-      top_k: ``(b,)`` int; ``<= 0`` keeps all tokens.
-      uniform: ``(b,)`` in ``[0, 1)``, the per-row random draw.
-      filtered: apply top-k / top-p (sorts the vocabulary); pass False when every row has ``top_p = 1`` and
-        ``top_k <= 0`` to skip the sort (greedy rows must then also be unfiltered, which they are by convention).
-    Returns:
-      ``ids (b,)`` int64 and ``logp (b,)`` float32: ``log_softmax(logits / T)`` renormalised over the kept set,
-      at ``ids``; for greedy rows ``log_softmax(logits)`` at the argmax.
-    """
-    greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
-    scaled = logits.to(torch.float32) / temp[:, None]
-    if filtered:
-        # Greedy rows are never filtered (their log-prob is the plain log_softmax at the argmax).
-        top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
-        top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
-        srt, idx = scaled.sort(dim=-1, descending=True)
-        probs = srt.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        rank = torch.arange(srt.shape[-1], device=srt.device)
-        keep = (mass_before < top_p[:, None].to(probs.dtype)) & (
-            (top_k[:, None] <= 0) | (rank[None] < top_k[:, None])
-        )
-        keep[:, 0] = True
-        logp_sorted = torch.where(keep, srt, torch.full_like(srt, -math.inf)).log_softmax(dim=-1)
-        cdf = logp_sorted.exp().cumsum(dim=-1)
-        j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=srt.shape[-1] - 1)
-        j = torch.where(greedy[:, None], torch.zeros_like(j), j)
-        return idx.gather(-1, j).squeeze(-1), logp_sorted.gather(-1, j).squeeze(-1)
-    logp_all = scaled.log_softmax(dim=-1)
-    cdf = logp_all.exp().cumsum(dim=-1)
-    j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
-    ids = torch.where(greedy[:, None], scaled.argmax(dim=-1, keepdim=True), j)
-    return ids.squeeze(-1), logp_all.gather(-1, ids).squeeze(-1)
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    counts: torch.Tensor,
-    frequency: torch.Tensor,
-    presence: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties on the logits of tokens generated so far.
-
-    Args:
-      logits: ``(b v)`` next-token logits (before temperature and top-k / top-p).
-      counts: ``(b v)`` how often each token occurs in the row's output so far (prompt tokens are not counted,
-        as in SGLang).
-      frequency: ``(b,)`` OpenAI ``frequency_penalty``; subtracts ``frequency * count``.
-      presence: ``(b,)`` OpenAI ``presence_penalty``; subtracts ``presence`` from every seen token.
-      repetition: ``(b,)`` CTRL / HF ``repetition_penalty`` (> 0, 1 = off); a seen token's logit is divided by
-        it when positive and multiplied by it otherwise.
-    Returns:
-      ``(b v)`` penalised logits, same dtype as ``logits``. Rows with ``(0, 0, 1)`` come back bit-identical.
-    """
-    seen = counts > 0
-    rep = repetition[:, None].to(logits.dtype)
-    scaled = torch.where(logits > 0, logits / rep, logits * rep)
-    out = torch.where(seen, scaled, logits)
-    out = out - frequency[:, None].to(logits.dtype) * counts.to(logits.dtype)
-    return out - presence[:, None].to(logits.dtype) * seen.to(logits.dtype)
-
-
-def mask_banned(logits: torch.Tensor, banned: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """Set the logits of ``banned`` token ids to ``-inf`` in the ``active`` rows (``min_new_tokens``).
-
-    Args:
-      logits: ``(b v)``.
-      banned: ``(b w)`` int64 token ids per row, padded with ``v`` (the padding id bans nothing).
-      active: ``(b,)`` bool; inactive rows are returned unchanged.
-    Returns:
-      ``(b v)`` logits with ``-inf`` at each active row's banned ids.
-    """
-    b, v = logits.shape
-    idx = torch.where(active[:, None], banned, torch.full_like(banned, v))
-    ext = torch.cat([logits, logits.new_zeros((b, 1))], dim=-1)
-    ext = ext.scatter(-1, idx, torch.full(idx.shape, -math.inf, dtype=logits.dtype, device=logits.device))
-    return ext[:, :v]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# KV store behind the HF Cache interface
-
-
-class SlotCache(DynamicCache):
-    """Per-slot static KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer, allocated on first use.
-
-    The engine sets the mode before each forward:
-      - ``prefill``: the forward's keys ``(k, h, L, d)`` belong to joiners going to slots ``[base, base + k)``
-        and are written to columns ``[0, L)`` with one copy per layer; attention runs over the chunk. Rows are
-        right-padded (``shift is None``: column ``j`` is token ``j``; padding lands past each row's end, where
-        no query looks and decoding overwrites it) or, on the fallback path, left-padded (``shift (k L)``
-        gathers each row's tokens to the front first).
-      - ``decode``: the forward covers slots ``[0, m)`` with one query each; row ``i`` writes at column
-        ``pos[i]`` and attends over columns ``[0, kv_len)`` of its slot (the mask hides the rest).
-    Only ``update`` is used by the models; positions and masks come from the engine.
-    """
-
-    def __init__(self, slots: int, max_seq_len: int) -> None:
-        super().__init__()
-        self.slots, self.max_seq_len = slots, max_seq_len
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.mode = "decode"
-        self.base = 0
-        self.shift: torch.Tensor | None = None
-        self.pos: torch.Tensor | None = None
-        self.kv_len = max_seq_len
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        while len(self.k) <= layer_idx:
-            b, h, _, d = key_states.shape
-            shape_k = (self.slots, h, self.max_seq_len, d)
-            shape_v = (self.slots, value_states.shape[1], self.max_seq_len, value_states.shape[-1])
-            self.k.append(torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device))
-            self.v.append(torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device))
-        kc, vc = self.k[layer_idx], self.v[layer_idx]
-        if self.mode == "prefill":
-            k, length = key_states.shape[0], key_states.shape[2]
-            ks, vs = key_states, value_states
-            if self.shift is not None:
-                idx = self.shift[:, None, :, None]
-                ks = ks.gather(2, idx.expand(-1, ks.shape[1], -1, ks.shape[3]))
-                vs = vs.gather(2, idx.expand(-1, vs.shape[1], -1, vs.shape[3]))
-            kc[self.base : self.base + k, :, :length].copy_(ks)
-            vc[self.base : self.base + k, :, :length].copy_(vs)
-            return key_states, value_states
-        m = key_states.shape[0]
-        rows = torch.arange(m, device=key_states.device)
-        kc[:m][rows, :, self.pos] = key_states[:, :, 0]
-        vc[:m][rows, :, self.pos] = value_states[:, :, 0]
-        return kc[:m, :, : self.kv_len], vc[:m, :, : self.kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always passed explicitly
-        return 0
-
-    @property
-    def is_compileable(self) -> bool:
-        """False on every transformers 5.x (lets HF skip the causal mask for SDPA: ``is_causal`` / flash)."""
-        return False
-
-    def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int = 0, *args, **kwargs) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` for HF-built prefill masks: the keys are the chunk itself. ``query`` is the
-        chunk length (transformers 5.24) or its ``cache_position`` tensor (older 5.x). Decode passes its own
-        4-D mask, so HF never asks there."""
-        return (query if isinstance(query, int) else int(query.shape[-1])), 0
-
-    def move_slot(self, src: int, dst: int) -> None:
-        """Copy slot ``src`` into slot ``dst`` in every layer (used to keep busy slots contiguous)."""
-        for kc, vc in zip(self.k, self.v):
-            kc[dst].copy_(kc[src])
-            vc[dst].copy_(vc[src])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Decode attention for grouped KV heads (registered with transformers' AttentionInterface)
-
-GROUPED_ATTENTION = "rlcore_grouped_sdpa"
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """HF attention-interface function: one-token queries attend per KV head, without ``repeat_kv``.
-
-    ``query (b h 1 d)``, ``key/value (b kvh s d)`` with ``h = kvh * g``; query head ``j`` uses KV head
-    ``j // g`` (HF's ``repeat_kv`` convention), so folding the query to ``(b kvh g d)`` gives the same result
-    while reading each cached key/value once. Anything else (prefill, MHA, dropout, softcap, sinks, position
-    bias) goes to HF's sdpa implementation unchanged. Returns ``((b 1 h d), None)`` like HF's functions.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    b, h, q, d = query.shape
-    kvh = key.shape[1]
-    unusual = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
-    if (
-        q != 1
-        or h == kvh
-        or h % kvh
-        or dropout
-        or unusual
-        or key.shape[-1] != value.shape[-1]
-        or query.shape[-1] != key.shape[-1]
-    ):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(b, kvh, h // kvh, d), key, value, attn_mask=mask, scale=scaling
-    )
-    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
-
-
-def _install_grouped_attention(model: nn.Module) -> bool:
-    """Switch an sdpa model with grouped KV heads to ``grouped_decode_attention``; True when installed."""
-    from transformers import AttentionInterface
-
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not heads or kv == heads:
-        return False
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)
-    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)  # HF-built masks stay sdpa masks
-    configs = {
-        id(m.config): m.config
-        for m in model.modules()
-        if isinstance(getattr(m, "config", None), type(model.config))
-    }
-    configs[id(model.config)] = model.config
-    for c in configs.values():
-        c._attn_implementation = GROUPED_ATTENTION
-    return True
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Adapter over the HF forward (kwarg names differ across transformers 5.x releases)
-
-
-class _Forward:
-    """Calls an HF causal LM with our cache, positions and masks, whatever its kwarg spelling."""
-
-    def __init__(self, model: nn.Module, max_seq_len: int) -> None:
-        self.model = model
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        window = getattr(cfg, "sliding_window", None)
-        layer_types = getattr(cfg, "layer_types", None)
-        self.types: dict[str, int | None] = {}
-        if layer_types:
-            for t in dict.fromkeys(layer_types):
-                self.types[t] = window if (t == "sliding_attention" and isinstance(window, int)) else None
-        elif isinstance(window, int) and getattr(cfg, "use_sliding_window", True) is not False:
-            self.types["full_attention"] = window
-        else:
-            self.types["full_attention"] = None
-        self.max_seq_len = max_seq_len
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.head: nn.Module | None = head if isinstance(head, nn.Module) else None
-
-    def _masks(self, allowed: Callable[[int | None], torch.Tensor], dtype: torch.dtype):
-        neg = torch.finfo(dtype).min
-        out = {}
-        for t, w in self.types.items():
-            ok = allowed(w)
-            out[t] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, neg)
-        if list(out) == ["full_attention"]:
-            return out["full_attention"]
-        return out
-
-    def __call__(self, ids, pos, mask, cache: SlotCache, keep_last: bool) -> torch.Tensor:
-        kwargs: dict[str, Any] = {
-            "input_ids": ids,
-            "position_ids": pos,
-            "attention_mask": mask,
-            self.cache_kw: cache,
-            "use_cache": True,
-        }
-        if keep_last and self.keep_kw is not None:
-            kwargs[self.keep_kw] = 1
-        logits = self.model(**kwargs).logits
-        return logits[:, -1]
-
-    def prefill_right(self, ids: torch.Tensor, last: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """Right-padded prefill: row ``i`` of ``ids (k L)`` is real at columns ``[0, last[i]]``.
-
-        Every row sits at positions ``0..L-1``, so no padding mask is needed: the model builds its own causal
-        (or sliding-window) mask exactly as for one unpadded sequence, which on CUDA lets SDPA take the
-        flash kernel instead of a dense-mask kernel. Padding sits after each row's last token, where causal
-        attention keeps it out of every real query. A pre-hook on the output embeddings keeps only row ``i``'s
-        hidden state at ``last[i]``, so the LM head runs on ``k`` vectors, not ``k * L``. Returns ``(k v)``.
-        """
-        k, length = ids.shape
-        pos = torch.arange(length, device=ids.device)[None].expand(k, length)
-        hit: list[bool] = []
-        owner = threading.get_ident()  # leave calls from other threads (a trainer sharing the module) alone
-
-        def keep_last(module, args):
-            h = args[0] if args else None
-            if threading.get_ident() != owner or not isinstance(h, torch.Tensor) or h.dim() != 3:
-                return None
-            if h.shape[:2] != (k, length):
-                return None
-            hit.append(True)
-            return (h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1])), *args[1:])
-
-        cache.mode, cache.shift = "prefill", None
-        handle = self.head.register_forward_pre_hook(keep_last)
-        try:
-            logits = self.model(
-                input_ids=ids, position_ids=pos, attention_mask=None, use_cache=True, **{self.cache_kw: cache}
-            ).logits
-        finally:
-            handle.remove()
-        if hit:
-            return logits[:, -1]
-        return logits.gather(1, last[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
-
-    def prefill(
-        self, ids: torch.Tensor, pad: torch.Tensor, cache: SlotCache, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Fallback (no output-embedding module): ``ids (k L)`` left-padded by ``pad (k,)`` with an explicit
-        4-D mask; returns next-token logits ``(k v)``."""
-        length = ids.shape[1]
-        ar = torch.arange(length, device=ids.device)
-        pos = (ar[None] - pad[:, None]).clamp(min=0)  # (k L)
-
-        def allowed(w):
-            q, c = ar[None, :, None], ar[None, None, :]
-            ok = (c <= q) & (c >= pad[:, None, None])
-            if w is not None:
-                ok &= (q - c) < w
-            return (ok | (c == q))[:, None]  # (k 1 L L); padded queries see themselves (no empty rows)
-
-        cache.mode = "prefill"
-        cache.shift = (ar[None] + pad[:, None]).clamp(max=length - 1)
-        return self(ids, pos, self._masks(allowed, dtype), cache, keep_last=True)
-
-    def decode(
-        self, ids: torch.Tensor, pos: torch.Tensor, cache: SlotCache, kv_len: int, dtype
-    ) -> torch.Tensor:
-        """``ids (m 1)`` at positions ``pos (m,)`` of slots ``[0, m)``; returns logits ``(m v)``."""
-        cols = torch.arange(kv_len, device=ids.device)
-
-        def allowed(w):
-            ok = cols[None] <= pos[:, None]
-            if w is not None:
-                ok &= (pos[:, None] - cols[None]) < w
-            return ok[:, None, None]  # (m 1 1 kv)
-
-        cache.mode, cache.pos, cache.kv_len = "decode", pos, kv_len
-        return self(ids, pos[:, None], self._masks(allowed, dtype), cache, keep_last=False)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Requests
-
-
-@dataclass
-class _Request:
-    rid: str
-    prompt: list[int]
-    sampling: SamplingParams
-    seed: int
-    future: cf.Future
-    out_ids: list[int] = field(default_factory=list)
-    out_logp: list[float] = field(default_factory=list)
-    out_ver: list[int] = field(default_factory=list)
-    slot: int = -1
-    epoch: int = -1
-    t_submit: float = field(default_factory=time.perf_counter)
-    t_first: float = 0.0
-    stops: tuple[str, ...] = ()
-    """Stop strings (normalised from ``sampling.stop``)."""
-    stop_window: int = 0
-    """Output tokens decoded per step to look for a stop string (0: the request has none)."""
-    penalized: bool = False
-    """Uses a frequency / presence / repetition penalty (its token counts live in ``Engine._counts``)."""
-    on_token: Callable[[int, float, int], None] | None = None
-    """Called on the loop thread with ``(token id, log-prob, version)`` after each committed token."""
-
-
-@dataclass
-class _LogitProc:
-    """Per-batch logit processing for the rows that need it (None fields: no row of that kind)."""
-
-    pen_rows: torch.Tensor | None = None
-    """``(k,)`` batch rows with penalties."""
-    pen_slots: torch.Tensor | None = None
-    """``(k,)`` their KV slots (rows of ``Engine._counts``)."""
-    frequency: torch.Tensor | None = None
-    presence: torch.Tensor | None = None
-    repetition: torch.Tensor | None = None
-    mn_rows: torch.Tensor | None = None
-    """``(j,)`` batch rows with ``min_new_tokens > 0`` and something to ban."""
-    mn_min: torch.Tensor | None = None
-    """``(j,)`` their ``min_new_tokens``."""
-    mn_banned: torch.Tensor | None = None
-    """``(j w)`` eos + stop token ids per row, padded with the vocabulary size."""
-
-
-def stop_strings(sampling: SamplingParams) -> tuple[str, ...]:
-    """``sampling.stop`` as a tuple (a bare string is one stop string)."""
-    stop = sampling.stop
-    if not stop:
-        return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
-
-
-def _uses_penalty(sp: SamplingParams) -> bool:
-    return sp.frequency_penalty != 0 or sp.presence_penalty != 0 or sp.repetition_penalty != 1
-
-
-def _bucket(m: int, cap: int) -> int:
-    b = 1
-    while b < m:
-        b *= 2
-    return min(b, cap)
-
-
-def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
-):
-    """A process group that does not need (or touch) the default group: SGLang's weight-update recipe.
-
-    Rendezvous on ``init_method`` (``tcp://host:port``; rank 0 hosts the store), prefix the store with
-    ``group_name`` and build the backend. Both the trainer (rank 0) and every engine must build their side
-    with this same recipe, concurrently. Returns the group handle for ``torch.distributed.broadcast``.
-    """
-    import datetime
-    from urllib.parse import urlparse
-
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    url = urlparse(init_method)
-    if url.scheme != "tcp" or not url.hostname or not url.port:
-        raise ValueError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
-    # A TCPStore built here rather than through c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
-    # rendezvous makes every rank a client of the agent's store, so rank 0 would never host this group's store.
-    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
-    store = dist.PrefixStore(group_name, store)
-    opt_name = (
-        "backend_options"
-        if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
-        else "pg_options"
-    )
-    pg, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        dist.Backend(backend),
-        store,
-        group_name=group_name,
-        timeout=timeout,
-        **{opt_name: None},
-    )
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``"bf16"`` -> ``torch.bfloat16`` (and so on)."""
-    key = str(name).removeprefix("torch.")
-    key = {
-        "bf16": "bfloat16",
-        "fp16": "float16",
-        "half": "float16",
-        "fp32": "float32",
-        "float": "float32",
-    }.get(key, key)
-    dt = getattr(torch, key, None)
-    if not isinstance(dt, torch.dtype):
-        raise EngineError(f"unknown dtype {name!r}; use e.g. 'bfloat16' or 'float32'")
-    return dt
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -679,7 +145,7 @@ class Engine:
         if cfg.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
-            self.dtype = _DTYPES[cfg.dtype]
+            self.dtype = DTYPES[cfg.dtype]
         if isinstance(model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
@@ -696,7 +162,6 @@ class Engine:
         if not isinstance(model, nn.Module):
             raise EngineError("Engine(model=...) must be an nn.Module or a local model directory path")
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.tokenizer = tokenizer
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or (model_path if tokenizer is not None else None)
         mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -709,41 +174,44 @@ class Engine:
         for eos in (getattr(gen, "eos_token_id", None) if gen is not None else None,
                     getattr(mcfg, "eos_token_id", None)):
             ids.update([eos] if isinstance(eos, int) else (eos or []))
-        self.eos_ids: frozenset[int] = frozenset(ids)
+        eos_ids = frozenset(ids)
         self.vocab_size = (
             int(model.get_output_embeddings().weight.shape[0])
             if model.get_output_embeddings() is not None
             else int(mcfg.vocab_size)
         )
 
-        self.grouped_attention = cfg.grouped_decode_attention and _install_grouped_attention(self.model)
-        self._fwd = _Forward(self.model, self.max_seq_len)
+        self.grouped_attention = cfg.grouped_decode_attention and install_grouped_attention(self.model)
+        self._fwd = ModelForward(self.model, self.max_seq_len)
         self._cache = SlotCache(cfg.max_batch, self.max_seq_len)
-        self._version = int(version)
-        self._epoch = 0
         self._rng = random.Random(cfg.seed)
-        self._paused: PauseMode | None = None
         self._inbox: collections.deque = collections.deque()  # ("req", _Request) | ("cmd", fn, future)
         self._wake = threading.Event()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []  # index == slot
-        self._by_rid: dict[str, _Request] = {}
-        self._dirty = True
-        self._tok = self._pos = self._first = None
-        self._max_pos = 0
-        self._deferred = 0  # decode steps since joiners started waiting without being prefilled
-        self._sp: tuple = ()
         self._groups: dict[str, Any] = {}
-        self._graphs: dict[tuple[int, int], Any] = {}
-        self._static_mode: str | None = "graph" if (cfg.cuda_graph and self.device.type == "cuda") else None
-        self._pool = None
-        self._static: dict[str, torch.Tensor] = {}
-        self._counts: torch.Tensor | None = None  # (max_batch, vocab) output-token counts, for penalties only
-        self._hook_errors = 0
+        self.stats = collections.Counter()
+        self._graphs = DecodeGraphs(
+            self._fwd, self._cache, cfg.max_batch, self.max_seq_len, self.device, self.dtype, self.stats
+        )
+        self._s = Scheduler(
+            cfg,
+            fwd=self._fwd,
+            cache=self._cache,
+            graphs=self._graphs,
+            stats=self.stats,
+            device=self.device,
+            dtype=self.dtype,
+            eos_ids=eos_ids,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            tokenizer=tokenizer,
+            version=version,
+            static_mode="graph" if (cfg.cuda_graph and self.device.type == "cuda") else None,
+        )
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._error: BaseException | None = None
-        self.stats = collections.Counter()
+        self._control_pool = cf.ThreadPoolExecutor(cfg.control_workers, thread_name_prefix="rlcore-control")
+        self._control_lock = threading.Lock()
+        self._control_busy = 0
 
     # -- lifetime ------------------------------------------------------------------------------------------------
 
@@ -755,14 +223,14 @@ class Engine:
     def start(self) -> Engine:
         """Start the scheduler thread (idempotent); with ``cfg.capture_at_start`` capture every CUDA graph first."""
         if self._thread is None:
-            if self.cfg.capture_at_start and self._static_mode == "graph":
+            if self.cfg.capture_at_start and self._s.static_mode == "graph":
                 try:
                     self.capture_graphs()
                 except Exception:
                     traceback.print_exc()
                     print("[rlcore.engine] CUDA graph capture at start failed; graphs will be captured lazily",
                           flush=True)
-                    self._graphs.clear()
+                    self._graphs.graphs.clear()
             self._thread = threading.Thread(target=self._loop, name="rlcore-engine", daemon=True)
             self._thread.start()
         return self
@@ -787,6 +255,8 @@ class Engine:
             except Exception:
                 pass
         self._groups.clear()
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
+        self._control_pool = cf.ThreadPoolExecutor(self.cfg.control_workers, thread_name_prefix="rlcore-control")
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -800,28 +270,60 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def _static_mode(self) -> str | None:
+        """The decode path: ``graph``, ``eager-static`` (graph shapes, eagerly) or None; set before ``start``."""
+        return self._s.static_mode
+
+    @_static_mode.setter
+    def _static_mode(self, mode: str | None) -> None:
+        self._s.static_mode = mode
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Token ids that end a request (unless ``ignore_eos``); assignable (the loop reads it each step)."""
+        return self._s.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: frozenset[int]) -> None:
+        self._s.eos_ids = frozenset(ids)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (None: the engine works on ids only; stop strings then need one)."""
+        return self._s.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tok: Any) -> None:
+        self._s.tokenizer = tok
+
+    @property
+    def error(self) -> BaseException | None:
+        """The last exception a step raised (its requests failed; the engine kept serving)."""
+        return self._s.error
+
+    @property
     def version(self) -> int:
         """Weight version of the weights currently loaded (tags every token generated with them)."""
-        return self._version
+        return self._s.version
 
     @property
     def paused(self) -> PauseMode | None:
         """The active pause mode, or None while generating."""
-        return self._paused
+        return self._s.paused
 
     @property
     def num_running(self) -> int:
         """Requests holding a KV slot."""
-        return len(self._running)
+        return len(self._s.running)
 
     @property
     def num_waiting(self) -> int:
         """Requests queued for a slot (including ones not yet seen by the loop)."""
-        return len(self._waiting) + sum(1 for x in list(self._inbox) if x[0] == "req")
+        return len(self._s.waiting) + sum(1 for x in list(self._inbox) if x[0] == "req")
 
     def num_generated(self, rid: str) -> int | None:
         """Tokens generated so far by an in-flight request, or None when ``rid`` is not in flight."""
-        r = self._by_rid.get(rid)
+        r = self._s.by_rid.get(rid)
         return None if r is None else len(r.out_ids)
 
     # -- submission ---------------------------------------------------------------------------------------------
@@ -840,7 +342,12 @@ class Engine:
         exception it raises is printed and otherwise ignored.
         """
         prompt = [int(t) for t in input_ids]
-        self._validate(prompt, sampling)
+        sampling = self.check(prompt, sampling)
+        if self.num_waiting >= self.cfg.max_waiting:
+            raise EngineBusy(
+                f"the engine's waiting queue is full ({self.cfg.max_waiting} requests, "
+                "EngineConfig.max_waiting); retry later"
+            )
         seed = int(sampling.seed) if sampling.seed is not None else self._rng.getrandbits(62)
         req = _Request(rid or uuid.uuid4().hex, prompt, sampling, seed, cf.Future(), on_token=on_token)
         req.stops = stop_strings(sampling)
@@ -848,7 +355,7 @@ class Engine:
             # A stop string completed by the newest token starts within its last len(utf-8 bytes) tokens
             # (every token decodes to at least one byte), so one more token of context is enough.
             req.stop_window = max(len(x.encode("utf-8")) for x in req.stops) + 1
-        req.penalized = _uses_penalty(sampling)
+        req.penalized = uses_penalty(sampling)
         if self._thread is None:
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
         self._inbox.append(("req", req))
@@ -871,45 +378,15 @@ class Engine:
         """Awaitable ``submit``."""
         return await asyncio.wrap_future(self.submit(input_ids, sampling, rid))
 
-    def _validate(self, prompt: list[int], sp: SamplingParams) -> None:
-        if not prompt:
-            raise EngineError("input_ids is empty; pass at least one token id")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise EngineError(f"input_ids contains ids outside [0, {self.vocab_size}); check the tokenizer")
-        if len(prompt) >= self.max_seq_len:
-            raise EngineError(
-                f"input_ids has {len(prompt)} tokens but the engine's max_seq_len is {self.max_seq_len}; "
-                "shorten the prompt or raise EngineConfig.max_seq_len"
-            )
-        if not (sp.max_new_tokens >= 0):
-            raise EngineError(f"sampling_params.max_new_tokens must be >= 0, got {sp.max_new_tokens}")
-        if not (sp.temperature >= 0) or not math.isfinite(sp.temperature):
-            raise EngineError(f"sampling_params.temperature must be finite and >= 0, got {sp.temperature}")
-        if not (0 < sp.top_p <= 1):
-            raise EngineError(f"sampling_params.top_p must be in (0, 1], got {sp.top_p}")
-        if sp.top_k == 0 or sp.top_k < -1:
-            raise EngineError(f"sampling_params.top_k must be -1 (off) or >= 1, got {sp.top_k}")
-        stops = stop_strings(sp)
-        if not all(isinstance(x, str) and x for x in stops):
-            raise EngineError(f"sampling_params.stop must be non-empty strings, got {sp.stop!r}")
-        if stops and self.tokenizer is None:
-            raise EngineError(
-                "sampling_params.stop (stop strings) needs a tokenizer to decode the output; this engine has "
-                "none: start it with a tokenizer (--tokenizer DIR) or use stop_token_ids"
-            )
-        if not (0 <= sp.min_new_tokens <= sp.max_new_tokens):
-            raise EngineError(
-                f"sampling_params.min_new_tokens must be in [0, max_new_tokens={sp.max_new_tokens}], "
-                f"got {sp.min_new_tokens}"
-            )
-        for name in ("frequency_penalty", "presence_penalty"):
-            x = getattr(sp, name)
-            if not (math.isfinite(x) and -2 <= x <= 2):
-                raise EngineError(f"sampling_params.{name} must be in [-2, 2] (0 = off), got {x}")
-        if not (math.isfinite(sp.repetition_penalty) and sp.repetition_penalty > 0):
-            raise EngineError(
-                f"sampling_params.repetition_penalty must be > 0 (1 = off), got {sp.repetition_penalty}"
-            )
+    def check(self, prompt: list[int], sampling: SamplingParams) -> SamplingParams:
+        """Validate a request against this model (``sampling.check_request``); returns the settings it runs."""
+        return check_request(
+            prompt,
+            sampling,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            has_tokenizer=self.tokenizer is not None,
+        )
 
     # -- control (each runs on the loop thread between two forward passes) ---------------------------------------
 
@@ -934,41 +411,38 @@ class Engine:
         """
         if mode not in ("abort", "retract", "in_place"):
             raise EngineError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
-        return self._call(lambda: self._do_pause(mode))
+        return self._call(lambda: self._s.do_pause(mode))
 
     def continue_generation(self) -> None:
         """Lift a pause; kept requests whose KV predates a weight load are re-prefilled first."""
-        self._call(self._do_continue)
+        self._call(self._s.do_continue)
 
     def abort(self, rid: str | None = None) -> int:
         """Abort one request by rid, or all when ``rid`` is None; returns the number aborted."""
         return self._call(
-            lambda: self._abort_where(lambda r: rid is None or r.rid == rid, "aborted by request")
+            lambda: self._s.abort_where(lambda r: rid is None or r.rid == rid, "aborted by request")
         )
 
     def set_version(self, version: int) -> None:
         """Relabel the loaded weights (SGLang's /update_weight_version)."""
-        self._call(lambda: setattr(self, "_version", int(version)))
+        self._call(lambda: setattr(self._s, "version", int(version)))
 
     def update_weights_from_state_dict(
         self, state_dict: dict[str, torch.Tensor], version: int | None = None
     ) -> None:
-        """Copy HF-named tensors into the model (cast to the engine dtype) and set ``version``."""
-        self._call(lambda: self._load(state_dict.items(), version))
+        """Copy HF-named tensors into the model (cast to the engine dtype) and set ``version``; atomic: every
+        name, shape and dtype is checked first (``weights.stage_weights``), a failed load changes nothing."""
+        staged = stage_weights(self.model, state_dict.items())
+        self._call(lambda: self._s.commit(staged, version))
 
     def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
-        """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``."""
-        files = _safetensors_files(path)
+        """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``.
 
-        def items():
-            from safetensors import safe_open
-
-            for f in files:
-                with safe_open(f, framework="pt", device="cpu") as fh:
-                    for k in fh.keys():
-                        yield k, fh.get_tensor(k)
-
-        self._call(lambda: self._load(items(), version))
+        The files are read and checked on the calling thread (generation continues meanwhile); the loop thread
+        only copies the staged tensors in. A failed load (bad path, unknown name, wrong shape) changes nothing.
+        """
+        staged = stage_weights(self.model, read_safetensors(path))
+        self._call(lambda: self._s.commit(staged, version))
 
     def init_weights_update_group(
         self,
@@ -980,9 +454,8 @@ class Engine:
         group_name: str = "update_weight_group",
         timeout_s: float = 300.0,
     ) -> None:
-        """Join the trainer's broadcast group as rank ``rank_offset`` (blocks until every rank joined).
-
-        Runs in the calling thread (not the loop) so generation continues during the rendezvous.
+        """Join the trainer's broadcast group as rank ``rank_offset`` (blocks until every rank joined, at most
+        ``timeout_s``). Runs in the calling thread (not the loop) so generation continues during the rendezvous.
         """
         if group_name in self._groups:
             raise EngineError(
@@ -1001,34 +474,26 @@ class Engine:
         group_name: str = "update_weight_group",
         version: int | None = None,
     ) -> None:
-        """Receive ``names`` by ``broadcast(src=0)`` in order, load them, set ``version``."""
+        """Receive ``names`` by ``broadcast(src=0)`` in order into staging buffers, then load them all and set
+        ``version``. Names, dtypes and shapes are checked before anything is received (so a bad request fails
+        fast instead of deadlocking the broadcast); a failed receive changes nothing."""
         if group_name not in self._groups:
             raise EngineError(f"group_name {group_name!r} is unknown; call init_weights_update_group first")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise EngineError("names, dtypes and shapes must have the same length")
-        specs = [(n, parse_dtype(d), [int(s) for s in shp]) for n, d, shp in zip(names, dtypes, shapes)]
-        self._check_names([n for n, _, _ in specs])
-        shapes_now = {
-            n: tuple(p.shape)
-            for n, p in itertools.chain(self.model.named_parameters(), self.model.named_buffers())
-        }
-        bad = [n for n, _, shp in specs if shapes_now[n] != tuple(shp)]
-        if bad:
-            raise EngineError(
-                f"shapes do not match the engine's parameters for {bad[:5]}; send the HF shapes"
-            )
+        specs = [(n, parse_dtype(d), tuple(int(x) for x in shp)) for n, d, shp in zip(names, dtypes, shapes)]
+        check_specs(self.model, specs)
         pg = self._groups[group_name]
+        import torch.distributed as dist
 
-        def items():
-            import torch.distributed as dist
-
-            dev = self.device if dist.get_backend(pg) != "gloo" else torch.device("cpu")
-            for n, dt, shp in specs:
-                buf = torch.empty(shp, dtype=dt, device=dev)
-                dist.broadcast(buf, src=0, group=pg)
-                yield n, buf
-
-        self._call(lambda: self._load(items(), version))
+        dev = self.device if dist.get_backend(pg) != "gloo" else torch.device("cpu")
+        received = []
+        for n, dt, shp in specs:
+            buf = torch.empty(shp, dtype=dt, device=dev)
+            dist.broadcast(buf, src=0, group=pg)
+            received.append((n, buf))
+        staged = stage_weights(self.model, received)
+        self._call(lambda: self._s.commit(staged, version))
 
     def destroy_weights_update_group(self, group_name: str = "update_weight_group") -> None:
         """Leave and destroy a weight-update group."""
@@ -1041,126 +506,81 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """True when idle (nothing to flush: no prefix cache is kept); False while requests are in flight."""
+        return self._call(lambda: not (self._s.running or self._s.waiting))
 
-        def run():
-            if self._running or self._waiting:
-                return False
-            return True
+    # -- awaitable control (the same commands; no thread is held while the loop gets to them) ------------------
 
-        return self._call(run)
+    async def apause(self, mode: PauseMode = "abort") -> int:
+        """Awaitable ``pause``."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise EngineError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        return await asyncio.wrap_future(self._command(lambda: self._s.do_pause(mode)))
 
-    # -- loop-thread internals ------------------------------------------------------------------------------------
+    async def acontinue_generation(self) -> None:
+        """Awaitable ``continue_generation``."""
+        await asyncio.wrap_future(self._command(self._s.do_continue))
 
-    def _check_names(self, names: Iterable[str]) -> None:
-        known = dict(self.model.named_parameters())
-        known.update(dict(self.model.named_buffers()))
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise EngineError(
-                f"unknown parameter names {bad[:5]}{'...' if len(bad) > 5 else ''}; send HF names"
-            )
+    async def aabort(self, rid: str | None = None) -> int:
+        """Awaitable ``abort``."""
+        pred = lambda r: rid is None or r.rid == rid  # noqa: E731
+        return await asyncio.wrap_future(self._command(lambda: self._s.abort_where(pred, "aborted by request")))
 
-    @torch.no_grad()
-    def _load(self, items: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        for name, t in items:
-            p = params.get(name)
-            if p is None:
-                raise EngineError(f"unknown parameter name {name!r}; send HF names")
-            if tuple(p.shape) != tuple(t.shape):
-                raise EngineError(
-                    f"shape mismatch for {name!r}: engine {tuple(p.shape)}, got {tuple(t.shape)}"
+    async def aset_version(self, version: int) -> None:
+        """Awaitable ``set_version``."""
+        await asyncio.wrap_future(self._command(lambda: setattr(self._s, "version", int(version))))
+
+    async def aflush_cache(self) -> bool:
+        """Awaitable ``flush_cache``."""
+        return await asyncio.wrap_future(self._command(lambda: not (self._s.running or self._s.waiting)))
+
+    async def arun_control(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
+        """Run blocking control work ``fn(*args)`` on the engine's own bounded thread pool and await it.
+
+        Raises ``EngineBusy`` at once when all ``cfg.control_workers`` threads are taken, and
+        ``asyncio.TimeoutError`` after ``timeout_s`` (the thread finishes on its own; its slot stays taken until
+        then). The default executor is never used, so such calls cannot starve anything else.
+        """
+        with self._control_lock:
+            if self._control_busy >= self.cfg.control_workers:
+                raise EngineBusy(
+                    f"all {self.cfg.control_workers} control workers are busy (weight loads or group "
+                    "rendezvous in progress); retry later or raise EngineConfig.control_workers"
                 )
-            p.copy_(t.to(device=p.device, dtype=p.dtype))
-        self._epoch += 1
-        if version is not None:
-            self._version = int(version)
-        self.stats["weight_loads"] += 1
+            self._control_busy += 1
 
-    def _finish(self, r: _Request, reason: dict) -> None:
-        self._by_rid.pop(r.rid, None)
-        now = time.perf_counter()
-        out = GenerateOutput(
-            rid=r.rid,
-            input_ids=r.prompt,
-            output_ids=r.out_ids,
-            output_logprobs=r.out_logp,
-            output_versions=r.out_ver,
-            finish_reason=reason,
-            weight_version=self._version,
-            latency=now - r.t_submit,
-            ttft=(r.t_first - r.t_submit) if r.t_first else 0.0,
-        )
-        if not r.future.done():
-            r.future.set_result(out)
+        def run() -> Any:
+            try:
+                return fn(*args)
+            finally:
+                with self._control_lock:
+                    self._control_busy -= 1
 
-    def _release(self, slots: list[int]) -> None:
-        """Free KV slots, moving the last busy slot into each hole so busy slots stay ``[0, m)``."""
-        for s in sorted(slots, reverse=True):
-            last = len(self._running) - 1
-            if s != last:
-                moved = self._running[last]
-                self._cache.move_slot(last, s)
-                if moved.penalized and self._counts is not None:
-                    self._counts[s].copy_(self._counts[last])
-                self._running[s] = moved
-                moved.slot = s
-            self._running.pop()
-        if slots:
-            self._dirty = True
+        fut = self._control_pool.submit(run)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
 
-    def _abort_where(self, pred: Callable[[_Request], bool], message: str) -> int:
-        n = 0
-        hit = [r for r in self._running if pred(r)]
-        self._release([r.slot for r in hit])
-        for r in hit:
-            r.slot = -1
-            self._finish(r, {"type": "abort", "message": message})
-            n += 1
-        keep = collections.deque()
-        for r in self._waiting:
-            if pred(r):
-                self._finish(r, {"type": "abort", "message": message})
-                n += 1
-            else:
-                keep.append(r)
-        self._waiting = keep
-        return n
+    def capture_graphs(self) -> int:
+        """Capture the decode step of every (batch, key-length) bucket now; returns how many graphs exist.
 
-    def _do_pause(self, mode: PauseMode) -> int:
-        if mode == "abort":
-            n = self._abort_where(lambda r: True, "paused for weight update")
-        elif mode == "retract":
-            n = len(self._running)
-            retracted = list(self._running)
-            self._release([r.slot for r in self._running])
-            for r in reversed(retracted):
-                r.slot, r.epoch = -1, -1
-                self._waiting.appendleft(r)
-        else:
-            n = len(self._running)
-        self._paused = mode
-        return n
+        Called by ``start`` when ``cfg.capture_at_start`` (before any request, so the idle rows' writes to column 0
+        of free slots are harmless). Needed when a trainer runs on the same GPU in the same process: CUDA forbids
+        a capture while another thread synchronises the legacy default stream (``.item()``, ``.tolist()``), so
+        lazy capture next to a training step fails (and the engine falls back to slower eager decode).
+        """
+        if self._s.static_mode != "graph" or self._s.running:
+            return len(self._graphs.graphs)
+        return self._graphs.capture_all()
 
-    def _do_continue(self) -> None:
-        self._paused = None
+    # -- the loop thread ------------------------------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
         while self._inbox:
             item = self._inbox.popleft()
             if item[0] == "req":
                 r = item[1]
-                if r.rid in self._by_rid:
-                    r.future.set_exception(
-                        EngineError(f"rid {r.rid!r} is already in flight; use a unique rid")
-                    )
-                    continue
-                self._by_rid[r.rid] = r
-                if r.sampling.max_new_tokens == 0:
-                    self._finish(r, {"type": "length", "length": 0})
+                if r.rid in self._s.by_rid:
+                    r.future.set_exception(EngineError(f"rid {r.rid!r} is already in flight; use a unique rid"))
                 else:
-                    self._waiting.append(r)
+                    self._s.accept(r)
             else:
                 _, fn, fut = item
                 try:
@@ -1173,396 +593,23 @@ class Engine:
         while not self._stop:
             try:
                 self._drain_inbox()
-                if self._paused is None:
-                    # KV computed under old weights is recomputed before the row decodes again.
-                    stale = [r for r in self._running if r.epoch != self._epoch]
-                    if stale:
-                        self._release([r.slot for r in stale])
-                        for r in reversed(stale):
-                            r.slot = -1
-                            self._waiting.appendleft(r)
-                    if self._should_admit():
-                        self._admit()
-                    if self._running:
-                        self._decode()
-                        continue
+                if self._s.step():
+                    continue
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
-            except BaseException as e:  # keep serving; fail the requests that were involved
-                self._error = e
-                self.stats["loop_errors"] += 1
-                traceback.print_exc()
-                msg = f"engine error: {type(e).__name__}: {e}"
-                self._abort_where(lambda r: True, msg)
+            except Exception as e:  # keep serving; only the requests of the failed step are affected
+                self._s.isolate(e)
+            finally:
+                self._s.step_rows = []
         self._drain_inbox()
-        self._abort_where(lambda r: True, "engine closed")
-
-    def _should_admit(self) -> bool:
-        """Prefill now? Always when nothing decodes; otherwise once enough joiners wait (see ``EngineConfig``)."""
-        free = self.cfg.max_batch - len(self._running)
-        if free <= 0 or not self._waiting:
-            self._deferred = 0
-            return False
-        m = len(self._running)
-        ready = min(free, len(self._waiting))  # joiners that would get a slot now
-        if m == 0 or self._deferred >= self.cfg.prefill_defer_steps or ready >= max(1, m // 16):
-            self._deferred = 0
-            return True
-        self._deferred += 1
-        return False
-
-    def _pick_prefill(self, free: int) -> list[_Request]:
-        """Take the next prefill batch off the queue: similar lengths, always including the queue's head.
-
-        Candidates are the first ``free`` waiting requests. Sorted by length, the batch is the run around the
-        head request, grown (shorter neighbours first) while ``rows * longest <= max_prefill_tokens`` and the
-        padding stays under half the batch (or the batch is small enough to be launch-bound anyway). The head
-        is always taken, so nothing starves; the rest keep their queue order.
-        """
-        cand = list(itertools.islice(self._waiting, free))
-        lens = [len(r.prompt) + len(r.out_ids) for r in cand]
-        order = sorted(range(len(cand)), key=lens.__getitem__)
-        budget = self.cfg.max_prefill_tokens
-        lo = order.index(0)
-        hi, real = lo + 1, lens[0]
-
-        def fits(rows: int, longest: int, tokens: int) -> bool:
-            padded = rows * longest
-            return padded <= budget and (padded <= 2 * tokens or padded <= budget // 8)
-
-        while True:
-            rows = hi - lo + 1
-            if lo > 0 and fits(rows, lens[order[hi - 1]], real + lens[order[lo - 1]]):
-                lo -= 1
-                real += lens[order[lo]]
-            elif hi < len(order) and fits(rows, lens[order[hi]], real + lens[order[hi]]):
-                real += lens[order[hi]]
-                hi += 1
-            else:
-                break
-        chosen = set(order[lo:hi])
-        for _ in range(len(cand)):
-            self._waiting.popleft()
-        self._waiting.extendleft(reversed([r for i, r in enumerate(cand) if i not in chosen]))
-        return [cand[i] for i in order[lo:hi]]
-
-    def _admit(self) -> None:
-        """Prefill one batch of waiting requests into free slots ``[m, m + k)`` (one forward)."""
-        free = self.cfg.max_batch - len(self._running)
-        if free <= 0 or not self._waiting:
-            return
-        batch = self._pick_prefill(free)
-        seqs = [r.prompt + r.out_ids for r in batch]
-        longest = max(len(s) for s in seqs)
-        base = len(self._running)
-        for i, r in enumerate(batch):
-            r.slot, r.epoch = base + i, self._epoch
-            self._running.append(r)
-        self._cache.base = base
-        if self._fwd.head is not None:  # right-padded, no mask (the model's own causal / sliding mask)
-            ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs], dtype=torch.long)
-            last = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)
-            logits = self._fwd.prefill_right(ids.to(self.device), last.to(self.device), self._cache)
-        else:
-            ids = torch.tensor([[0] * (longest - len(s)) + s for s in seqs], dtype=torch.long)
-            pad = torch.tensor([longest - len(s) for s in seqs], dtype=torch.long)
-            logits = self._fwd.prefill(ids.to(self.device), pad.to(self.device), self._cache, self.dtype)
-        self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
-        self.stats["prefill_padded_tokens"] += longest * len(seqs)
-        self.stats["prefill_forwards"] += 1
-        self._dirty = True
-        count = torch.tensor([len(r.out_ids) for r in batch], dtype=torch.long, device=self.device)
-        if any(r.penalized for r in batch):
-            self._reset_counts([r for r in batch if r.penalized])
-        self._sample_and_commit(logits, batch, self._params(batch), count)
-
-    def _reset_counts(self, rs: list[_Request]) -> None:
-        """Recount the output tokens of penalised requests into their (new) slots' rows of ``_counts``."""
-        dev = self.device
-        if self._counts is None:
-            self._counts = torch.zeros((self.cfg.max_batch, self.vocab_size), dtype=torch.float32, device=dev)
-        self._counts.index_fill_(0, torch.tensor([r.slot for r in rs], dtype=torch.long, device=dev), 0.0)
-        slots = [r.slot for r in rs for _ in r.out_ids]
-        if slots:
-            ids = [t for r in rs for t in r.out_ids]
-            where = (torch.tensor(slots, device=dev), torch.tensor(ids, device=dev))
-            ones = torch.ones(len(ids), dtype=torch.float32, device=dev)
-            self._counts.index_put_(where, ones, accumulate=True)
-
-    def _rebuild(self) -> None:
-        rs, dev = self._running, self.device
-        self._tok = torch.tensor([r.out_ids[-1] for r in rs], dtype=torch.long, device=dev)
-        pos = [len(r.prompt) + len(r.out_ids) - 1 for r in rs]
-        self._pos = torch.tensor(pos, dtype=torch.long, device=dev)
-        self._first = torch.tensor([len(r.prompt) - 1 for r in rs], dtype=torch.long, device=dev)
-        self._max_pos = max(pos)
-        self._sp = self._params(rs)
-        self._dirty = False
-
-    def _params(self, rs: list[_Request]) -> tuple:
-        dev = self.device
-        temp = torch.tensor([r.sampling.temperature for r in rs], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([r.sampling.top_p for r in rs], dtype=torch.float32, device=dev)
-        ks = [r.sampling.top_k if 0 < r.sampling.top_k < self.vocab_size else -1 for r in rs]
-        top_k = torch.tensor(ks, dtype=torch.long, device=dev)
-        seed = torch.tensor([r.seed for r in rs], dtype=torch.long, device=dev)
-        filtered = any((r.sampling.top_p < 1 or k > 0) and r.sampling.temperature > 0 for r, k in zip(rs, ks))
-        return temp, top_p, top_k, seed, filtered, self._logit_proc(rs)
-
-    def _logit_proc(self, rs: list[_Request]) -> _LogitProc | None:
-        """Penalty / ``min_new_tokens`` settings of the rows that use them; None (no work) when none does."""
-        dev = self.device
-        pen = [i for i, r in enumerate(rs) if r.penalized]
-        mn: list[int] = []
-        banned: list[list[int]] = []
-        for i, r in enumerate(rs):
-            if r.sampling.min_new_tokens > 0:
-                ban = sorted(self.eos_ids | set(r.sampling.stop_token_ids))
-                if ban:
-                    mn.append(i)
-                    banned.append(ban)
-        if not pen and not mn:
-            return None
-
-        def i64(xs: list) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.long, device=dev)
-
-        def f32(xs: list) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.float32, device=dev)
-
-        proc = _LogitProc()
-        if pen:
-            sps = [rs[i].sampling for i in pen]
-            proc.pen_rows, proc.pen_slots = i64(pen), i64([rs[i].slot for i in pen])
-            proc.frequency = f32([sp.frequency_penalty for sp in sps])
-            proc.presence = f32([sp.presence_penalty for sp in sps])
-            proc.repetition = f32([sp.repetition_penalty for sp in sps])
-        if mn:
-            w = max(len(b) for b in banned)
-            proc.mn_rows, proc.mn_min = i64(mn), i64([rs[i].sampling.min_new_tokens for i in mn])
-            proc.mn_banned = i64([b + [self.vocab_size] * (w - len(b)) for b in banned])
-        return proc
-
-    def _process_logits(self, logits: torch.Tensor, proc: _LogitProc, count: torch.Tensor) -> torch.Tensor:
-        """Penalties and ``min_new_tokens`` masks on the rows that use them (float32, out of place).
-
-        Runs after the (graph-captured) forward on the sampling side; rows without these features keep their
-        logits bit for bit. No host synchronisation.
-        """
-        x = logits.to(torch.float32)
-        if proc.pen_rows is not None:
-            assert self._counts is not None
-            sub = apply_penalties(
-                x.index_select(0, proc.pen_rows),
-                self._counts.index_select(0, proc.pen_slots),
-                proc.frequency,
-                proc.presence,
-                proc.repetition,
-            )
-            x = x.index_copy(0, proc.pen_rows, sub)
-        if proc.mn_rows is not None:
-            active = count.index_select(0, proc.mn_rows) < proc.mn_min
-            sub = mask_banned(x.index_select(0, proc.mn_rows), proc.mn_banned, active)
-            x = x.index_copy(0, proc.mn_rows, sub)
-        return x
-
-    def _decode(self) -> None:
-        t0 = time.perf_counter()
-        if self._dirty:
-            self._rebuild()
-        m = len(self._running)
-        logits = self._decode_logits(m)
-        count = self._pos - self._first  # tokens generated so far, per row
-        self._sample_and_commit(logits, list(self._running), self._sp, count)
-        self._max_pos += 1
-        self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += m
-        self.stats["decode_s"] += time.perf_counter() - t0
-
-    def _decode_logits(self, m: int) -> torch.Tensor:
-        if self._static_mode is not None:
-            try:
-                return self._static_decode(m, graph=self._static_mode == "graph")
-            except Exception:
-                traceback.print_exc()
-                print("[rlcore.engine] CUDA graph capture failed; falling back to eager decode (with a trainer on "
-                      "this GPU in this process, set EngineConfig.capture_at_start=True)", flush=True)
-                self._static_mode = None
-                self._graphs.clear()
-        kv_len = min(self.max_seq_len, self._max_pos + 1)
-        return self._fwd.decode(self._tok[:, None], self._pos, self._cache, kv_len, self.dtype)
-
-    def _static_decode(self, m: int, graph: bool) -> torch.Tensor:
-        """Decode with fixed shapes: batch bucket ``b >= m`` and key bucket ``kv >= longest + 1`` (powers of two).
-
-        Rows ``[m, b)`` are idle: token 0 at position 0 of a free slot, which is harmless because a slot is
-        always re-prefilled from column 0 before it is used. With ``graph`` the step of each ``(b, kv)`` bucket
-        is captured once in a CUDA graph and replayed (weights are updated in place, so graphs stay valid).
-        """
-        b = _bucket(m, self.cfg.max_batch)
-        kv = min(max(_bucket(self._max_pos + 1, self.max_seq_len), 32), self.max_seq_len)
-        st = self._static_buffers()
-        st["ids"][:m, 0].copy_(self._tok)
-        st["pos"][:m].copy_(self._pos)
-        st["ids"][m:b].zero_()
-        st["pos"][m:b].zero_()
-        if not graph:
-            return self._fwd.decode(st["ids"][:b], st["pos"][:b], self._cache, kv, self.dtype)[:m]
-        g = self._graph(b, kv)
-        g[0].replay()
-        return g[1][:m]
-
-    def _static_buffers(self) -> dict[str, torch.Tensor]:
-        st = self._static
-        if not st:
-            st["ids"] = torch.zeros((self.cfg.max_batch, 1), dtype=torch.long, device=self.device)
-            st["pos"] = torch.zeros((self.cfg.max_batch,), dtype=torch.long, device=self.device)
-        return st
-
-    def _graph(self, b: int, kv: int) -> tuple[Any, torch.Tensor]:
-        """The CUDA graph of the decode step for ``b`` rows and ``kv`` key columns, captured on first use."""
-        g = self._graphs.get((b, kv))
-        if g is None:
-            st = self._static_buffers()
-            ids, pos = st["ids"][:b], st["pos"][:b]
-            s = torch.cuda.Stream(self.device)
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                for _ in range(2):  # warm-up writes are the same (token, position) writes as the real step
-                    self._fwd.decode(ids, pos, self._cache, kv, self.dtype)
-            torch.cuda.current_stream(self.device).wait_stream(s)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            cg = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cg, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._fwd.decode(ids, pos, self._cache, kv, self.dtype)
-            g = self._graphs[(b, kv)] = (cg, out)
-            self.stats["graphs_captured"] += 1
-        return g
-
-    def capture_graphs(self) -> int:
-        """Capture the decode step of every (batch, key-length) bucket now; returns how many graphs exist.
-
-        Called by ``start`` when ``cfg.capture_at_start`` (before any request, so the idle rows' writes to column 0
-        of free slots are harmless). Needed when a trainer runs on the same GPU in the same process: CUDA forbids
-        a capture while another thread synchronises the legacy default stream (``.item()``, ``.tolist()``), so
-        lazy capture next to a training step fails (and the engine falls back to slower eager decode).
-        """
-        if self._static_mode != "graph" or self._running:
-            return len(self._graphs)
-        kvs, kv = [], 32
-        while True:
-            kvs.append(min(kv, self.max_seq_len))
-            if kv >= self.max_seq_len:
-                break
-            kv *= 2
-        bs, b = [], 1
-        while True:
-            bs.append(min(b, self.cfg.max_batch))
-            if b >= self.cfg.max_batch:
-                break
-            b *= 2
-        with torch.no_grad(), torch.cuda.device(self.device):
-            self._static_buffers()["ids"].zero_()
-            self._static["pos"].zero_()
-            for b in bs:
-                for kv in kvs:
-                    self._graph(b, kv)
-            torch.cuda.synchronize(self.device)
-        return len(self._graphs)
-
-    def _sample_and_commit(
-        self, logits: torch.Tensor, rows: list[_Request], params: tuple, count: torch.Tensor
-    ) -> None:
-        """Sample one token per row (``logits (m v)``), append it, finish rows that stop."""
-        temp, top_p, top_k, seed, filtered, proc = params
-        if proc is not None:
-            logits = self._process_logits(logits, proc, count)
-        ids, logp = sample_tokens(logits, temp, top_p, top_k, counter_uniform(seed, count), filtered=filtered)
-        if proc is not None and proc.pen_rows is not None:
-            assert self._counts is not None
-            k = proc.pen_rows.shape[0]
-            self._counts.index_put_(
-                (proc.pen_slots, ids.index_select(0, proc.pen_rows)),
-                torch.ones(k, dtype=torch.float32, device=ids.device),
-                accumulate=True,
-            )
-        if not self._dirty:  # decode: advance the device-side row state without rebuilding it
-            self._tok = ids
-            self._pos = self._pos + 1
-        host = torch.stack([ids.to(torch.float64), logp.to(torch.float64)]).tolist()  # one device->host sync
-        ids_l, logp_l = [int(t) for t in host[0]], host[1]
-        now = time.perf_counter()
-        done: list[tuple[_Request, dict]] = []
-        ver, limit = self._version, self.max_seq_len
-        for r, t, lp in zip(rows, ids_l, logp_l):
-            r.out_ids.append(t)
-            r.out_logp.append(lp)
-            r.out_ver.append(ver)
-            if not r.t_first:
-                r.t_first = now
-            if r.on_token is not None:
-                self._notify(r, t, lp, ver)
-            sp = r.sampling
-            if t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_ids):
-                done.append((r, {"type": "stop", "matched": t}))
-            elif r.stop_window and (hit := self._match_stop(r)) is not None:
-                done.append((r, {"type": "stop", "matched": hit}))
-            elif len(r.out_ids) >= sp.max_new_tokens or len(r.prompt) + len(r.out_ids) >= limit:
-                done.append((r, {"type": "length", "length": len(r.out_ids)}))
-        if done:
-            self._release([r.slot for r, _ in done])
-            for r, reason in done:
-                r.slot = -1
-                self._finish(r, reason)
-
-    def _match_stop(self, r: _Request) -> str | None:
-        """The first of ``r.stops`` found in the decoded last ``stop_window`` tokens of the output."""
-        tail = self.tokenizer.decode(r.out_ids[-r.stop_window :], skip_special_tokens=False)
-        for x in r.stops:
-            if x in tail:
-                return x
-        return None
-
-    def _notify(self, r: _Request, t: int, lp: float, ver: int) -> None:
-        try:
-            r.on_token(t, lp, ver)
-        except Exception:  # a broken listener must not stop the engine
-            self._hook_errors += 1
-            if self._hook_errors <= 3:
-                traceback.print_exc()
-
-
-def _safetensors_files(path: str | os.PathLike) -> list[str]:
-    p = os.fspath(path)
-    if os.path.isfile(p):
-        return [p]
-    if not os.path.isdir(p):
-        raise EngineError(f"model_path {p!r} does not exist; pass an HF model directory with *.safetensors")
-    index = os.path.join(p, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(p, n) for n in names]
-    files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
-    if not files:
-        raise EngineError(
-            f"model_path {p!r} has no *.safetensors files; save with save_pretrained(safe_serialization=True)"
-        )
-    return files
+        self._s.abort_where(lambda r: True, "engine closed")
 
 
 __all__ = [
     "Engine",
+    "EngineBusy",
     "EngineConfig",
     "EngineError",
     "GenerateOutput",
-    "SlotCache",
-    "apply_penalties",
-    "counter_uniform",
     "init_custom_process_group",
-    "mask_banned",
-    "parse_dtype",
-    "sample_tokens",
-    "stop_strings",
 ]

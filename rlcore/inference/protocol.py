@@ -7,9 +7,10 @@ the same rollout code runs against the embedded engine, our HTTP server and a re
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
 
@@ -77,6 +78,32 @@ class SamplingParams:
 
 
 @dataclass
+class GenerateOutput:
+    """Result of one request; the three ``output_*`` lists have one entry per generated token."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: dict
+    """SGLang shape: ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
+    ``{"type": "abort", "message": str}``."""
+    weight_version: int = 0
+    """Engine version when the request finished."""
+    latency: float = 0.0
+    ttft: float = 0.0
+
+
+class EngineError(ValueError):
+    """Bad input to the engine; the message names the offending field and the fix."""
+
+
+class EngineBusy(EngineError):
+    """The engine cannot take more work now (a full waiting queue, a busy control slot): retry later (503)."""
+
+
+@dataclass
 class ModelRequest:
     """One generation request at the rollout level (n_samples is always 1 here)."""
 
@@ -121,3 +148,135 @@ def parallel_sampling(sp: SamplingParams, n: int) -> list[SamplingParams]:
     return [
         dataclasses.replace(sp, seed=((sp.seed + j + (1 << 63)) % (1 << 64)) - (1 << 63)) for j in range(n)
     ]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SGLang JSON -> SamplingParams (the server's parsing; ``SamplingParams.to_sglang`` is the other direction)
+
+MAX_N = 128
+"""Most samples per prompt (``sampling_params.n`` on /generate, ``n`` on the OpenAI routes)."""
+
+
+class BadRequest(ValueError):
+    """A malformed request; the message names the field and the fix."""
+
+
+
+def json_int(x: Any, name: str, lo: int | None = None) -> int:
+    if (
+        isinstance(x, bool)
+        or not isinstance(x, (int, float))
+        or (isinstance(x, float) and not x.is_integer())
+    ):
+        raise BadRequest(f"{name} must be an integer, got {x!r}")
+    if lo is not None and x < lo:
+        raise BadRequest(f"{name} must be >= {lo}, got {x!r}")
+    return int(x)
+
+
+def json_float(x: Any, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)):
+        raise BadRequest(f"{name} must be a finite number, got {x!r}")
+    return float(x)
+
+
+def json_ids(x: Any, name: str) -> list[int]:
+    if not isinstance(x, list) or not x:
+        raise BadRequest(f"{name} must be a non-empty list of token ids")
+    return [json_int(t, f"{name}[{i}]", 0) for i, t in enumerate(x)]
+
+
+def json_version(x: Any, name: str) -> int | None:
+    if x is None:
+        return None
+    if isinstance(x, str):
+        try:
+            return int(x)
+        except ValueError:
+            raise BadRequest(f"{name} must be an integer (or an integer string), got {x!r}") from None
+    return json_int(x, name)
+
+
+def parse_sampling_params(sp: Any) -> SamplingParams:
+    """SGLang ``sampling_params`` JSON -> ``SamplingParams`` (unknown keys are ignored, as display-only)."""
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise BadRequest("sampling_params must be a JSON object")
+    kw: dict[str, Any] = {}
+    if "max_new_tokens" in sp and sp["max_new_tokens"] is not None:
+        kw["max_new_tokens"] = json_int(sp["max_new_tokens"], "sampling_params.max_new_tokens", 0)
+    if "temperature" in sp and sp["temperature"] is not None:
+        kw["temperature"] = json_float(sp["temperature"], "sampling_params.temperature")
+        if kw["temperature"] < 0:
+            raise BadRequest("sampling_params.temperature must be >= 0 (0 means greedy)")
+    if "top_p" in sp and sp["top_p"] is not None:
+        kw["top_p"] = json_float(sp["top_p"], "sampling_params.top_p")
+        if not 0 < kw["top_p"] <= 1:
+            raise BadRequest("sampling_params.top_p must be in (0, 1]")
+    if "top_k" in sp and sp["top_k"] is not None:
+        k = json_int(sp["top_k"], "sampling_params.top_k")
+        if k == 0 or k < -1:
+            raise BadRequest("sampling_params.top_k must be -1 (off) or >= 1")
+        kw["top_k"] = k
+    if sp.get("stop_token_ids") is not None:
+        st = sp["stop_token_ids"]
+        if not isinstance(st, list):
+            raise BadRequest("sampling_params.stop_token_ids must be a list of token ids")
+        kw["stop_token_ids"] = tuple(json_int(t, "sampling_params.stop_token_ids[]", 0) for t in st)
+    for key in ("max_new_tokens", "min_new_tokens", "stop_token_ids"):
+        vals = kw.get(key, ())
+        for v in vals if isinstance(vals, tuple) else (vals,):
+            if v > _INT64_MAX:
+                raise BadRequest(f"sampling_params.{key} must fit in a signed 64-bit integer, got {v}")
+    if "ignore_eos" in sp and sp["ignore_eos"] is not None:
+        if not isinstance(sp["ignore_eos"], bool):
+            raise BadRequest("sampling_params.ignore_eos must be true or false")
+        kw["ignore_eos"] = sp["ignore_eos"]
+    seed = sp.get("sampling_seed", sp.get("seed"))
+    if seed is not None:
+        kw["seed"] = json_int(seed, "sampling_params.sampling_seed")
+        if not -(1 << 63) <= kw["seed"] < (1 << 63):
+            raise BadRequest("sampling_params.sampling_seed must fit in a signed 64-bit integer")
+    stop = sp.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise BadRequest("sampling_params.stop must be a non-empty string or a list of non-empty strings")
+        kw["stop"] = tuple(stops)
+    if sp.get("stop_regex"):
+        raise BadRequest(
+            "sampling_params.stop_regex is not supported by the embedded engine; use stop (plain strings)"
+        )
+    if sp.get("no_stop_trim") is not None:
+        if not isinstance(sp["no_stop_trim"], bool):
+            raise BadRequest("sampling_params.no_stop_trim must be true or false")
+        kw["no_stop_trim"] = sp["no_stop_trim"]
+    if sp.get("min_new_tokens") is not None:
+        kw["min_new_tokens"] = json_int(sp["min_new_tokens"], "sampling_params.min_new_tokens", 0)
+        if kw["min_new_tokens"] > kw.get("max_new_tokens", SamplingParams.max_new_tokens):
+            raise BadRequest("sampling_params.min_new_tokens must be <= max_new_tokens")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if sp.get(key) is not None:
+            kw[key] = json_float(sp[key], f"sampling_params.{key}")
+            if not -2 <= kw[key] <= 2:
+                raise BadRequest(f"sampling_params.{key} must be in [-2, 2] (0 = off)")
+    if sp.get("repetition_penalty") is not None:
+        kw["repetition_penalty"] = json_float(sp["repetition_penalty"], "sampling_params.repetition_penalty")
+        if kw["repetition_penalty"] <= 0:
+            raise BadRequest("sampling_params.repetition_penalty must be > 0 (1 = off)")
+    parse_n(sp)
+    return SamplingParams(**kw)
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def parse_n(sp: Any) -> int:
+    """``sampling_params.n``: how many independent samples of each prompt (default 1, at most ``MAX_N``)."""
+    if not isinstance(sp, dict) or sp.get("n") is None:
+        return 1
+    n = json_int(sp["n"], "sampling_params.n", 1)
+    if n > MAX_N:
+        raise BadRequest(f"sampling_params.n must be <= {MAX_N}, got {n}; send several requests instead")
+    return n

@@ -3,142 +3,75 @@
 ``handle(engine, endpoint, payload) -> (status, body)`` is the single implementation of every endpoint
 (system.md §4). ``Engine.handle`` calls it for in-process clients; ``make_app(engine)`` wraps it in HTTP.
 Bad input never raises out of ``handle``: it becomes a 4xx ``{"error": {"message": ...}}`` naming the field;
-unexpected failures become a 500 with the exception text. Blocking engine calls run in worker threads, so the
-event loop keeps serving while weights load or a process group rendezvous.
+unexpected failures become a 500 with the exception text. A request the engine fails (an exception in its
+sampling step or forward) is answered with its error status (500) in SGLang's error shape, never as a 200
+``abort``; ``abort`` is kept for real aborts. A full queue or busy control workers answer 503 with
+``Retry-After``. Pause / continue / abort are engine commands awaited without a thread; blocking control
+work (disk loads, group rendezvous, broadcast receives) runs on the engine's own bounded control pool
+(``Engine.arun_control``), and tokenisation and large JSON bodies are handled off the event loop, so no
+endpoint can starve the others.
+
+Handlers: ``ROUTES`` maps an endpoint name to ``async (engine, payload) -> (status, body)``; add one there
+(and to ``GET_ROUTES`` / ``POST_ROUTES`` for HTTP) to extend the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
-import math
 import uuid
 from typing import Any
 
 from aiohttp import web
 
 from rlcore.inference import openai_api
-from rlcore.inference.engine import Engine, EngineError, GenerateOutput
-from rlcore.inference.protocol import SamplingParams, parallel_sampling
+from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
+from rlcore.inference.protocol import (
+    BadRequest,
+    SamplingParams,
+    json_float,
+    json_ids,
+    json_int,
+    json_version,
+    parallel_sampling,
+    parse_n,
+    parse_sampling_params,
+)
 from rlcore.inference.sse import next_stream_items
 
-
-class BadRequest(ValueError):
-    """A malformed request; the message names the field and the fix."""
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503 (queue full, control workers busy)."""
+GROUP_TIMEOUT_S = 60.0
+"""Default ``timeout_s`` of ``/init_weights_update_group``: a rendezvous that has not completed by then fails."""
+CLIENT_MAX_SIZE = 32 << 20
+"""Largest request body ``make_app`` accepts by default (bytes); larger ones get a 413."""
+_THREAD_JSON_BYTES = 1 << 20
+"""Bodies larger than this are parsed off the event loop."""
 
 
 def _err(status: int, message: str) -> tuple[int, dict]:
+    if status == 503:
+        return status, {"error": {"message": message, "retry_after_s": RETRY_AFTER_S}}
     return status, {"error": {"message": message}}
 
 
-def _int(x: Any, name: str, lo: int | None = None) -> int:
-    if (
-        isinstance(x, bool)
-        or not isinstance(x, (int, float))
-        or (isinstance(x, float) and not x.is_integer())
-    ):
-        raise BadRequest(f"{name} must be an integer, got {x!r}")
-    if lo is not None and x < lo:
-        raise BadRequest(f"{name} must be >= {lo}, got {x!r}")
-    return int(x)
+def error_status(out: GenerateOutput) -> int | None:
+    """The HTTP status of a request the engine failed (SGLang's ``finish_reason.status_code``), else None."""
+    code = out.finish_reason.get("status_code") if isinstance(out.finish_reason, dict) else None
+    return int(code) if isinstance(code, int) and code >= 400 else None
 
 
-def _float(x: Any, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)):
-        raise BadRequest(f"{name} must be a finite number, got {x!r}")
-    return float(x)
-
-
-def _ids(x: Any, name: str) -> list[int]:
-    if not isinstance(x, list) or not x:
-        raise BadRequest(f"{name} must be a non-empty list of token ids")
-    return [_int(t, f"{name}[{i}]", 0) for i, t in enumerate(x)]
-
-
-def _version(x: Any, name: str) -> int | None:
-    if x is None:
-        return None
-    if isinstance(x, str):
-        try:
-            return int(x)
-        except ValueError:
-            raise BadRequest(f"{name} must be an integer (or an integer string), got {x!r}") from None
-    return _int(x, name)
-
-
-def parse_sampling_params(sp: Any) -> SamplingParams:
-    """SGLang ``sampling_params`` JSON -> ``SamplingParams`` (unknown keys are ignored, as display-only)."""
-    if sp is None:
-        sp = {}
-    if not isinstance(sp, dict):
-        raise BadRequest("sampling_params must be a JSON object")
-    kw: dict[str, Any] = {}
-    if "max_new_tokens" in sp and sp["max_new_tokens"] is not None:
-        kw["max_new_tokens"] = _int(sp["max_new_tokens"], "sampling_params.max_new_tokens", 0)
-    if "temperature" in sp and sp["temperature"] is not None:
-        kw["temperature"] = _float(sp["temperature"], "sampling_params.temperature")
-        if kw["temperature"] < 0:
-            raise BadRequest("sampling_params.temperature must be >= 0 (0 means greedy)")
-    if "top_p" in sp and sp["top_p"] is not None:
-        kw["top_p"] = _float(sp["top_p"], "sampling_params.top_p")
-        if not 0 < kw["top_p"] <= 1:
-            raise BadRequest("sampling_params.top_p must be in (0, 1]")
-    if "top_k" in sp and sp["top_k"] is not None:
-        k = _int(sp["top_k"], "sampling_params.top_k")
-        if k == 0 or k < -1:
-            raise BadRequest("sampling_params.top_k must be -1 (off) or >= 1")
-        kw["top_k"] = k
-    if sp.get("stop_token_ids") is not None:
-        st = sp["stop_token_ids"]
-        if not isinstance(st, list):
-            raise BadRequest("sampling_params.stop_token_ids must be a list of token ids")
-        kw["stop_token_ids"] = tuple(_int(t, "sampling_params.stop_token_ids[]", 0) for t in st)
-    if "ignore_eos" in sp and sp["ignore_eos"] is not None:
-        if not isinstance(sp["ignore_eos"], bool):
-            raise BadRequest("sampling_params.ignore_eos must be true or false")
-        kw["ignore_eos"] = sp["ignore_eos"]
-    seed = sp.get("sampling_seed", sp.get("seed"))
-    if seed is not None:
-        kw["seed"] = _int(seed, "sampling_params.sampling_seed")
-        if not -(1 << 63) <= kw["seed"] < (1 << 63):
-            raise BadRequest("sampling_params.sampling_seed must fit in a signed 64-bit integer")
-    stop = sp.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-            raise BadRequest("sampling_params.stop must be a non-empty string or a list of non-empty strings")
-        kw["stop"] = tuple(stops)
-    if sp.get("stop_regex"):
-        raise BadRequest(
-            "sampling_params.stop_regex is not supported by the embedded engine; use stop (plain strings)"
-        )
-    if sp.get("no_stop_trim") is not None:
-        if not isinstance(sp["no_stop_trim"], bool):
-            raise BadRequest("sampling_params.no_stop_trim must be true or false")
-        kw["no_stop_trim"] = sp["no_stop_trim"]
-    if sp.get("min_new_tokens") is not None:
-        kw["min_new_tokens"] = _int(sp["min_new_tokens"], "sampling_params.min_new_tokens", 0)
-        if kw["min_new_tokens"] > kw.get("max_new_tokens", SamplingParams.max_new_tokens):
-            raise BadRequest("sampling_params.min_new_tokens must be <= max_new_tokens")
-    for key in ("frequency_penalty", "presence_penalty"):
-        if sp.get(key) is not None:
-            kw[key] = _float(sp[key], f"sampling_params.{key}")
-            if not -2 <= kw[key] <= 2:
-                raise BadRequest(f"sampling_params.{key} must be in [-2, 2] (0 = off)")
-    if sp.get("repetition_penalty") is not None:
-        kw["repetition_penalty"] = _float(sp["repetition_penalty"], "sampling_params.repetition_penalty")
-        if kw["repetition_penalty"] <= 0:
-            raise BadRequest("sampling_params.repetition_penalty must be > 0 (1 = off)")
-    parse_n(sp)
-    return SamplingParams(**kw)
-
-
-def parse_n(sp: Any) -> int:
-    """``sampling_params.n``: how many independent samples of each prompt (default 1)."""
-    if not isinstance(sp, dict) or sp.get("n") is None:
-        return 1
-    return _int(sp["n"], "sampling_params.n", 1)
+def _engine_error(out: GenerateOutput) -> tuple[int, dict]:
+    """SGLang's answer for a request its scheduler failed: 400 ``{"error": {...}}``, else ``ErrorResponse``
+    (``object``, ``message``, ``type``, ``param``, ``code``); ours also carries ``error.message``."""
+    code = error_status(out) or 500
+    msg = str(out.finish_reason.get("message", "engine error"))
+    if code == 400:
+        return _err(400, msg)
+    return code, {"object": "error", "message": msg, "type": str(code), "param": None, "code": code,
+                  "error": {"message": msg}}
 
 
 def response_text(engine: Engine, out: GenerateOutput, no_stop_trim: bool = False) -> str | None:
@@ -213,7 +146,16 @@ class _Plan:
     no_stop_trim: bool
 
 
-def _plan(engine: Engine, p: dict) -> _Plan:
+@functools.lru_cache(maxsize=8)
+def _max_token_chars(tok: Any) -> int | None:
+    """The longest vocabulary string of ``tok`` (a bound on the characters one token covers), or None."""
+    try:
+        return max(len(t) for t in tok.get_vocab()) or None
+    except Exception:
+        return None
+
+
+async def _plan(engine: Engine, p: dict) -> _Plan:
     """Parse and validate a /generate payload (raises ``BadRequest`` / ``EngineError``); nothing is queued."""
     if p.get("image_data"):
         raise BadRequest("image_data is not supported by the embedded engine (text-only models)")
@@ -227,7 +169,7 @@ def _plan(engine: Engine, p: dict) -> _Plan:
         raw = p["input_ids"]
         batched = isinstance(raw, list) and bool(raw) and isinstance(raw[0], list)
         prompts = (
-            [_ids(x, f"input_ids[{i}]") for i, x in enumerate(raw)] if batched else [_ids(raw, "input_ids")]
+            [json_ids(x, f"input_ids[{i}]") for i, x in enumerate(raw)] if batched else [json_ids(raw, "input_ids")]
         )
     elif p.get("text") is not None:
         if engine.tokenizer is None:
@@ -237,7 +179,16 @@ def _plan(engine: Engine, p: dict) -> _Plan:
         texts = raw if batched else [raw]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise BadRequest("text must be a string or a non-empty list of strings")
-        prompts = [list(engine.tokenizer(t)["input_ids"]) for t in texts]
+        tok = engine.tokenizer
+        cap = _max_token_chars(tok)
+        for t in texts:  # a text that cannot fit is refused before paying for its tokenisation
+            if cap and len(t) > 4 * cap * engine.max_seq_len:
+                raise BadRequest(
+                    f"text has {len(t)} characters; no token of this tokenizer spans more than {cap}, so it "
+                    f"cannot fit in the engine's max_seq_len of {engine.max_seq_len} tokens; shorten it"
+                )
+        # Off the event loop: a long text takes seconds to tokenise and must not stall the other endpoints.
+        prompts = await asyncio.to_thread(lambda: [list(tok(t)["input_ids"]) for t in texts])
     else:
         raise BadRequest("missing input_ids (list of token ids) or text")
     rid = p.get("rid")
@@ -251,16 +202,23 @@ def _plan(engine: Engine, p: dict) -> _Plan:
         raise BadRequest("rid must be a string, or for batched input a list with one string per prompt")
     if not all(r is None or isinstance(r, str) for r in base):
         raise BadRequest("rid must be a string (or a list of strings)")
-    for x in prompts:  # validate all before queuing any, so a bad batch runs nothing
-        engine._validate(x, sp)
+    # Validate all before queuing any, so a bad batch runs nothing (max_new_tokens clamped to each prompt's room).
+    checked = [engine.check(x, sp) for x in prompts]
+    total = len(prompts) * n
+    if total > engine.cfg.max_waiting:
+        raise BadRequest(
+            f"this call asks for {total} generations (prompts x sampling_params.n) but the engine queues at most "
+            f"{engine.cfg.max_waiting} (EngineConfig.max_waiting); split it"
+        )
+    if engine.num_waiting + total > engine.cfg.max_waiting:
+        raise EngineBusy(f"the engine's waiting queue is full ({engine.num_waiting} waiting); retry later")
     # n > 1: prompt-major order (all samples of prompt 0, then of prompt 1, ...), as SGLang returns them.
-    samples = parallel_sampling(sp, n)
     rids = [r if n == 1 or r is None else f"{r}_{j}" for r in base for j in range(n)]
     if len(set(r for r in rids if r is not None)) != sum(r is not None for r in rids):
         raise BadRequest("rid values must be distinct")
     return _Plan(
         prompts=[x for x in prompts for _ in range(n)],
-        params=samples * len(prompts),
+        params=[s for c in checked for s in parallel_sampling(c, n)],
         rids=rids,
         batched=batched or n > 1,
         return_logprob=return_logprob,
@@ -277,9 +235,12 @@ async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
             "stream: true is served over HTTP only (make_app / python -m rlcore.serve); in-process callers "
             "pass on_token= to Engine.submit",
         )
-    plan = _plan(engine, p)
+    plan = await _plan(engine, p)
     futs = [engine.submit(x, s, r) for x, s, r in zip(plan.prompts, plan.params, plan.rids)]
     outs = [await asyncio.wrap_future(f) for f in futs]
+    failed = [o for o in outs if error_status(o) is not None]
+    if failed:  # SGLang answers a request its engine failed with the error status, never 200 + "abort"
+        return _engine_error(failed[0])
     bodies = [generate_response(engine, o, plan.return_logprob, plan.no_stop_trim) for o in outs]
     return 200, (bodies if plan.batched else bodies[0])
 
@@ -294,10 +255,10 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
     Bad input is a JSON 4xx before the stream starts. A client that disconnects has its requests aborted.
     """
     try:
-        plan = _plan(engine, p)
+        plan = await _plan(engine, p)
     except (BadRequest, EngineError) as e:
-        status, body = _err(400, str(e))
-        return web.json_response(body, status=status)
+        status, body = _err(503 if isinstance(e, EngineBusy) else 400, str(e))
+        return _json(body, status)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -334,7 +295,11 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
                     continue
                 if done:
                     open_reqs.discard(k)
-                    body = generate_response(engine, futs[k].result(), plan.return_logprob, plan.no_stop_trim)
+                    out = futs[k].result()
+                    if error_status(out) is not None:  # SGLang streams an engine failure as an error event
+                        body = {"error": _engine_error(out)[1]["error"] | {"code": error_status(out)}}
+                    else:
+                        body = generate_response(engine, out, plan.return_logprob, plan.no_stop_trim)
                 else:
                     n_prompt = len(plan.prompts[k])
                     body = _partial_response(engine, rids[k], n_prompt, toks[k], plan.return_logprob)
@@ -351,12 +316,30 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
         if not finished:  # client gone (or the handler was cancelled): free the engine's slots
             for rid, fut in zip(rids, futs):
                 if not fut.done():
-                    await asyncio.to_thread(engine.abort, rid)
+                    await engine.aabort(rid)
     return resp
 
 
 def _ok(message: str, **extra: Any) -> tuple[int, dict]:
     return 200, {"success": True, "status": "ok", "message": message, **extra}
+
+
+def _timeout(p: dict, default: float | None) -> float | None:
+    t = p.get("timeout_s", default)
+    if t is None:
+        return None
+    t = json_float(t, "timeout_s")
+    if t <= 0:
+        raise BadRequest("timeout_s must be > 0 (seconds)")
+    return t
+
+
+async def _control(engine: Engine, fn, *args: Any, timeout_s: float | None) -> Any:
+    """Blocking control work on the engine's bounded pool; a timeout becomes a clear error, not a hang."""
+    try:
+        return await engine.arun_control(fn, *args, timeout_s=timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"did not complete within timeout_s={timeout_s}") from None
 
 
 async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
@@ -365,14 +348,17 @@ async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
         return _err(400, "model_path must be the path of an HF safetensors directory")
     if p.get("load_format") not in (None, "auto", "safetensors"):
         return _err(400, "load_format must be 'auto' or 'safetensors'")
-    version = _version(p.get("weight_version"), "weight_version")
-    n = await asyncio.to_thread(engine.abort) if p.get("abort_all_requests", False) else 0
+    version = json_version(p.get("weight_version"), "weight_version")
+    timeout_s = _timeout(p, None)
+    n = await engine.aabort() if p.get("abort_all_requests", False) else 0
     try:
-        await asyncio.to_thread(engine.update_weights_from_disk, path, version)
-    except (EngineError, OSError, RuntimeError) as e:
+        await _control(engine, engine.update_weights_from_disk, path, version, timeout_s=timeout_s)
+    except EngineBusy:
+        raise
+    except (EngineError, OSError, TimeoutError) as e:  # nothing was loaded: the weights and version are unchanged
         return 400, {
             "success": False,
-            "message": f"update_weights_from_disk failed: {e}",
+            "message": f"update_weights_from_disk failed (weights unchanged, version {engine.version}): {e}",
             "num_paused_requests": 0,
         }
     return 200, {
@@ -389,9 +375,11 @@ async def _init_group(engine: Engine, p: dict) -> tuple[int, dict]:
     port = p.get("master_port")
     if isinstance(port, str) and port.isdigit():
         port = int(port)
-    port = _int(port, "master_port", 1)
-    rank_offset = _int(p.get("rank_offset"), "rank_offset", 1)
-    world_size = _int(p.get("world_size"), "world_size", 2)
+    port = json_int(port, "master_port", 1)
+    if port > 65535:
+        return _err(400, f"master_port must be <= 65535, got {port}")
+    rank_offset = json_int(p.get("rank_offset"), "rank_offset", 1)
+    world_size = json_int(p.get("world_size"), "world_size", 2)
     if rank_offset >= world_size:
         return _err(400, f"rank_offset ({rank_offset}) must be < world_size ({world_size})")
     backend = p.get("backend", "nccl")
@@ -402,10 +390,12 @@ async def _init_group(engine: Engine, p: dict) -> tuple[int, dict]:
     group = p.get("group_name", "update_weight_group")
     if not isinstance(group, str):
         return _err(400, "group_name must be a string")
-    try:
-        await asyncio.to_thread(
-            engine.init_weights_update_group, addr, port, rank_offset, world_size, backend, group
-        )
+    timeout_s = _timeout(p, GROUP_TIMEOUT_S)
+    args = (addr, port, rank_offset, world_size, backend, group, timeout_s)
+    try:  # the rendezvous itself times out after timeout_s; the extra second covers thread start-up
+        await _control(engine, engine.init_weights_update_group, *args, timeout_s=timeout_s + 1.0)
+    except EngineBusy:
+        raise
     except EngineError as e:
         return 400, {"success": False, "message": str(e)}
     except Exception as e:  # rendezvous failures are the caller's to retry
@@ -432,52 +422,98 @@ async def _update_distributed(engine: Engine, p: dict) -> tuple[int, dict]:
         or not all(isinstance(s, list) for s in shapes)
     ):
         return _err(400, "shapes must be a list of int lists, one per name")
-    shapes = [[_int(d, "shapes[][]", 0) for d in s] for s in shapes]
+    shapes = [[json_int(d, "shapes[][]", 0) for d in s] for s in shapes]
     group = p.get("group_name", "update_weight_group")
-    version = _version(p.get("weight_version"), "weight_version")
+    version = json_version(p.get("weight_version"), "weight_version")
+    timeout_s = _timeout(p, None)
     if p.get("abort_all_requests", False):
-        await asyncio.to_thread(engine.abort)
+        await engine.aabort()
+    args = (names, dtypes, shapes, group, version)
     try:
-        await asyncio.to_thread(engine.update_weights_from_distributed, names, dtypes, shapes, group, version)
+        await _control(engine, engine.update_weights_from_distributed, *args, timeout_s=timeout_s)
+    except EngineBusy:
+        raise
     except EngineError as e:
         return 400, {"success": False, "message": str(e)}
     return _ok(f"received {len(names)} tensors; version {engine.version}")
+
+
+async def _destroy_group(engine: Engine, p: dict) -> tuple[int, dict]:
+    group = p.get("group_name", "update_weight_group")
+    if not isinstance(group, str):
+        return _err(400, "group_name must be a string")
+    await _control(engine, engine.destroy_weights_update_group, group, timeout_s=_timeout(p, 60.0))
+    return _ok(f"destroyed {group}")
 
 
 async def _pause(engine: Engine, p: dict) -> tuple[int, dict]:
     mode = p.get("mode", "abort") or "abort"
     if mode not in ("abort", "retract", "in_place"):
         return _err(400, "mode must be 'abort', 'retract' or 'in_place'")
-    n = await asyncio.to_thread(engine.pause, mode)
+    n = await engine.apause(mode)
     return _ok(f"paused ({mode}); {n} requests affected")
+
+
+async def _continue(engine: Engine, p: dict) -> tuple[int, dict]:
+    await engine.acontinue_generation()
+    return _ok("generation continues")
 
 
 async def _abort(engine: Engine, p: dict) -> tuple[int, dict]:
     if p.get("abort_all"):
-        await asyncio.to_thread(engine.abort)
+        await engine.aabort()
         return 200, {}
     rid = p.get("rid")
     if not isinstance(rid, str):
         return _err(400, "send rid (string) or abort_all: true")
-    await asyncio.to_thread(engine.abort, rid)
+    await engine.aabort(rid)
     return 200, {}
 
 
-async def _health_generate(engine: Engine) -> tuple[int, dict]:
+async def _flush(engine: Engine, p: dict) -> tuple[int, dict]:
+    if await engine.aflush_cache():
+        return 200, {"success": True, "message": "cache flushed"}
+    return _err(400, "requests are running; flush_cache needs an idle engine")
+
+
+async def _set_version(engine: Engine, p: dict) -> tuple[int, dict]:
+    v = json_version(p.get("new_version"), "new_version")
+    if v is None:
+        return _err(400, "new_version is required (an integer)")
+    if p.get("abort_all_requests", False):
+        await engine.aabort()
+    await engine.aset_version(v)
+    return _ok(f"version set to {v}", new_version=str(v))
+
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+async def _health_generate(engine: Engine, p: dict) -> tuple[int, dict]:
+    """One greedy token through the real generation path: 200 when it comes back, 503 when the engine fails it,
+    times out, or cannot queue it (SGLang's rule: the server is healthy only if generation works)."""
     if not engine.alive:
-        return 503, {"error": {"message": "engine loop is not running"}}
+        return _err(503, "engine loop is not running")
     if engine.paused is not None:
         return 200, {"status": "paused"}
-    fut = engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0))
     try:
-        await asyncio.wait_for(asyncio.wrap_future(fut), timeout=20)
+        fut = engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0))
+        out = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=HEALTH_TIMEOUT_S)
     except asyncio.TimeoutError:
-        return 503, {"error": {"message": "no generation progress in 20 s"}}
+        return _err(503, f"no generation progress in {HEALTH_TIMEOUT_S:g} s")
+    except EngineError as e:
+        return _err(503, f"generation is not possible: {e}")
+    if error_status(out) is not None:
+        return _err(503, f"generation failed: {out.finish_reason.get('message')}")
     return 200, {}
 
 
-def _model_info(engine: Engine) -> dict:
-    return {
+async def _health(engine: Engine, p: dict) -> tuple[int, dict]:
+    return (200, {}) if engine.alive else _err(503, "engine loop is not running")
+
+
+async def _get_model_info(engine: Engine, p: dict) -> tuple[int, dict]:
+    return 200, {
         "model_path": engine.model_path,
         "tokenizer_path": engine.tokenizer_path,
         "is_generation": True,
@@ -488,62 +524,43 @@ def _model_info(engine: Engine) -> dict:
     }
 
 
+async def _models(engine: Engine, p: dict) -> tuple[int, dict]:
+    name = engine.model_path or "rlcore-engine"
+    return 200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "rlcore", "root": name}]}
+
+
+ROUTES: dict[str, Any] = {
+    "generate": _generate,
+    "health": _health,
+    "health_generate": _health_generate,
+    "get_model_info": _get_model_info,
+    "v1/models": _models,
+    "pause_generation": _pause,
+    "continue_generation": _continue,
+    "abort_request": _abort,
+    "flush_cache": _flush,
+    "update_weights_from_disk": _update_from_disk,
+    "init_weights_update_group": _init_group,
+    "update_weights_from_distributed": _update_distributed,
+    "destroy_weights_update_group": _destroy_group,
+    "update_weight_version": _set_version,
+}
+"""Endpoint name -> ``async handler(engine, payload) -> (status, json body)``; extend here."""
+
+
 async def handle(engine: Engine, endpoint: str, payload: dict | None = None) -> tuple[int, Any]:
     """Dispatch one SGLang endpoint (``"/generate"`` or ``"generate"``); returns ``(status, json body)``."""
     ep = endpoint.strip("/").split("?")[0]
     p = {} if payload is None else payload
     if not isinstance(p, dict):
         return _err(400, "the request body must be a JSON object")
-    try:
-        if ep == "generate":
-            return await _generate(engine, p)
-        if ep == "health":
-            return (200, {}) if engine.alive else (503, {"error": {"message": "engine loop is not running"}})
-        if ep == "health_generate":
-            return await _health_generate(engine)
-        if ep == "get_model_info":
-            return 200, _model_info(engine)
-        if ep == "v1/models":
-            name = engine.model_path or "rlcore-engine"
-            return 200, {
-                "object": "list",
-                "data": [{"id": name, "object": "model", "owned_by": "rlcore", "root": name}],
-            }
-        if ep == "pause_generation":
-            return await _pause(engine, p)
-        if ep == "continue_generation":
-            await asyncio.to_thread(engine.continue_generation)
-            return _ok("generation continues")
-        if ep == "abort_request":
-            return await _abort(engine, p)
-        if ep == "flush_cache":
-            ok = await asyncio.to_thread(engine.flush_cache)
-            return (
-                (200, {"success": True, "message": "cache flushed"})
-                if ok
-                else _err(400, "requests are running; flush_cache needs an idle engine")
-            )
-        if ep == "update_weights_from_disk":
-            return await _update_from_disk(engine, p)
-        if ep == "init_weights_update_group":
-            return await _init_group(engine, p)
-        if ep == "update_weights_from_distributed":
-            return await _update_distributed(engine, p)
-        if ep == "destroy_weights_update_group":
-            group = p.get("group_name", "update_weight_group")
-            if not isinstance(group, str):
-                return _err(400, "group_name must be a string")
-            await asyncio.to_thread(engine.destroy_weights_update_group, group)
-            return _ok(f"destroyed {group}")
-        if ep == "update_weight_version":
-            v = _version(p.get("new_version"), "new_version")
-            if v is None:
-                return _err(400, "new_version is required (an integer)")
-            if p.get("abort_all_requests", False):
-                await asyncio.to_thread(engine.abort)
-            await asyncio.to_thread(engine.set_version, v)
-            return _ok(f"version set to {v}", new_version=str(v))
+    fn = ROUTES.get(ep)
+    if fn is None:
         return _err(404, f"unknown endpoint /{ep}")
+    try:
+        return await fn(engine, p)
+    except EngineBusy as e:
+        return _err(503, str(e))
     except (BadRequest, EngineError) as e:
         return _err(400, str(e))
     except Exception as e:  # never let one request take the server down
@@ -583,29 +600,87 @@ OPENAI_ROUTES = ("v1/completions", "v1/chat/completions")
 """OpenAI-compatible POST endpoints, answered by ``rlcore.inference.openai_api``."""
 
 
-def make_app(engine: Engine) -> web.Application:
+def _json(body: Any, status: int) -> web.Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _surrogate_path(obj: Any) -> str | None:
+    """JSON path of the first string holding a lone surrogate (unencodable as UTF-8), or None."""
+    stack: list[tuple[str, Any]] = [("$", obj)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(x, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in x.items())
+            stack.extend((f"{path} (a key)", k) for k in x)
+        elif isinstance(x, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x))
+    return None
+
+
+def _parse_json(raw: bytes) -> Any:
+    """Parse a body; raises ``BadRequest`` naming what is wrong (not JSON, nested too deep, lone surrogates)."""
+    try:
+        payload = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply to parse; flatten it") from None
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+    where = _surrogate_path(payload)
+    if where is not None:
+        raise BadRequest(f"{where} contains a lone UTF-16 surrogate (not valid Unicode text); fix the encoding")
+    return payload
+
+
+async def read_json(request: web.Request, client_max_size: int) -> Any:
+    """The request's JSON body (``{}`` when empty). Raises ``web.HTTPException``-free ``BadRequest`` for bad JSON
+    and ``_TooLarge`` beyond ``client_max_size``; large bodies are parsed off the event loop."""
+    if request.method != "POST" or not request.can_read_body:
+        return {}
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _TooLarge(
+            f"the request body exceeds {client_max_size} bytes (make_app(client_max_size=...)); "
+            "send token ids in smaller batches"
+        ) from None
+    if not raw.strip():
+        return {}
+    if len(raw) > _THREAD_JSON_BYTES:
+        return await asyncio.to_thread(_parse_json, raw)
+    return _parse_json(raw)
+
+
+class _TooLarge(BadRequest):
+    """A body over ``client_max_size`` (413)."""
+
+
+def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE) -> web.Application:
     """aiohttp application serving ``engine`` with SGLang's endpoints and the OpenAI-compatible
-    ``/v1/completions`` and ``/v1/chat/completions`` (the engine must be started)."""
+    ``/v1/completions`` and ``/v1/chat/completions`` (the engine must be started). Bodies over
+    ``client_max_size`` bytes get a JSON 413."""
 
     def route(ep: str):
         async def view(request: web.Request) -> web.StreamResponse:
-            payload: Any = {}
-            if request.method == "POST" and request.can_read_body:
-                raw = await request.read()
-                if raw.strip():
-                    try:
-                        payload = json.loads(raw)
-                    except (ValueError, UnicodeDecodeError):
-                        status, body = _err(400, "the request body is not valid JSON")
-                        return web.json_response(body, status=status)
+            try:
+                payload = await read_json(request, client_max_size)
+            except _TooLarge as e:
+                return _json(_err(413, str(e))[1], 413)
+            except BadRequest as e:
+                return _json(_err(400, str(e))[1], 400)
             if ep == "generate" and isinstance(payload, dict) and payload.get("stream") is True:
                 return await stream_generate(engine, payload, request)
             status, body = await handle(engine, ep, payload)
-            return web.json_response(body, status=status)
+            return _json(body, status)
 
         return view
 
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=client_max_size)
     for ep in GET_ROUTES:
         app.router.add_get("/" + ep, route(ep))
     for ep in POST_ROUTES:
@@ -624,6 +699,9 @@ def make_app(engine: Engine) -> web.Application:
 
 __all__ = [
     "ENGINE_KEY",
+    "ROUTES",
+    "error_status",
+    "read_json",
     "InProcessServer",
     "BadRequest",
     "generate_response",

@@ -20,18 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from rlcore.inference.engine import (
-    Engine,
-    EngineConfig,
-    EngineError,
-    apply_penalties,
-    counter_uniform,
-    grouped_decode_attention,
-    init_custom_process_group,
-    mask_banned,
-    sample_tokens,
-)
+from rlcore.inference.attention import grouped_decode_attention
+from rlcore.inference.engine import Engine, EngineConfig, EngineError
 from rlcore.inference.protocol import SamplingParams
+from rlcore.inference.sampling import apply_penalties, counter_uniform, mask_banned, sample_tokens
+from rlcore.inference.weights import init_custom_process_group
 
 V = 64
 
@@ -511,21 +504,21 @@ def test_left_padded_fallback_prefill_matches_teacher_forcing(kind):
     budget=st.integers(1, 400),
 )
 def test_prefill_batches_respect_budget_keep_the_head_and_queue_order(lens, free, budget):
-    from rlcore.inference.engine import _Request
+    from rlcore.inference.scheduler import _Request
 
     eng = Engine(_PICK_MODEL, EngineConfig(max_batch=16, max_seq_len=64, max_prefill_tokens=budget))
     reqs = [_Request(f"r{i}", [1] * n, SamplingParams(), 0, None) for i, n in enumerate(lens)]
-    eng._waiting.extend(reqs)
+    eng._s.waiting.extend(reqs)
     seen: list[str] = []
-    while eng._waiting:
-        head = eng._waiting[0]
-        before = [r.rid for r in eng._waiting]
-        batch = eng._pick_prefill(free)
+    while eng._s.waiting:
+        head = eng._s.waiting[0]
+        before = [r.rid for r in eng._s.waiting]
+        batch = eng._s.pick_prefill(free)
         assert head in batch and 1 <= len(batch) <= free
         assert len(batch) == 1 or len(batch) * max(len(r.prompt) for r in batch) <= budget
         assert all(before.index(r.rid) < free for r in batch)  # only the first `free` are candidates
         picked = {r.rid for r in batch}
-        assert [r.rid for r in eng._waiting] == [x for x in before if x not in picked]  # order kept
+        assert [r.rid for r in eng._s.waiting] == [x for x in before if x not in picked]  # order kept
         seen += picked
     assert sorted(seen) == sorted(r.rid for r in reqs)
 
@@ -537,23 +530,23 @@ _PICK_MODEL = tiny_model("qwen2", seed=0)
 def test_prefill_is_deferred_while_decoding_until_enough_joiners_or_steps(defer):
     """``_should_admit``: at once when nothing decodes; with ``m`` decoding rows, when ``>= m // 16`` joiners
     would get a free slot or after ``prefill_defer_steps`` deferred steps; never without a free slot."""
-    from rlcore.inference.engine import _Request
+    from rlcore.inference.scheduler import _Request
 
     eng = Engine(_PICK_MODEL, EngineConfig(max_batch=40, max_seq_len=64, prefill_defer_steps=defer))
     req = [_Request(f"r{i}", [1], SamplingParams(), 0, None) for i in range(60)]
-    assert not eng._should_admit()  # nothing waits
-    eng._waiting.append(req[0])
-    assert eng._should_admit()  # nothing decodes
-    eng._running = req[1:33]  # 32 decoding rows: 2 joiners are enough
-    decisions = [eng._should_admit() for _ in range(defer + 1)]
+    assert not eng._s.should_admit()  # nothing waits
+    eng._s.waiting.append(req[0])
+    assert eng._s.should_admit()  # nothing decodes
+    eng._s.running = req[1:33]  # 32 decoding rows: 2 joiners are enough
+    decisions = [eng._s.should_admit() for _ in range(defer + 1)]
     assert decisions == [False] * defer + [True]
-    eng._waiting.append(req[33])
-    assert eng._should_admit()
-    eng._running = req[1:40]  # 2 joiners wait but only 1 free slot: below 39 // 16, so deferred again
-    decisions = [eng._should_admit() for _ in range(defer + 1)]
+    eng._s.waiting.append(req[33])
+    assert eng._s.should_admit()
+    eng._s.running = req[1:40]  # 2 joiners wait but only 1 free slot: below 39 // 16, so deferred again
+    decisions = [eng._s.should_admit() for _ in range(defer + 1)]
     assert decisions == [False] * defer + [True]
-    eng._running = req[20:60]  # no free slot
-    assert not eng._should_admit()
+    eng._s.running = req[20:60]  # no free slot
+    assert not eng._s.should_admit()
 
 
 # ------------------------------------------------------------------------------------------------------------

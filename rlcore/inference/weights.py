@@ -1,0 +1,189 @@
+"""Weight plumbing of the engine: reading safetensors, staging and checking loads, the weight-update group.
+
+Loads are atomic: ``stage_weights`` checks every name, shape and dtype and builds the new tensors off to the
+side (on the calling thread, while the engine keeps generating); only then does the engine's loop thread
+``commit_weights`` them, between two forward passes. A load that fails anywhere before the commit changes
+nothing: the weights and the version stay as they were.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from rlcore.inference.protocol import EngineError
+
+
+def init_custom_process_group(
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+):
+    """A process group that does not need (or touch) the default group: SGLang's weight-update recipe.
+
+    Rendezvous on ``init_method`` (``tcp://host:port``; rank 0 hosts the store), prefix the store with
+    ``group_name`` and build the backend. Both the trainer (rank 0) and every engine must build their side
+    with this same recipe, concurrently. Returns the group handle for ``torch.distributed.broadcast``.
+    """
+    import datetime
+    from urllib.parse import urlparse
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
+    # A TCPStore built here rather than through c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+    # rendezvous makes every rank a client of the agent's store, so rank 0 would never host this group's store.
+    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    store = dist.PrefixStore(group_name, store)
+    opt_name = (
+        "backend_options"
+        if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
+        else "pg_options"
+    )
+    pg, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **{opt_name: None},
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``"bf16"`` -> ``torch.bfloat16`` (and so on)."""
+    key = str(name).removeprefix("torch.")
+    key = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "float": "float32",
+    }.get(key, key)
+    dt = getattr(torch, key, None)
+    if not isinstance(dt, torch.dtype):
+        raise EngineError(f"unknown dtype {name!r}; use e.g. 'bfloat16' or 'float32'")
+    return dt
+
+
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    p = os.fspath(path)
+    if os.path.isfile(p):
+        return [p]
+    if not os.path.isdir(p):
+        raise EngineError(f"model_path {p!r} does not exist; pass an HF model directory with *.safetensors")
+    index = os.path.join(p, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise EngineError(f"model_path {p!r}: model.safetensors.index.json is unreadable ({e})") from None
+        return [os.path.join(p, n) for n in names]
+    files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
+    if not files:
+        raise EngineError(
+            f"model_path {p!r} has no *.safetensors files; save with save_pretrained(safe_serialization=True)"
+        )
+    return files
+
+
+def read_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor under ``path`` (an HF directory, sharded or not, or one file), on CPU.
+
+    A path that is not a safetensors model raises ``EngineError`` naming ``model_path`` (a 400, not a 500).
+    """
+    from safetensors import safe_open
+
+    for f in safetensors_files(path):
+        try:
+            with safe_open(f, framework="pt", device="cpu") as fh:
+                for k in fh.keys():
+                    yield k, fh.get_tensor(k)
+        except EngineError:
+            raise
+        except Exception as e:  # SafetensorError, OSError, ...: not a model file
+            raise EngineError(
+                f"model_path {os.fspath(path)!r}: {f!r} is not a readable safetensors file "
+                f"({type(e).__name__}: {e}); pass an HF model directory saved with save_pretrained"
+            ) from None
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by HF name, tied aliases included (``lm_head.weight`` of a tied model)."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(dict(model.named_buffers(remove_duplicate=False)))
+    return out
+
+
+def check_specs(model: nn.Module, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """Raise ``EngineError`` unless every ``(name, dtype, shape)`` matches a tensor of ``model``."""
+    known = named_tensors(model)
+    specs = list(specs)
+    unknown = [n for n, _, _ in specs if n not in known]
+    if unknown:
+        raise EngineError(
+            f"unknown parameter names {unknown[:5]}{'...' if len(unknown) > 5 else ''}; send HF names"
+        )
+    bad = [(n, tuple(known[n].shape), tuple(shp)) for n, _, shp in specs if tuple(known[n].shape) != tuple(shp)]
+    if bad:
+        n, want, got = bad[0]
+        raise EngineError(
+            f"shape mismatch for {len(bad)} tensors, e.g. {n!r}: engine {want}, got {got}; send the HF shapes"
+        )
+    wrong = [n for n, dt, _ in specs if dt.is_floating_point != known[n].dtype.is_floating_point]
+    if wrong:
+        raise EngineError(
+            f"dtype mismatch for {wrong[:5]}: floating-point and integer tensors cannot replace each other"
+        )
+
+
+@torch.no_grad()
+def stage_weights(
+    model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Check and convert a whole load before anything is written; returns ``(live tensor, new value)`` pairs.
+
+    Every name, shape and dtype is checked (``check_specs``); the values are cast to the live tensors' dtypes
+    (kept on their own device: ``commit_weights`` moves them). Tied aliases may both be sent (a checkpoint with
+    ``lm_head.weight`` and ``embed_tokens.weight``) when they are equal. Raises ``EngineError`` on the first
+    problem, having changed nothing.
+    """
+    known = named_tensors(model)
+    staged: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise EngineError(f"weight {name!r} is a {type(t).__name__}, not a tensor")
+        check_specs(model, [(name, t.dtype, tuple(t.shape))])
+        p = known[name]
+        new = t.detach().to(dtype=p.dtype)
+        key = id(p)
+        if key in staged and not torch.equal(staged[key][2], new):
+            raise EngineError(
+                f"{name!r} and {staged[key][0]!r} are one tied tensor in this model but differ in the "
+                "checkpoint; send one of them (or untie the model)"
+            )
+        staged[key] = (name, p, new)
+    return [(p, new) for _, p, new in staged.values()]
+
+
+@torch.no_grad()
+def commit_weights(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy staged values into the live tensors (in place, so CUDA graphs stay valid)."""
+    for p, new in pairs:
+        p.copy_(new.to(device=p.device))
