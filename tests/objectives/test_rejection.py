@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from rlcore.objectives import ppo, rejection
@@ -33,6 +33,15 @@ kl_configs = st.builds(
     lower=st.none() | st.floats(-0.5, 0.0),
 )
 configs = ratio_configs | kl_configs
+
+
+def valid_wider_lower(cfg: RejectionConfig, down: float) -> float | None:
+    """``cfg.lower`` lowered by ``down``, still valid: a ratio bound must stay > 0, so one that would reach 0
+    becomes None (no lower bound), which is the widest band."""
+    if cfg.lower is None:
+        return None
+    lower = cfg.lower - down
+    return None if cfg.metric == "ratio" and not lower > 0 else lower
 
 
 def py_binary_kl(la: float, lb: float, eps: float = 1e-8) -> float:
@@ -136,13 +145,18 @@ def test_unbounded_ratio_filter_is_a_no_op(b, level, agg):
     torch.testing.assert_close(weight, torch.where(b.mask, torch.exp(delta), 0))
 
 
+def _small_batch() -> TokenBatch:
+    behav = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, 0.0]])
+    prox = behav + torch.tensor([[0.4, -1.2, 0.0], [0.9, -0.3, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    return TokenBatch(prox.clamp(max=0), prox.clamp(max=0), behav, torch.ones_like(behav), mask, (2, 3))
+
+
+# the draw that used to fail at random: a ratio lower bound lowered exactly to 0 built an invalid config
+@example(_small_batch(), RejectionConfig(lower=0.3, upper=2.0), 0.0, 0.3)
 @given(token_batches(spread=1.5), configs, st.floats(0.0, 2.0), st.floats(0.0, 0.5))
 def test_masks_grow_as_the_band_widens(b, cfg, up, down):
-    wider = dataclasses.replace(
-        cfg, upper=cfg.upper + up, lower=None if cfg.lower is None else cfg.lower - down
-    )
-    if wider.metric == "ratio" and wider.lower is not None and wider.lower <= 0:
-        wider = dataclasses.replace(wider, lower=None)
+    wider = dataclasses.replace(cfg, upper=cfg.upper + up, lower=valid_wider_lower(cfg, down))
     keep, _, _ = rejection.process(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
     keep_wide, _, _ = rejection.process(b.logp_prox, b.logp_behav, b.mask, cfg=wider)
     assert not (keep & ~keep_wide).any()
