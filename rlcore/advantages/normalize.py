@@ -148,6 +148,9 @@ def normalize(
         c = seg_sum(mf, cfg.std_level)
         if cfg.std_unbiased:
             sigma = torch.where(c > 1, (q / (c - 1).clamp(min=1)).sqrt(), torch.ones_like(q))
+            if cfg.std_level == "group":  # a one-row group has σ = 1 (spec §3), however many tokens it has
+                rows = seg_sum(torch.ones(b, dtype=torch.float64), "group")
+                sigma = torch.where(rows == 1, torch.ones_like(sigma), sigma)
         else:
             sigma = torch.where(c > 0, (q / c.clamp(min=1)).sqrt(), torch.ones_like(q))
         out = y / (sigma + cfg.eps)
