@@ -500,7 +500,7 @@ def rl_step(
                 logp_prox = behav
             keep = mask
             for mcfg in cfg.keep_masks:
-                keep, m = _keep_mask_fn(mcfg)(logp_prox, behav, keep, cfg=mcfg)
+                keep, _weight, m = _keep_mask_fn(mcfg)(logp_prox, behav, keep, cfg=mcfg)  # weight not applied yet (issue 13.1)
                 mb_metrics.update(m)
             extra = {"logp_ref": _h2d(mb["logp_ref"], dev)} if "logp_ref" in mb else {}
             loss, m = fn(logp, logp_prox, behav, _h2d(mb["adv"], dev), keep, cfg=obj_cfg, denom=denom, **extra)
