@@ -24,7 +24,7 @@ Two weights, one relation (``delta`` as above, on kept tokens):
   logp_behav)`` as the ``weight=`` input of ``ppo.loss`` / ``gspo.loss`` / ``cispo.loss``.
 * ``keep_mask`` returns ``(keep, weight, metrics)`` with the same signature as every other mask (IcePop, KPop,
   M2PO), where ``weight = w' / exp(delta)`` is the factor the mask puts on the objective's own behaviour weight:
-  exactly 1 for every config that only filters (token level, or a KL metric), so a pure mask leaves the loss
+  exactly 1 for every config that only filters (token-level mask, or a KL metric), so a pure mask leaves the loss
   as it is; ``clamp(exp(delta)) / exp(delta)`` for a clamp; ``exp(mean_row delta - delta)`` at sequence level
   with the ratio metric. Multiplying it into a decoupled objective's per-token loss (which already carries
   ``exp(delta)``) gives exactly ``w'``; weights of several masks compose by multiplication.
