@@ -6,6 +6,9 @@ running advantage unchanged) and ``returns = A + V``. Also: KL-in-reward (§4.2)
 turn-level GAE (§4.5), per-row λ schedules incl. VAPO (Yue et al. 2025, https://arxiv.org/abs/2504.05118) (§4.6)
 and ``compute_advantages`` running §2 → §4.7 in order. Shapes: ``b`` rows, ``t`` predictive positions
 (position t predicts token t+1; the last column predicts nothing and is ignored).
+
+dtype: every function computes in its float inputs' dtype promoted to at least float32 (float64 in, float64 out,
+with λ and γ built in that dtype; bfloat16/float16 inputs accumulate in float32, as before).
 """
 
 from __future__ import annotations
@@ -64,6 +67,15 @@ class Advantages(NamedTuple):
     reward: Tensor
 
 
+def _dtype(*xs: Tensor | None) -> torch.dtype:
+    """Promoted floating dtype of the given tensors (ints/bools ignored), at least float32."""
+    dt = torch.float32
+    for x in xs:
+        if x is not None and x.is_floating_point():
+            dt = torch.promote_types(dt, x.dtype)
+    return dt
+
+
 def _kl_est(delta: Tensor, estimator: str) -> Tensor:
     if estimator == "k1":
         return delta
@@ -72,26 +84,29 @@ def _kl_est(delta: Tensor, estimator: str) -> Tensor:
     return torch.expm1(-delta) + delta  # k3 = e^{−δ} − 1 + δ
 
 
-def lambdas(mask: Tensor, *, cfg: GAEConfig, turn_ids: Tensor | None = None) -> Tensor:
-    """Per-row λ ``(b,)`` from the row's number of valid steps ``L`` (tokens, or turns in turn mode)."""
+def lambdas(
+    mask: Tensor, *, cfg: GAEConfig, turn_ids: Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Per-row λ ``(b,)`` in ``dtype`` from the row's number of valid steps ``L`` (tokens, or turns in turn mode)."""
     if cfg.lambda_schedule == "constant":
-        return torch.full((mask.shape[0],), cfg.lam)
+        return torch.full((mask.shape[0],), cfg.lam, dtype=dtype)
     if cfg.timestep_unit == "turn":
         steps = _turn_counts(mask, _turn_index(mask, turn_ids)) > 0
     else:
         steps = mask
-    n = steps.float().sum(-1)
+    n = steps.to(dtype).sum(-1)
     if cfg.lambda_schedule == "vapo":
         lam = (1 - 1 / (cfg.vapo_alpha * n.clamp(min=1))).clamp(min=0)
         return torch.where(n > 0, lam, torch.zeros_like(n))
-    lam = torch.tensor(cfg.relpos_q) ** (1 / (n - 1).clamp(min=1))
-    return torch.where(n >= 2, lam, (n == 1).float())
+    lam = torch.tensor(cfg.relpos_q, dtype=dtype) ** (1 / (n - 1).clamp(min=1))
+    return torch.where(n >= 2, lam, (n == 1).to(dtype))
 
 
 def kl_rewards(logp_old: Tensor, logp_ref: Tensor, mask: Tensor, lengths: Tensor, *, cfg: GAEConfig) -> Tensor:
     """KL-in-reward ``k = −kl_ctl · clamp(KL_est(ℓ_old, ℓ_ref), −10, 10)`` ``(b t)``; zero off-mask and at ``L_b−1``."""
-    zero = torch.zeros((), dtype=torch.float32)
-    delta = torch.where(mask, logp_old.float() - logp_ref.float(), zero)
+    dt = _dtype(logp_old, logp_ref)
+    zero = torch.zeros((), dtype=dt)
+    delta = torch.where(mask, logp_old.to(dt) - logp_ref.to(dt), zero)
     k = -cfg.kl_ctl * _kl_est(delta, cfg.kl_estimator).clamp(-10.0, 10.0)
     keep = mask & (torch.arange(mask.shape[1]) != (lengths[:, None] - 1))
     return torch.where(keep, k, zero)
@@ -99,11 +114,11 @@ def kl_rewards(logp_old: Tensor, logp_ref: Tensor, mask: Tensor, lengths: Tensor
 
 def outcome_rewards(reward: Tensor, lengths: Tensor, truncated: Tensor, width: int, *, cfg: GAEConfig) -> Tensor:
     """Outcome reward ``R_b`` at position ``max(L_b − 2, 0)`` (predicting the last real token), else 0 ``(b t)``."""
-    r = reward.float()
+    r = reward.to(_dtype(reward))
     if cfg.mask_no_eos_with_zero:
         r = torch.where(truncated, torch.zeros_like(r), r)
     at = torch.arange(width) == (lengths[:, None] - 2).clamp(min=0)
-    return at.float() * r[:, None]
+    return at.to(r.dtype) * r[:, None]
 
 
 def _scan(rho: Tensor, value: Tensor, valid: Tensor, lam: Tensor, gamma: float, v_boot: Tensor) -> Tensor:
@@ -122,13 +137,14 @@ def _scan(rho: Tensor, value: Tensor, valid: Tensor, lam: Tensor, gamma: float, 
 def _bootstrap(value: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
     # rlcore: bootstrap truncated rows from V at their last real position (AReaL's V[:, S−1] when L_b == S).
     v_last = value.gather(1, (lengths[:, None] - 1).clamp(min=0)).squeeze(1)
-    return v_last * truncated.float()
+    return v_last * truncated.to(v_last.dtype)
 
 
 def token_gae(rho: Tensor, value: Tensor, mask: Tensor, lengths: Tensor, truncated: Tensor, lam: Tensor,
               *, cfg: GAEConfig) -> tuple[Tensor, Tensor]:
     """Token-level GAE (§4.4) on ``(b t)``; ``lam`` is ``(b,)``. Returns ``(adv, returns)`` with ``returns = adv + V``."""
-    rho, value = rho.float(), value.float()  # off-mask entries are never selected by the scan
+    dt = _dtype(rho, value)
+    rho, value, lam = rho.to(dt), value.to(dt), lam.to(dt)  # off-mask entries are never selected by the scan
     adv = _scan(rho[:, :-1], value[:, :-1], mask[:, :-1], lam, cfg.gamma, _bootstrap(value, lengths, truncated))
     adv = torch.cat([adv, torch.zeros_like(rho[:, :1])], dim=1)
     return adv, adv + value
@@ -152,9 +168,10 @@ def turn_gae(rho: Tensor, value: Tensor, mask: Tensor, lengths: Tensor, truncate
     Returns ``(adv, returns)``; ``adv`` is zero off-mask and has no KL (the caller adds ``k_t``).
     """
     b, t = mask.shape
-    rho, value = torch.where(mask, rho.float(), 0.0), value.float()
+    dt = _dtype(rho, value)
+    rho, value, lam = torch.where(mask, rho.to(dt), 0.0), value.to(dt), lam.to(dt)
     idx = _turn_index(mask, turn_ids)
-    rho_u = torch.zeros(b, t).scatter_add(1, idx, rho)
+    rho_u = torch.zeros(b, t, dtype=dt).scatter_add(1, idx, rho)
     pos = torch.where(mask, torch.arange(t).expand(b, t), torch.full((), t))
     first = torch.full((b, t), t).scatter_reduce(1, idx, pos, reduce="amin")
     valid_u = _turn_counts(mask, idx) > 0
@@ -162,7 +179,7 @@ def turn_gae(rho: Tensor, value: Tensor, mask: Tensor, lengths: Tensor, truncate
     adv_u = _scan(rho_u, v_u, valid_u, lam, cfg.gamma, _bootstrap(value, lengths, truncated))
     adv_u = torch.where(valid_u, adv_u, 0.0)
     adv, v_tok = adv_u.gather(1, idx), v_u.gather(1, idx)
-    zero = torch.zeros(())
+    zero = torch.zeros((), dtype=dt)
     return torch.where(mask, adv, zero), torch.where(mask, adv + v_tok, value)
 
 
@@ -200,12 +217,15 @@ def compute_advantages(
         raise ValueError("GAEConfig.kl_ctl > 0 needs logp_old and logp_ref (a reference model); set kl_ctl=0")
     b, t = mask.shape
     mask, lengths, truncated = mask.bool(), lengths.long(), truncated.bool()
-    r = reward_fn(reward) if reward_fn is not None else reward.float()
-    zeros = torch.zeros(b, t)
-    k = kl_rewards(logp_old, logp_ref, mask, lengths, cfg=cfg) if cfg.kl_ctl > 0 else zeros
+    dt = _dtype(reward, value, logp_old if cfg.kl_ctl > 0 else None, logp_ref if cfg.kl_ctl > 0 else None)
+    r = reward_fn(reward) if reward_fn is not None else reward
+    r = r.to(torch.promote_types(dt, _dtype(r)))
+    dt = r.dtype
+    zeros = torch.zeros(b, t, dtype=dt)
+    k = kl_rewards(logp_old, logp_ref, mask, lengths, cfg=cfg).to(dt) if cfg.kl_ctl > 0 else zeros
     o = outcome_rewards(r, lengths, truncated, t, cfg=cfg)
-    v = zeros if value is None else value
-    lam = lambdas(mask, cfg=cfg, turn_ids=turn_ids)
+    v = zeros if value is None else value.to(dt)
+    lam = lambdas(mask, cfg=cfg, turn_ids=turn_ids, dtype=dt)
     if cfg.timestep_unit == "turn":
         adv, returns = turn_gae(o, v, mask, lengths, truncated, lam, turn_ids, cfg=cfg)
         adv = adv + k

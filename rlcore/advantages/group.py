@@ -9,7 +9,8 @@
 * DAPO dynamic sampling (https://arxiv.org/abs/2503.14476, §14.2): keep groups whose rewards are not all
   equal; success-rate band ``lb < mean_g < ub``. Both return a bool ``(n,)`` keep mask.
 
-All functions are pure; use ``einops.rearrange(r, "(n g) -> n g", g=g)`` to get the layout.
+All functions are pure; use ``einops.rearrange(r, "(n g) -> n g", g=g)`` to get the layout. Statistics are float64;
+outputs come back in the reward's dtype promoted to at least float32 (float64 in, float64 out).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class GroupConfig:
             raise ValueError(f"GroupConfig.eps must be >= 0, got {self.eps}")
 
 
+def _out(x: Tensor, reward: Tensor) -> Tensor:
+    """Cast a float64 result to the reward's dtype, at least float32."""
+    return x.to(torch.promote_types(reward.dtype, torch.float32) if reward.is_floating_point() else torch.float32)
+
+
 def _centred(reward: Tensor) -> Tensor:
     r = reward.double()
     return r - r.mean(-1, keepdim=True)
@@ -55,12 +61,12 @@ def grpo(reward: Tensor, *, cfg: GroupConfig = GroupConfig()) -> Tensor:
     c = _centred(reward)
     g = reward.shape[-1]
     std = (c.pow(2).sum(-1, keepdim=True) / max(g - 1, 1)).sqrt() if g > 1 else torch.ones_like(c[..., :1])
-    return (c / (std + cfg.eps)).float()
+    return _out(c / (std + cfg.eps), reward)
 
 
 def dr_grpo(reward: Tensor) -> Tensor:
     """Dr.GRPO (and REINFORCE++-baseline): ``(n g) -> (n g)`` group-centred rewards."""
-    return _centred(reward).float()
+    return _out(_centred(reward), reward)
 
 
 reinforce_pp_baseline = dr_grpo
@@ -68,7 +74,7 @@ reinforce_pp_baseline = dr_grpo
 
 def reinforce_pp(reward: Tensor) -> Tensor:
     """REINFORCE++: no group baseline; the batch z-score happens later in ``adv_norm``."""
-    return reward.float()
+    return _out(reward, reward)
 
 
 def lite_ppo(reward: Tensor, *, cfg: GroupConfig = GroupConfig()) -> Tensor:
@@ -76,7 +82,7 @@ def lite_ppo(reward: Tensor, *, cfg: GroupConfig = GroupConfig()) -> Tensor:
     c = _centred(reward)
     n = c.numel()
     std = (c.pow(2).sum() / max(n - 1, 1)).sqrt() if n > 1 else torch.ones((), dtype=c.dtype)
-    return (c / (std + cfg.eps)).float()
+    return _out(c / (std + cfg.eps), reward)
 
 
 def rloo(reward: Tensor) -> Tensor:
@@ -84,9 +90,9 @@ def rloo(reward: Tensor) -> Tensor:
     r = reward.double()
     g = r.shape[-1]
     if g == 1:
-        return torch.zeros_like(reward, dtype=torch.float32)
+        return _out(torch.zeros_like(r), reward)
     loo = (r.sum(-1, keepdim=True) - r) / (g - 1)
-    return (r - loo).float()
+    return _out(r - loo, reward)
 
 
 def turn_discounted(reward: Tensor, present: Tensor | None = None, *, cfg: GroupConfig = GroupConfig()) -> Tensor:
@@ -96,7 +102,7 @@ def turn_discounted(reward: Tensor, present: Tensor | None = None, *, cfg: Group
       reward: ``(n k)`` per-interaction rewards of n runs with k interactions in creation order.
       present: ``(n k)`` bool, False where an interaction has no reward (treated as 0; garbage allowed).
     Returns:
-      ``(n k)`` float32 discounted rewards.
+      ``(n k)`` discounted rewards (float32; float64 for float64 rewards).
     """
     r = reward.double()
     if present is not None:
@@ -104,7 +110,7 @@ def turn_discounted(reward: Tensor, present: Tensor | None = None, *, cfg: Group
     k = r.shape[-1]
     i, j = torch.arange(k)[:, None], torch.arange(k)[None, :]
     w = torch.where(j >= i, torch.tensor(cfg.turn_discount, dtype=r.dtype) ** (j - i).clamp(min=0), 0.0)
-    return einops.einsum(r, w, "n j, i j -> n i").float()
+    return _out(einops.einsum(r, w, "n j, i j -> n i"), reward)
 
 
 def keep_not_all_equal(reward: Tensor) -> Tensor:

@@ -10,7 +10,8 @@ centring only (Liu et al. 2025, https://arxiv.org/abs/2503.20783), RLOO's leave-
 Shapes: ``x`` is ``(b,)`` (one reward per row) or ``(b t)`` (per-token advantages) with an optional
 bool ``mask`` of the same shape. Groups are consecutive rows: ``(n g)`` when every group has ``g`` rows
 (reduced with einops), or ragged ``group_sizes`` (reduced with ``index_add`` segment sums). Statistics
-are float64 and token-weighted under a mask; the output is float32.
+are float64 and token-weighted under a mask; the output is float32, or float64 for a float64 ``x`` (rlcore: the
+leaf returns the dtype it is given; AReaL always returns float32).
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def normalize(
       group_sizes: sizes of consecutive row groups, summing to ``b``; None means ``cfg.group_size``.
 
     Returns:
-      float32 tensor shaped like ``x``; zero off the mask. If a mask is given and it is all False,
-      ``x`` is returned unchanged (as float32).
+      tensor shaped like ``x`` in ``x``'s dtype promoted to at least float32 (float32 for bfloat16/float32,
+      float64 for float64); zero off the mask. If a mask is given and it is all False, ``x`` is returned
+      unchanged (in that dtype).
     """
     b = x.shape[0]
     uses_groups = "group" in (cfg.mean_level, cfg.std_level)
@@ -148,9 +150,13 @@ def normalize(
         c = seg_sum(mf, cfg.std_level)
         if cfg.std_unbiased:
             sigma = torch.where(c > 1, (q / (c - 1).clamp(min=1)).sqrt(), torch.ones_like(q))
+            if cfg.std_level == "group":  # a one-row group has σ = 1 (spec §3), however many tokens it has
+                rows = seg_sum(torch.ones(b, dtype=torch.float64), "group")
+                sigma = torch.where(rows == 1, torch.ones_like(sigma), sigma)
         else:
             sigma = torch.where(c > 0, (q / c.clamp(min=1)).sqrt(), torch.ones_like(q))
         out = y / (sigma + cfg.eps)
+    out_dt = torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else torch.float32
     if mask is None:
-        return out.float()
-    return torch.where(m.any(), out, x.to(torch.float64)).float()  # early exit: all masked ⇒ x unchanged
+        return out.to(out_dt)
+    return torch.where(m.any(), out, x.to(torch.float64)).to(out_dt)  # early exit: all masked ⇒ x unchanged

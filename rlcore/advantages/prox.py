@@ -12,7 +12,8 @@ log-prob and the (detached) current one by how many versions each is away from t
 Versions: rlcore default reads ``version`` in the same predictive alignment as the log-probs (the runtime
 rolls versions with every other field) and uses ``v_prox = V`` (the weights the update starts from),
 ``v_θ = V + 1``. ``areal_compat=True`` reproduces AReaL exactly: it un-rolls ``version`` back to token-own
-alignment and uses ``v_prox = V − 1``, ``v_θ = V``. All tensors are ``(b t)``.
+alignment and uses ``v_prox = V − 1``, ``v_θ = V``. All tensors are ``(b t)``. ``prox_logp`` computes in the
+log-probs' dtype promoted to at least float32 (float64 in, float64 out, α built in float64 too).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ class ProxConfig:
             raise ValueError(f"ProxConfig.method must be loglinear, linear or rollout, got {self.method!r}")
 
 
-def alpha(version: Tensor, mask: Tensor, *, current_version: int, cfg: ProxConfig) -> Tensor:
-    """Interpolation weight ``α (b t)`` in [0, 1]; 0 off-mask and for tokens without a version (−1).
+def alpha(
+    version: Tensor, mask: Tensor, *, current_version: int, cfg: ProxConfig, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Interpolation weight ``α (b t)`` in [0, 1], in ``dtype``; 0 off-mask and for tokens without a version (−1).
 
     Args:
       version: ``(b t)`` int, predictive alignment (``version[t]`` = version of token ``t+1``), −1 if none.
@@ -55,7 +58,7 @@ def alpha(version: Tensor, mask: Tensor, *, current_version: int, cfg: ProxConfi
     den = (v_theta - v).double()
     ok = mask.bool() & (v >= 0) & (den > 0)
     a = ((v_prox - v).double() / den.clamp(min=1)).clamp(0.0, 1.0)
-    return torch.where(ok, a, torch.zeros_like(a)).float()
+    return torch.where(ok, a, torch.zeros_like(a)).to(dtype)
 
 
 def prox_logp(
@@ -78,8 +81,9 @@ def prox_logp(
     Returns:
       ``(logp_prox, {"prox/alpha_mean"})``; ``logp_prox`` equals ``logp_behav`` wherever ``α = 0``.
     """
-    a = alpha(version, mask, current_version=current_version, cfg=cfg)
-    lt, lb = logp.detach().float(), logp_behav.float()
+    dt = torch.promote_types(torch.promote_types(logp.dtype, logp_behav.dtype), torch.float32)
+    a = alpha(version, mask, current_version=current_version, cfg=cfg, dtype=dt)
+    lt, lb = logp.detach().to(dt), logp_behav.to(dt)
     if cfg.method == "rollout":
         out = lb
     elif cfg.method == "loglinear":

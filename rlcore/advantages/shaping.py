@@ -6,7 +6,8 @@
 3. Optional reward normalisation, passed in as a callable (usually
    ``functools.partial(normalize.normalize, cfg=normalize.GRPO, group_sizes=...)``) so this file stays a leaf.
 
-Shapes: ``reward`` and ``gen_len`` are ``(b,)``.
+Shapes: ``reward`` and ``gen_len`` are ``(b,)``. Rewards keep their dtype promoted to at least float32 (float64 in,
+float64 out).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 
@@ -51,16 +53,16 @@ class ShapingConfig:
             raise ValueError(f"ShapingConfig.reward_clip must be > 0, got {self.reward_clip}")
 
 
-def overlong_penalty(gen_len: Tensor, *, cfg: ShapingConfig) -> Tensor:
+def overlong_penalty(gen_len: Tensor, *, cfg: ShapingConfig, dtype: torch.dtype = torch.float32) -> Tensor:
     """DAPO soft overlong penalty ``min(−(len − (L_max − L_c))/L_c · φ, 0)``.
 
     Args:
       gen_len: ``(b,)`` number of generated tokens per row (all turns).
     Returns:
-      ``(b,)`` float32 penalty ≤ 0: zero up to ``L_max − L_c``, then slope ``−φ/L_c`` with no floor.
+      ``(b,)`` penalty ≤ 0 in ``dtype``: zero up to ``L_max − L_c``, then slope ``−φ/L_c`` with no floor.
     """
     expected = cfg.max_new_tokens - cfg.overlong_tokens
-    pen = -(gen_len.float() - expected) / cfg.overlong_tokens * cfg.overlong_penalty_factor
+    pen = -(gen_len.to(dtype) - expected) / cfg.overlong_tokens * cfg.overlong_penalty_factor
     return pen.clamp(max=0.0)
 
 
@@ -78,13 +80,13 @@ def shape_rewards(
       gen_len: ``(b,)`` generated-token counts; required when ``cfg.overlong_penalty``.
       reward_norm: ``(b,) -> (b,)`` callable applied last (e.g. a partial of ``normalize.normalize``).
     Returns:
-      ``(b,)`` float32 shaped rewards.
+      ``(b,)`` shaped rewards (float32; float64 for float64 rewards).
     """
-    r = reward.float()
+    r = reward.to(torch.promote_types(reward.dtype, torch.float32) if reward.is_floating_point() else torch.float32)
     if cfg.overlong_penalty:
         if gen_len is None:
             raise ValueError("shape_rewards: gen_len is required when ShapingConfig.overlong_penalty=True")
-        r = r + overlong_penalty(gen_len, cfg=cfg)
+        r = r + overlong_penalty(gen_len, cfg=cfg, dtype=r.dtype)
     r = ((r + cfg.reward_bias) * cfg.reward_scaling).clamp(-cfg.reward_clip, cfg.reward_clip)
     if reward_norm is not None:
         r = reward_norm(r)

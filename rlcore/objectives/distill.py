@@ -9,7 +9,8 @@ Total loss ``w_rl · L_RL + w_kd · L_KD`` (``L_RL`` is dropped entirely when ``
 * ``forward``: full-distribution ``Σ m · Σ_v p_T (log p_T − log p_θ)`` from ``(b t v)`` logits.
 * ``areal``: AReaL parity — ``score`` when ``w_rl = 0``, else ``Σ m (ℓθ − ℓT)``, whose gradient ``Σ m ∇ℓθ``
   does not depend on the teacher at all ([AReaL bug]; never use it for training).
-Teacher log-probs must be stored in predictive alignment, like ``logp``.
+Teacher log-probs must be stored in predictive alignment, like ``logp``. Computed in ``logp``'s dtype promoted to
+at least float32 (float64 in, float64 out; bfloat16/float16 accumulate in float32).
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def loss(
     if cfg.rl_weight > 0 and rl_loss is None:
         raise ValueError("distill.loss: rl_loss is required when DistillConfig.rl_weight > 0 (or set rl_weight=0)")
     m = mask.bool()
-    zero = torch.zeros((), dtype=torch.float32)
-    lt = torch.where(m, logp.float(), zero)
-    lo = torch.where(m, logp_old.float(), zero)
-    lT = torch.where(m, logp_teacher.detach().float(), zero)
+    dt = torch.promote_types(logp.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dt)
+    lt = torch.where(m, logp.to(dt), zero)
+    lo = torch.where(m, logp_old.to(dt), zero)
+    lT = torch.where(m, logp_teacher.detach().to(dt), zero)
     est = cfg.estimator
     if est == "areal":
         est = "score" if cfg.rl_weight == 0 else "linear"
@@ -87,8 +89,8 @@ def loss(
     else:
         if logits is None or teacher_logits is None:
             raise ValueError("distill.loss: estimator='forward' needs logits= and teacher_logits= (b t v)")
-        log_q = torch.log_softmax(logits.float() / cfg.temperature, -1)
-        log_p = torch.log_softmax(teacher_logits.detach().float() / cfg.temperature, -1)
+        log_q = torch.log_softmax(logits.to(dt) / cfg.temperature, -1)
+        log_p = torch.log_softmax(teacher_logits.detach().to(dt) / cfg.temperature, -1)
         per = (log_p.exp() * (log_p - log_q)).sum(-1)
     n = m.sum().clamp(min=1)
     d = n if denom is None else denom

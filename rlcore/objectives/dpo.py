@@ -4,7 +4,8 @@ https://arxiv.org/abs/2310.12036) on per-sequence summed log-probs (spec algorit
 Pairs are interleaved rows ``[chosen_0, rejected_0, chosen_1, …]``; ``pairs`` splits ``(2p) -> (p), (p)``.
 * sigmoid: ``z = (Lπ_c − Lπ_r) − (Lref_c − Lref_r)``, loss ``−log σ(β z)``.
 * ipo: ``z = (Lπ_c − Lref_c)/max(len_c,1) − (Lπ_r − Lref_r)/max(len_r,1)``, loss ``(z − 1/(2β))²``.
-Loss is the mean over valid pairs (both sequences non-empty); no valid pair gives 0.
+Loss is the mean over valid pairs (both sequences non-empty); no valid pair gives 0. Accumulation is float64; the
+loss and metrics come back in the inputs' dtype promoted to at least float32 (float64 in, float64 out).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def loss(
       scalar loss and ``{"dpo/loss", "dpo/reward_chosen", "dpo/reward_rejected", "dpo/accuracy",
       "dpo/margin"}`` (means over valid pairs, detached).
     """
+    dt = torch.promote_types(logp_chosen.dtype, torch.float32)
     one = torch.ones_like(logp_chosen, dtype=torch.float64)
     lc = one if len_chosen is None else len_chosen.double()
     lr = one if len_rejected is None else len_rejected.double()
@@ -89,7 +91,7 @@ def loss(
     rc, rr = cfg.beta * pc.detach(), cfg.beta * pr.detach()
 
     def vmean(x: Tensor) -> Tensor:
-        return (torch.where(valid, x.double(), zero).sum() / n).float()
+        return (torch.where(valid, x.double(), zero).sum() / n).to(dt)
 
     metrics = {
         "dpo/loss": vmean(per.detach()),
@@ -98,4 +100,4 @@ def loss(
         "dpo/accuracy": vmean((rc > rr).double()),
         "dpo/margin": vmean(rc - rr),
     }
-    return out.float(), metrics
+    return out.to(dt), metrics

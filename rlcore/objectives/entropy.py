@@ -1,7 +1,7 @@
 """Masked entropy of the (temperature-scaled) token distribution (spec algorithms.md §11: logged, no bonus).
 
 ``H_t = −Σ_v π_t(v) log π_t(v)`` with ``π_t = softmax(z_t / τ)``. Logits are ``(b t v)``; per-token entropies
-and the mask are ``(b t)``.
+and the mask are ``(b t)``. Computed in the logits' dtype promoted to at least float32 (float64 in, float64 out).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ class EntropyConfig:
 
 
 def from_logits(logits: Tensor, *, cfg: EntropyConfig = EntropyConfig()) -> Tensor:
-    """Per-token entropy ``(b t)`` (fp32) from logits ``(b t v)``."""
-    logq = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)
+    """Per-token entropy ``(b t)`` from logits ``(b t v)``; float32 (float64 for float64 logits)."""
+    logq = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cfg.temperature, dim=-1)
     return -(logq.exp() * logq).sum(-1)
 
 
@@ -45,7 +45,7 @@ def masked_mean(
     """
     if (entropy is None) == (logits is None):
         raise ValueError("entropy.masked_mean: pass exactly one of entropy= or logits=")
-    h = from_logits(logits, cfg=cfg) if entropy is None else entropy.float()
+    h = from_logits(logits, cfg=cfg) if entropy is None else entropy.to(torch.promote_types(entropy.dtype, torch.float32))
     m = mask.bool()
     h = torch.where(m, h, torch.zeros((), dtype=h.dtype))
     d = m.sum().clamp(min=1) if denom is None else denom

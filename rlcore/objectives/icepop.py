@@ -8,7 +8,8 @@ IcePop (Ling team, "Small Leak Can Sink a Great Ship", https://ringtech.notion.s
 
 The ratio is ``pi_prox / pi_behav`` (training engine vs inference engine), not ``pi_theta / pi_old`` as IcePop's
 write-up defines it: the mask is computed once per batch, before the update. Compose it with any objective:
-``mask, m = icepop.keep_mask(...); ppo.loss(..., mask=mask, denom=count_before)``.
+``keep, weight, m = icepop.keep_mask(...); ppo.loss(..., mask=keep, denom=count_before)``. Like every mask it
+returns a per-token ``weight`` to multiply into the loss; IcePop only filters, so it is 1 on ``keep`` (0 off it).
 All tensors are padded ``(b t)``; ``mask`` is bool.
 """
 
@@ -44,7 +45,7 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 def keep_mask(
     logp_prox: Tensor, logp_behav: Tensor, mask: Tensor, *, cfg: IcePopConfig
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Tokens of ``mask`` whose ratio ``pi_prox / pi_behav`` lies in ``[cfg.lower, cfg.upper]``.
 
     Args:
@@ -53,7 +54,8 @@ def keep_mask(
       cfg: IcePopConfig.
 
     Returns:
-      (keep, metrics): ``keep`` (b t) bool, a subset of ``mask``; metrics ``icepop/filtered_frac``,
+      (keep, weight, metrics): ``keep`` (b t) bool, a subset of ``mask``; ``weight`` (b t) 1.0 on ``keep``, 0
+      elsewhere (a pure mask; float64 for float64 inputs, else float32); metrics ``icepop/filtered_frac``,
       ``icepop/low_frac``, ``icepop/high_frac`` (fractions of ``mask`` dropped in total / below / above the band).
     """
     dt = torch.promote_types(logp_prox.dtype, torch.float32)
@@ -66,4 +68,4 @@ def keep_mask(
         "icepop/low_frac": _masked_mean(low.to(dt), mask),
         "icepop/high_frac": _masked_mean(high.to(dt), mask),
     }
-    return keep, metrics
+    return keep, keep.to(dt), metrics

@@ -2,7 +2,7 @@
 
 With ``δ = ℓ_a − ℓ_b`` for tokens sampled from ``π_a`` (Schulman, http://joschu.net/blog/kl-approx.html):
 ``k1 = δ`` (unbiased, can be negative), ``k2 = δ²/2``, ``k3 = e^{−δ} − 1 + δ`` (unbiased, ≥ 0).
-All tensors are ``(b t)``; ``mask`` is bool.
+All tensors are ``(b t)``; ``mask`` is bool. Computed in the inputs' dtype promoted to at least float32.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class KLConfig:
 
 def estimate(logp: Tensor, logp_ref: Tensor, *, cfg: KLConfig) -> Tensor:
     """Per-token KL estimate ``(b t)`` of ``KL(π ‖ π_ref)`` from ``δ = logp − logp_ref``."""
-    delta = logp.float() - logp_ref.float()
+    dt = torch.promote_types(torch.promote_types(logp.dtype, logp_ref.dtype), torch.float32)
+    delta = logp.to(dt) - logp_ref.to(dt)
     if cfg.estimator == "k1":
         k = delta
     elif cfg.estimator == "k2":
@@ -54,7 +55,8 @@ def penalty(
       scalar loss and ``{"kl/mean"}`` (detached).
     """
     m = mask.bool()
-    k = torch.where(m, estimate(logp, logp_ref, cfg=cfg), torch.zeros((), dtype=torch.float32))
+    est = estimate(logp, logp_ref, cfg=cfg)
+    k = torch.where(m, est, torch.zeros((), dtype=est.dtype))
     d = m.sum().clamp(min=1) if denom is None else denom
     loss = k.sum() / d
     return loss, {"kl/mean": (k.sum() / m.sum().clamp(min=1)).detach()}

@@ -10,7 +10,9 @@ valid token let ``p = exp(logp_prox)``, ``q = exp(logp_behav)``, both clamped to
 Fix of an AReaL bug: AReaL clamps ``p`` in float32, where ``1 - 1e-8`` rounds to 1, so a confident token
 (``logp >= ~-3e-8``, or exactly 0.0 as engines often report) gives NaN/inf and is always dropped. Here the clamp
 is done on log-probs in float64 and ``1 - p`` is ``-expm1(logp)``, so such tokens get finite, correct values.
-AReaL's config validation also rejects this metric; rlcore accepts it. All tensors are padded ``(b t)``.
+AReaL's config validation also rejects this metric; rlcore accepts it. Like every mask, ``keep_mask`` also returns a
+per-token ``weight`` to multiply into the loss; KPop only filters, so it is 1 on ``keep``. All tensors are padded
+``(b t)``.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def symmetric_binary_kl(logp_prox: Tensor, logp_behav: Tensor, *, prob_clip: flo
 
 def keep_mask(
     logp_prox: Tensor, logp_behav: Tensor, mask: Tensor, *, cfg: KPopConfig
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Tokens of ``mask`` whose symmetric binary KL is at most ``cfg.upper``.
 
     Args:
@@ -75,13 +77,15 @@ def keep_mask(
       cfg: KPopConfig.
 
     Returns:
-      (keep, metrics): ``keep`` (b t) bool, a subset of ``mask``; metrics ``kpop/filtered_frac`` (fraction of
-      ``mask`` dropped) and ``kpop/binary_kl`` (mean statistic over ``mask``, float32).
+      (keep, weight, metrics): ``keep`` (b t) bool, a subset of ``mask``; ``weight`` (b t) 1.0 on ``keep``, 0
+      elsewhere (a pure mask; float64 for float64 inputs, else float32); metrics ``kpop/filtered_frac`` (fraction
+      of ``mask`` dropped) and ``kpop/binary_kl`` (mean statistic over ``mask``, float32; float64 for float64).
     """
+    dt = torch.promote_types(logp_prox.dtype, torch.float32)
     kl = torch.where(mask, symmetric_binary_kl(logp_prox, logp_behav, prob_clip=cfg.prob_clip), 0.0)
     keep = mask & (kl <= cfg.upper)
     metrics = {
-        "kpop/filtered_frac": _masked_mean((~keep).float(), mask),
-        "kpop/binary_kl": _masked_mean(kl, mask).float(),
+        "kpop/filtered_frac": _masked_mean((~keep).to(dt), mask),
+        "kpop/binary_kl": _masked_mean(kl, mask).to(dt),
     }
-    return keep, metrics
+    return keep, keep.to(dt), metrics

@@ -16,7 +16,8 @@ still weights the micro-batch by its pre-mask token count, which up-weights surv
 statistic per micro-batch. rlcore treats M2PO like every other keep-mask: call it once on the minibatch and pass
 the pre-mask token count as ``denom`` to the loss, so dropped tokens simply contribute zero. To reproduce AReaL,
 call it per micro-batch and pass ``denom = max(keep.sum(), 1)`` (reported as ``m2po/kept_count``).
-All tensors are padded ``(b t)``; ``mask`` is bool.
+Like every mask, ``keep_mask`` also returns a per-token ``weight`` to multiply into the loss; M2PO only filters, so
+it is 1 on ``keep``. All tensors are padded ``(b t)``; ``mask`` is bool.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class M2POConfig:
 
 def keep_mask(
     logp_prox: Tensor, logp_behav: Tensor, mask: Tensor, *, cfg: M2POConfig
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Drop the fewest highest-second-moment tokens of ``mask`` so the rest have mean second moment < tau.
 
     Args:
@@ -50,7 +51,8 @@ def keep_mask(
       cfg: M2POConfig.
 
     Returns:
-      (keep, metrics): ``keep`` (b t) bool, a subset of ``mask``; metrics ``m2po/filtered_frac`` (fraction of
+      (keep, weight, metrics): ``keep`` (b t) bool, a subset of ``mask``; ``weight`` (b t) 1.0 on ``keep``, 0
+      elsewhere (a pure mask; float64 for float64 inputs, else float32); metrics ``m2po/filtered_frac`` (fraction of
       ``mask`` dropped), ``m2po/kept_count``, ``m2po/second_moment`` and ``m2po/second_moment_kept`` (mean M
       over ``mask`` / ``keep``); 0-dim, detached.
     """
@@ -72,10 +74,11 @@ def keep_mask(
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted).reshape(mask.shape)
     keep = mask & ~drop
     fm = mask.sum().clamp(min=1)
+    dt = torch.promote_types(logp_prox.dtype, torch.float32)
     metrics = {
-        "m2po/filtered_frac": ((mask & drop).sum() / fm).float(),
-        "m2po/kept_count": keep.sum().float(),
-        "m2po/second_moment": (torch.where(mask, m2, 0.0).sum() / fm).float(),
-        "m2po/second_moment_kept": (torch.where(keep, m2, 0.0).sum() / keep.sum().clamp(min=1)).float(),
+        "m2po/filtered_frac": ((mask & drop).sum() / fm).to(dt),
+        "m2po/kept_count": keep.sum().to(dt),
+        "m2po/second_moment": (torch.where(mask, m2, 0.0).sum() / fm).to(dt),
+        "m2po/second_moment_kept": (torch.where(keep, m2, 0.0).sum() / keep.sum().clamp(min=1)).to(dt),
     }
-    return keep, metrics
+    return keep, keep.to(dt), metrics

@@ -1,7 +1,8 @@
 """Bradley–Terry reward-model loss (Ouyang et al. 2022, https://arxiv.org/abs/2203.02155; spec §13.2).
 
 Score of a sequence = scalar head output at its last real token. Per valid pair ``−log σ(s_c − s_r)``,
-averaged over valid pairs. Values are ``(b t)``, lengths and scores ``(b,)`` / ``(p,)``.
+averaged over valid pairs. Values are ``(b t)``, lengths and scores ``(b,)`` / ``(p,)``. The loss is computed in the
+scores' dtype promoted to at least float32 (float64 in, float64 out).
 """
 
 from __future__ import annotations
@@ -34,16 +35,17 @@ def loss(
       scalar loss and ``{"rm/loss", "rm/correct_ratio", "rm/pos_score", "rm/neg_score"}`` (detached).
     """
     ok = torch.ones_like(score_chosen, dtype=torch.bool) if valid is None else valid.bool()
-    zero = torch.zeros((), dtype=torch.float32)
-    sc = torch.where(ok, score_chosen.float(), zero)
-    sr = torch.where(ok, score_rejected.float(), zero)
+    dt = torch.promote_types(score_chosen.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dt)
+    sc = torch.where(ok, score_chosen.to(dt), zero)
+    sr = torch.where(ok, score_rejected.to(dt), zero)
     per = torch.where(ok, -F.logsigmoid(sc - sr), zero)
     n = ok.sum().clamp(min=1)
     d = n if denom is None else denom
     out = per.sum() / d
     metrics = {
         "rm/loss": (per.sum() / n).detach(),
-        "rm/correct_ratio": ((sc > sr) & ok).sum().div(n).detach(),
+        "rm/correct_ratio": ((sc > sr) & ok).sum().div(n).to(dt).detach(),
         "rm/pos_score": (sc.sum() / n).detach(),
         "rm/neg_score": (sr.sum() / n).detach(),
     }

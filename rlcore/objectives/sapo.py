@@ -72,8 +72,15 @@ def _agg(x: Tensor, mask: Tensor, *, agg: Agg, denom: Tensor | float | None, nor
 
 
 def gate(ratio: Tensor, adv: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
-    """Soft gate ``(4/tau) sigmoid(tau (r - 1))`` elementwise, tau chosen by the sign of ``adv``; any shape."""
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    """Soft gate ``(4/tau) sigmoid(tau (r - 1))`` elementwise, tau chosen by the sign of ``adv``; any shape.
+
+    tau is built in ``ratio``'s dtype (a float64 ratio gets tau_neg = 1.05 exactly, not float32's 1.0499999523).
+    """
+    tau = torch.where(
+        adv > 0,
+        torch.tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
+    )
     return 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))
 
 

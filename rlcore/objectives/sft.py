@@ -2,6 +2,7 @@
 
 ``L = −Σ m_t ℓ_t / (denom_eps + denom)``, ``denom`` defaulting to ``Σ m``; pass the minibatch-global token
 count when micro-batching so the summed micro-batch losses equal the full-batch loss. Shapes ``(b t)``.
+Computed in ``logp``'s dtype promoted to at least float32 (float64 in, float64 out).
 """
 
 from __future__ import annotations
@@ -48,16 +49,17 @@ def loss(
     if mask is None:
         raise ValueError("sft.loss: mask= is required (True on tokens to train)")
     m = mask.bool()
-    nll = torch.where(m, -logp.float(), torch.zeros((), dtype=torch.float32))
+    dt = torch.promote_types(logp.dtype, torch.float32)
+    nll = torch.where(m, -logp.to(dt), torch.zeros((), dtype=dt))
     count = m.sum()
     d = count if denom is None else denom
-    out = nll.sum() / (cfg.denom_eps + d)
+    out = nll.sum() / (cfg.denom_eps + torch.as_tensor(d, dtype=dt, device=nll.device))
     rows = m.sum(-1)
     row_ppl = torch.exp(nll.sum(-1) / rows.clamp(min=1))
     ppl = torch.where(rows > 0, row_ppl, torch.zeros_like(row_ppl)).sum() / (rows > 0).sum().clamp(min=1)
     metrics = {
         "sft/nll": (nll.sum() / count.clamp(min=1)).detach(),
         "sft/ppl_mean": ppl.detach(),
-        "sft/n_tokens": count.detach().float(),
+        "sft/n_tokens": count.detach().to(dt),
     }
     return out, metrics

@@ -2,7 +2,8 @@
 https://arxiv.org/abs/1707.06347).
 
 ``e1 = ½(V − G)²``, ``V_clip = V_old + clamp(V − V_old, −ε_v, ε_v)``, ``e2 = ½(V_clip − G)²``,
-``loss = Σ m · max(e1, e2) / denom``. All tensors are ``(b t)``; ``mask`` is bool.
+``loss = Σ m · max(e1, e2) / denom``. All tensors are ``(b t)``; ``mask`` is bool. Computed in ``value``'s dtype
+promoted to at least float32 (float64 in, float64 out).
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def loss(
       scalar loss and ``{"critic/clip_frac", "critic/value_mean", "critic/loss_unclipped"}`` (detached).
     """
     m = mask.bool()
-    zero = torch.zeros((), dtype=torch.float32)
-    v = torch.where(m, value.float(), zero)
-    v_old = torch.where(m, value_old.float(), zero)
-    g = torch.where(m, returns.float(), zero)
+    dt = torch.promote_types(value.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dt)
+    v = torch.where(m, value.to(dt), zero)
+    v_old = torch.where(m, value_old.to(dt), zero)
+    g = torch.where(m, returns.to(dt), zero)
     e1 = 0.5 * (v - g) ** 2
     if cfg.eps_clip is None:
         e, clipped = e1, torch.zeros_like(m)
@@ -60,7 +62,7 @@ def loss(
     d = n if denom is None else denom
     out = torch.where(m, e, zero).sum() / d
     metrics = {
-        "critic/clip_frac": ((clipped & m).sum() / n).detach(),
+        "critic/clip_frac": ((clipped & m).sum() / n).to(dt).detach(),
         "critic/value_mean": (v.sum() / n).detach(),
         "critic/loss_unclipped": (torch.where(m, e1, zero).sum() / n).detach(),
     }

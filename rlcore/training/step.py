@@ -46,7 +46,6 @@ from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import microbatch, packing
 from rlcore.objectives import distill as distill_lib
 from rlcore.objectives import dpo as dpo_lib
-from rlcore.objectives import rejection as rejection_lib
 from rlcore.objectives import reward_model as rm_lib
 from rlcore.objectives import sft as sft_lib
 from rlcore.objectives import value as value_lib
@@ -610,12 +609,10 @@ def _objective(cfg: RLStepConfig) -> tuple[Callable, Any]:
 
 
 def _keep_mask_fn(mask_cfg: Any) -> Callable:
-    """The mask function of a keep-mask config (legacy lookup by config class). Rejection configs use
-    ``rejection.process`` so their processed weight is returned too: ``(keep, weight, metrics)``."""
+    """The mask function of a keep-mask config (legacy lookup by config class): ``(keep, factor, metrics)`` where
+    ``factor`` multiplies the objective's own behaviour weight ``exp(prox - behav)`` (1 for pure masks)."""
     from rlcore.objectives import MASKS
 
-    if type(mask_cfg) is rejection_lib.RejectionConfig:
-        return rejection_lib.process
     for cfg_cls, fn in MASKS.values():
         if type(mask_cfg) is cfg_cls:
             return fn
@@ -645,13 +642,15 @@ def legacy_loss_fn(cfg: RLStepConfig, *, version: int = 0) -> LossFn:
     fn, obj_cfg = _objective(cfg)
     masks = [(m, _keep_mask_fn(m)) for m in cfg.keep_masks]
     takes_weight = _takes_weight(fn, obj_cfg)
-    clamps = [m for m in cfg.keep_masks if getattr(m, "action", None) == "clamp"]
-    if clamps and not takes_weight:
+    weighted = [m for m in cfg.keep_masks if getattr(m, "carries_weight", False)]
+    if weighted and not takes_weight:
         raise ValueError(
-            f"RLStepConfig.keep_masks has RejectionConfig(action='clamp') but objective {cfg.objective!r} "
-            f"({type(obj_cfg).__name__}) applies no behaviour weight (coupled or SAPO), so only a mask could act; "
-            "use action='mask' or a decoupled ppo/gspo/cispo objective"
+            f"RLStepConfig.keep_masks has a weight-carrying RejectionConfig (action='clamp' or level='sequence' with "
+            f"the ratio metric) but objective {cfg.objective!r} ({type(obj_cfg).__name__}) applies no behaviour "
+            "weight (coupled or SAPO), so only its mask could act; use action='mask' at token level or a decoupled "
+            "ppo/gspo/cispo objective"
         )
+    bound = getattr(obj_cfg, "max_log_ratio", None)
     coupled_recompute = _coupled_recompute(cfg, obj_cfg)
     agg = getattr(obj_cfg, "agg", "token_mean")
 
@@ -667,13 +666,16 @@ def legacy_loss_fn(cfg: RLStepConfig, *, version: int = 0) -> LossFn:
             metrics.update(m)
         else:
             prox = behav
-        keep, weight = mb.loss_mask, None
+        keep, factor = mb.loss_mask, None
         for mcfg, mfn in masks:
-            out = mfn(prox, behav, keep, cfg=mcfg)
-            keep, w, m = out if len(out) == 3 else (out[0], None, out[1])
-            weight = w if w is not None else weight
+            keep, f, m = mfn(prox, behav, keep, cfg=mcfg)
+            factor = f if factor is None else factor * f  # factors of several masks compose by multiplication
             metrics.update(m)
-        extra = {"weight": weight} if weight is not None and takes_weight else {}
+        extra = {}
+        if factor is not None and takes_weight:
+            # spec §7.4: the processed weight w' = exp(prox - behav) * factor replaces the objective's own weight
+            delta = (prox - behav).detach()
+            extra["weight"] = torch.exp(delta if bound is None else delta.clamp(-bound, bound)) * factor
         if mb.logp_ref is not None:
             extra["logp_ref"] = mb.logp_ref
         loss, m = fn(logp, prox, behav, mb.adv, keep, cfg=obj_cfg, denom=mb.denom(agg), **extra)

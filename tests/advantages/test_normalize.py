@@ -58,7 +58,9 @@ def ref_normalize(x, mask, sizes, cfg):
         for u in units(cfg.std_level):
             q = sum(mrows[i][j] * (flat_rows[i][j] - mu[i][j]) ** 2 for i in u for j in range(len(y[i])))
             c = sum(mrows[i][j] for i in u for j in range(len(y[i])))
-            if cfg.std_unbiased:
+            if cfg.std_unbiased and cfg.std_level == "group" and len(u) == 1:
+                sig = 1.0  # a one-row group: σ = 1 whatever its token count (spec §3)
+            elif cfg.std_unbiased:
                 sig = math.sqrt(q / (c - 1)) if c > 1 else 1.0
             else:
                 sig = math.sqrt(q / c) if c > 0 else 1.0
@@ -161,6 +163,22 @@ def test_singleton_groups_and_loo():
     torch.testing.assert_close(out, torch.zeros(2))  # x − mean_g = 0 for a singleton
     std_only = N.NormConfig(mean_level=None, std_level="group", group_size=1)  # unbiased singleton ⇒ σ = 1
     torch.testing.assert_close(N.normalize(r, cfg=std_only), r / (1 + 1e-5))
+
+
+def test_one_row_group_of_masked_tokens_has_unit_std():
+    # spec §3: a group of one row has σ = 1 under the unbiased std, as for rewards (b,); it used to get the
+    # std of that row's tokens. Row 0 is a group of its own, rows 1-2 form a second group.
+    adv = torch.tensor([[1.0, 3.0, 8.0, 0.0], [2.0, -1.0, 0.5, 4.0], [0.0, 1.0, -2.0, 3.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False], [True, True, True, True]])
+    for cfg in (N.GRPO, N.NormConfig(mean_level=None, std_level="group")):
+        out = N.normalize(adv, mask, cfg=cfg, group_sizes=[1, 2])
+        mu0 = adv[0, :3].mean() if cfg.mean_level == "group" else 0.0
+        torch.testing.assert_close(out[0, :3], ((adv[0, :3] - mu0) / (1 + cfg.eps)).float())
+        m1 = mask[1:]
+        x1 = torch.where(m1, adv[1:], 0.0).double()
+        mu1 = x1.sum() / m1.sum() if cfg.mean_level == "group" else 0.0
+        sig1 = ((torch.where(m1, x1 - mu1, 0.0) ** 2).sum() / (m1.sum() - 1)).sqrt()
+        torch.testing.assert_close(out[1:][m1], ((x1 - mu1) / (sig1 + cfg.eps))[m1].float())
 
 
 @given(grouped_rewards())

@@ -17,7 +17,7 @@ configs = st.builds(icepop.IcePopConfig, lower=st.floats(0.2, 1.0), upper=st.flo
 
 @given(token_batches(spread=1.5), configs)
 def test_kept_iff_ratio_in_the_inclusive_band(b, cfg):
-    keep, metrics = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep, _, metrics = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
     for i, j in b.mask.nonzero().tolist():
         ratio = math.exp(float(b.logp_prox[i, j]) - float(b.logp_behav[i, j]))
         if min(abs(ratio - cfg.lower), abs(ratio - cfg.upper)) > 1e-5:  # float32 vs float64 rounding
@@ -30,7 +30,7 @@ def test_kept_iff_ratio_in_the_inclusive_band(b, cfg):
 
 @given(token_batches(spread=1.5), configs)
 def test_equals_the_generic_rejection_filter(b, cfg):
-    keep, _ = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep, _, _ = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
     generic = rejection.RejectionConfig(
         level="token", action="mask", metric="ratio", lower=cfg.lower, upper=cfg.upper
     )
@@ -39,19 +39,19 @@ def test_equals_the_generic_rejection_filter(b, cfg):
 
 @given(token_batches(spread=1.5), configs, st.floats(0.0, 0.19), st.floats(0.0, 2.0))
 def test_band_monotonicity(b, cfg, down, up):
-    keep, _ = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep, _, _ = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
     wider = icepop.IcePopConfig(lower=cfg.lower - down, upper=cfg.upper + up)
-    keep_wide, _ = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=wider)
+    keep_wide, _, _ = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=wider)
     assert not (keep & ~keep_wide).any()
 
 
 @given(extreme_token_batches(), configs)
 def test_extreme_log_probs_and_garbage_padding(b, cfg):
-    keep, metrics = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep, _, metrics = icepop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
     assert not (keep & ~b.mask).any()
     assert all(torch.isfinite(v) for v in metrics.values())
     # equal log-probs (ratio exactly 1) are always kept, however small the probability
-    same, _ = icepop.keep_mask(b.logp_behav, b.logp_behav, b.mask, cfg=cfg)
+    same, _, _ = icepop.keep_mask(b.logp_behav, b.logp_behav, b.mask, cfg=cfg)
     assert torch.equal(same, b.mask)
 
 
@@ -67,7 +67,7 @@ def test_hand_computed_icepop_recipe():
     behav[0, 4] = float("nan")
     mask = torch.tensor([[True, True, True, True, True, False]])
     cfg_cls, keep_mask = MASKS["icepop"]
-    keep, metrics = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=band)
+    keep, _, metrics = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=band)
     assert isinstance(band, cfg_cls)
     assert keep.tolist() == [[True, False, True, False, True, False]]
     assert math.isclose(float(metrics["icepop/low_frac"]), 0.2) and math.isclose(

@@ -23,8 +23,8 @@ def py_binary_kl(la: float, lb: float, eps: float = 1e-8) -> float:
 
 @given(extreme_token_batches(), configs)
 def test_symmetric_in_prox_and_behav(b, cfg):
-    keep, m = kpop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
-    keep_swapped, m_swapped = kpop.keep_mask(b.logp_behav, b.logp_prox, b.mask, cfg=cfg)
+    keep, _, m = kpop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep_swapped, _, m_swapped = kpop.keep_mask(b.logp_behav, b.logp_prox, b.mask, cfg=cfg)
     assert torch.equal(keep, keep_swapped)
     assert torch.equal(m["kpop/binary_kl"], m_swapped["kpop/binary_kl"])
 
@@ -33,7 +33,7 @@ def test_symmetric_in_prox_and_behav(b, cfg):
 def test_finite_for_log_probs_from_minus_1e4_to_exactly_zero(b, cfg):
     stat = kpop.symmetric_binary_kl(b.logp_prox, b.logp_behav)
     assert torch.isfinite(stat[b.mask]).all() and (stat[b.mask] >= 0).all()
-    keep, metrics = kpop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep, _, metrics = kpop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
     assert not (keep & ~b.mask).any()
     assert all(torch.isfinite(v) for v in metrics.values())
 
@@ -48,8 +48,8 @@ def test_statistic_matches_float64_formula(a, c):
 
 @given(token_batches(spread=1.5), configs, st.floats(0.0, 2.0))
 def test_monotone_in_the_bound_and_equal_to_generic_filter(b, cfg, more):
-    keep, _ = kpop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
-    keep_more, _ = kpop.keep_mask(
+    keep, _, _ = kpop.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep_more, _, _ = kpop.keep_mask(
         b.logp_prox, b.logp_behav, b.mask, cfg=kpop.KPopConfig(upper=cfg.upper + more)
     )
     assert not (keep & ~keep_more).any()
@@ -65,7 +65,7 @@ def test_confident_tokens_are_not_dropped_unlike_areal_float32():
     p, q = prox.exp().clamp(eps, 1 - eps), behav.exp().clamp(eps, 1 - eps)
     naive = p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
     assert not torch.isfinite(naive).all()  # the AReaL bug this file fixes
-    keep, metrics = kpop.keep_mask(
+    keep, _, metrics = kpop.keep_mask(
         prox, behav, torch.ones_like(prox, dtype=torch.bool), cfg=kpop.KPopConfig()
     )
     assert keep.all()
@@ -82,9 +82,9 @@ def test_hand_computed_kpop_recipe():
     assert math.isclose(float(stat[0, 0]), 0.5 * math.log(2) + 0.5 * math.log(2 / 3), rel_tol=1e-9)
     assert math.isclose(float(stat[0, 1]), 0.9 * math.log(90) + 0.1 * math.log(0.1 / 0.99), rel_tol=1e-9)
     cfg_cls, keep_mask = MASKS["kpop"]
-    keep, _ = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=cfg_cls())
+    keep, _, _ = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=cfg_cls())
     assert keep.tolist() == [[True, False, False]]
-    keep, _ = keep_mask(prox, behav, mask, cfg=kpop.KPopConfig(upper=0.14))
+    keep, _, _ = keep_mask(prox, behav, mask, cfg=kpop.KPopConfig(upper=0.14))
     assert not keep.any()
 
 

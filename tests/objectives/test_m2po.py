@@ -39,14 +39,14 @@ def reference(b, tau: float):
 def test_matches_python_reference(b, tau):
     kept_ref, means = reference(b, tau)
     assume(all(abs(s - tau) > 1e-9 for s in means))  # float64 cumsum vs Python sum rounding at the threshold
-    keep, metrics = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau))
+    keep, _, metrics = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau))
     assert {tuple(ij) for ij in keep.nonzero().tolist()} == kept_ref
     assert float(metrics["m2po/kept_count"]) == len(kept_ref)
 
 
 @given(token_batches(spread=0.5), thresholds)
 def test_kept_mean_below_threshold_dropped_set_is_minimal_top_k(b, tau):
-    keep, _ = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau))
+    keep, _, _ = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau))
     assert not (keep & ~b.mask).any()
     m = second_moments(b)
     n = len(m)
@@ -68,8 +68,8 @@ def test_kept_mean_below_threshold_dropped_set_is_minimal_top_k(b, tau):
 
 @given(token_batches(spread=0.5), thresholds, st.floats(0.0, 0.2))
 def test_a_larger_threshold_keeps_a_superset(b, tau, more):
-    keep, _ = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau))
-    keep_more, _ = m2po.keep_mask(
+    keep, _, _ = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau))
+    keep_more, _, _ = m2po.keep_mask(
         b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau + more)
     )
     assert not (keep & ~keep_more).any()
@@ -80,15 +80,15 @@ def test_a_larger_threshold_keeps_a_superset(b, tau, more):
 def test_row_permutation_keeps_the_same_multiset(b, tau, data):
     perm = torch.tensor(data.draw(st.permutations(range(b.mask.shape[0]))))
     cfg = m2po.M2POConfig(threshold=tau)
-    keep, _ = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
-    keep_p, _ = m2po.keep_mask(b.logp_prox[perm], b.logp_behav[perm], b.mask[perm], cfg=cfg)
+    keep, _, _ = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep_p, _, _ = m2po.keep_mask(b.logp_prox[perm], b.logp_behav[perm], b.mask[perm], cfg=cfg)
     m = (b.logp_behav.double() - b.logp_prox.double()) ** 2
     assert sorted(m[keep].tolist()) == sorted(m[perm][keep_p].tolist())
 
 
 @given(extreme_token_batches(), thresholds)
 def test_extreme_log_probs_and_garbage_padding(b, tau):
-    keep, metrics = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau))
+    keep, _, metrics = m2po.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=m2po.M2POConfig(threshold=tau))
     assert not (keep & ~b.mask).any()
     assert bool(keep.any()) == bool(b.mask.any())
     assert torch.isfinite(metrics["m2po/filtered_frac"]) and torch.isfinite(
@@ -110,7 +110,7 @@ def test_vmap_over_stacked_batches_equals_loop(b, tau):
 
 def test_empty_mask_is_returned_unchanged():
     mask = torch.zeros(2, 3, dtype=torch.bool)
-    keep, metrics = m2po.keep_mask(
+    keep, _, metrics = m2po.keep_mask(
         torch.full((2, 3), float("nan")), torch.zeros(2, 3), mask, cfg=m2po.M2POConfig()
     )
     assert not keep.any() and metrics["m2po/kept_count"] == 0
@@ -125,13 +125,13 @@ def test_hand_computed_m2po_recipe():
     prox = behav - d
     mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
     cfg_cls, keep_mask = MASKS["m2po"]
-    keep, metrics = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=cfg_cls())
+    keep, _, metrics = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=cfg_cls())
     assert keep.tolist() == [[False, True, True, True], [True, True, False, False]]
     assert math.isclose(float(metrics["m2po/second_moment_kept"]), 0.0205, rel_tol=1e-6)
     assert math.isclose(float(metrics["m2po/filtered_frac"]), 2 / 7, rel_tol=1e-6)
     assert float(metrics["m2po/kept_count"]) == 5
     # tau = 0.1: 0.05875 < 0.1 already after dropping the NaN token -> k = 1
-    keep, _ = keep_mask(prox, behav, mask, cfg=cfg_cls(threshold=0.1))
+    keep, _, _ = keep_mask(prox, behav, mask, cfg=cfg_cls(threshold=0.1))
     assert keep.tolist() == [[True, True, True, True], [True, True, False, False]]
 
 
@@ -157,7 +157,8 @@ def test_masks_compile_fullgraph_and_match_eager():
     ]
     for fn, cfg in cases:
         compiled = torch.compile(lambda a, b, c, fn=fn, cfg=cfg: fn(a, b, c, cfg=cfg), fullgraph=True)
-        (keep, metrics), (keep_c, metrics_c) = fn(prox, behav, mask, cfg=cfg), compiled(prox, behav, mask)
+        (keep, weight, metrics), (keep_c, weight_c, metrics_c) = fn(prox, behav, mask, cfg=cfg), compiled(prox, behav, mask)
         assert torch.equal(keep, keep_c)
+        torch.testing.assert_close(weight_c, weight)
         for k in metrics:
             torch.testing.assert_close(metrics_c[k], metrics[k], equal_nan=True)

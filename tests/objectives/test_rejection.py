@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from rlcore.objectives import ppo, rejection
+from rlcore.objectives import MASKS, ppo, rejection
 from rlcore.objectives.rejection import RejectionConfig
 from tests.strategies import TokenBatch, extreme_token_batches, garbage_fill, token_batches
 
@@ -33,6 +33,15 @@ kl_configs = st.builds(
     lower=st.none() | st.floats(-0.5, 0.0),
 )
 configs = ratio_configs | kl_configs
+
+
+def valid_wider_lower(cfg: RejectionConfig, down: float) -> float | None:
+    """``cfg.lower`` lowered by ``down``, still valid: a ratio bound must stay > 0, so one that would reach 0
+    becomes None (no lower bound), which is the widest band."""
+    if cfg.lower is None:
+        return None
+    lower = cfg.lower - down
+    return None if cfg.metric == "ratio" and not lower > 0 else lower
 
 
 def py_binary_kl(la: float, lb: float, eps: float = 1e-8) -> float:
@@ -136,13 +145,18 @@ def test_unbounded_ratio_filter_is_a_no_op(b, level, agg):
     torch.testing.assert_close(weight, torch.where(b.mask, torch.exp(delta), 0))
 
 
+def _small_batch() -> TokenBatch:
+    behav = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, 0.0]])
+    prox = behav + torch.tensor([[0.4, -1.2, 0.0], [0.9, -0.3, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    return TokenBatch(prox.clamp(max=0), prox.clamp(max=0), behav, torch.ones_like(behav), mask, (2, 3))
+
+
+# the draw that used to fail at random: a ratio lower bound lowered exactly to 0 built an invalid config
+@example(_small_batch(), RejectionConfig(lower=0.3, upper=2.0), 0.0, 0.3)
 @given(token_batches(spread=1.5), configs, st.floats(0.0, 2.0), st.floats(0.0, 0.5))
 def test_masks_grow_as_the_band_widens(b, cfg, up, down):
-    wider = dataclasses.replace(
-        cfg, upper=cfg.upper + up, lower=None if cfg.lower is None else cfg.lower - down
-    )
-    if wider.metric == "ratio" and wider.lower is not None and wider.lower <= 0:
-        wider = dataclasses.replace(wider, lower=None)
+    wider = dataclasses.replace(cfg, upper=cfg.upper + up, lower=valid_wider_lower(cfg, down))
     keep, _, _ = rejection.process(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
     keep_wide, _, _ = rejection.process(b.logp_prox, b.logp_behav, b.mask, cfg=wider)
     assert not (keep & ~keep_wide).any()
@@ -252,3 +266,102 @@ def test_hand_computed_token_and_sequence_filters():
 def test_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         RejectionConfig(**kw)
+
+
+# --- the weight every mask returns (issue 13.1): keep_mask -> (keep, weight, metrics) ---------------------------
+
+def _delta(b: TokenBatch) -> torch.Tensor:
+    raw = torch.where(b.mask, b.logp_prox - b.logp_behav, 0.0)
+    return torch.where(torch.isfinite(raw), raw, 0.0)
+
+
+@given(extreme_token_batches(), st.sampled_from(sorted(MASKS)), configs, st.data())
+def test_every_mask_returns_a_weight_that_lives_on_keep(b, name, rs_cfg, data):
+    cfg_cls, fn = MASKS[name]
+    cfg = rs_cfg if name == "rejection" else cfg_cls()
+    keep, weight, metrics = fn(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    assert keep.dtype == torch.bool and weight.shape == b.mask.shape and weight.dtype == torch.float32
+    assert not (keep & ~b.mask).any() and (weight[~keep] == 0).all() and (weight >= 0).all()
+    assert all(isinstance(v, torch.Tensor) for v in metrics.values())
+    if name != "rejection" or not cfg.carries_weight:  # pure masks: weight exactly 1 on every kept token
+        assert (weight[keep] == 1).all()
+
+
+@given(token_batches(spread=1.5), configs)
+def test_mask_action_weight_is_one_at_token_level(b, cfg):
+    cfg = dataclasses.replace(cfg, action="mask", level="token")
+    keep, weight, _ = rejection.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    assert not cfg.carries_weight and torch.equal(weight, keep.float())
+
+
+@given(token_batches(spread=1.5), configs)
+def test_keep_mask_weight_times_exp_delta_is_the_processed_weight(b, cfg):
+    keep, weight, _ = rejection.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    keep_p, w_proc, _ = rejection.process(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    assert torch.equal(keep, keep_p)
+    torch.testing.assert_close(torch.where(keep, torch.exp(_delta(b)) * weight, 0.0), w_proc, rtol=1e-5, atol=1e-6)
+
+
+@given(token_batches(spread=1.5), ratio_configs)
+def test_token_clamp_weight_respects_the_band(b, cfg):
+    cfg = dataclasses.replace(cfg, action="clamp", level="token")
+    keep, weight, _ = rejection.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    lo = 0.0 if cfg.lower is None else cfg.lower
+    effective = torch.exp(_delta(b)) * weight
+    assert torch.equal(keep, b.mask)
+    assert (effective[b.mask] >= lo * (1 - 1e-6)).all() and (effective[b.mask] <= cfg.upper * (1 + 1e-6)).all()
+    torch.testing.assert_close(effective[b.mask], torch.exp(_delta(b)).clamp(lo, cfg.upper)[b.mask])
+    inside = b.mask & (torch.exp(_delta(b)) > lo * (1 + 1e-5)) & (torch.exp(_delta(b)) < cfg.upper * (1 - 1e-5))
+    torch.testing.assert_close(weight[inside], torch.ones_like(weight[inside]))  # in-band tokens: factor 1
+
+
+@given(token_batches(spread=1.5), ratio_configs)
+def test_sequence_weights_are_constant_along_a_row(b, cfg):
+    cfg = dataclasses.replace(cfg, level="sequence", agg="mean")
+    keep, weight, _ = rejection.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    effective = torch.where(keep, torch.exp(_delta(b)) * weight, torch.nan)
+    row = torch.nan_to_num(effective, nan=-1.0).amax(-1, keepdim=True)
+    kept = ~effective.isnan()
+    torch.testing.assert_close(effective[kept], row.expand_as(effective)[kept], rtol=1e-5, atol=1e-6)
+    if cfg.action == "mask":  # the weight is the row's geometric mean ratio (spec 8 step 6)
+        n = b.mask.sum(-1, keepdim=True).clamp(min=1)
+        gm = torch.exp(_delta(b).sum(-1, keepdim=True) / n).expand_as(effective)
+        torch.testing.assert_close(effective[kept], gm[kept], rtol=1e-5, atol=1e-6)
+
+
+@given(extreme_token_batches(), st.sampled_from(sorted(MASKS)), configs)
+def test_masked_tokens_get_zero_grad_through_the_weighted_loss(b, name, rs_cfg):
+    cfg_cls, fn = MASKS[name]
+    cfg = rs_cfg if name == "rejection" else cfg_cls()
+    keep, weight, _ = fn(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    w = torch.where(keep, torch.exp(_delta(b).clamp(-20, 20)) * weight, 0.0)
+
+    def loss(logp):
+        return ppo.loss(logp, b.logp_prox, b.logp_behav, b.adv, keep, cfg=ppo.PPOConfig(), denom=b.mask.sum(),
+                        weight=w)[0]
+
+    g = torch.func.grad(loss)(b.logp)
+    assert torch.isfinite(g).all() and (g[~keep] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("cfg", "field"),
+    [
+        (RejectionConfig(action="clamp", upper=2.0), "action='clamp'"),
+        (RejectionConfig(action="clamp", level="sequence", upper=2.0), "action='clamp'"),
+        (RejectionConfig(level="sequence", upper=2.0), "level='sequence'"),
+    ],
+)
+def test_weight_carrying_config_through_a_mask_only_api_raises(cfg, field):
+    b = _small_batch()
+    assert cfg.carries_weight
+    with pytest.raises(ValueError, match=field.replace("(", r"\(")) as err:
+        rejection.mask_only(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    assert "keep_mask" in str(err.value)  # names the fix
+
+
+@given(token_batches(spread=1.5), kl_configs | ratio_configs.map(lambda c: dataclasses.replace(c, action="mask",
+                                                                                               level="token")))
+def test_mask_only_equals_keep_mask_for_pure_masks(b, cfg):
+    keep, _ = rejection.mask_only(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
+    assert torch.equal(keep, rejection.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)[0])
