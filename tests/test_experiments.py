@@ -95,8 +95,8 @@ def test_presets_mirror_the_recipe_table():
     assert (
         p["dapo"].objective.clip_high == 0.28 and p["dapo"].shaping.overlong_penalty and p["dapo"].dynamic_bs
     )
-    assert p["m2po"].objective.clip_low == 0.0 and p["m2po"].keep_masks[0] is p["m2po"].m2po
-    assert p["icepop"].keep_masks == (p["icepop"].icepop,) and p["kpop"].kpop.upper == 2.0
+    assert p["m2po"].objective.clip_low == 0.0 and p["m2po"].m2po.threshold == 0.04
+    assert p["icepop"].rejection is None and p["icepop"].icepop.lower == 0.5 and p["kpop"].kpop.upper == 2.0
     assert p["sapo"].prox == "behav" and p["sapo"].rejection is None
     assert type(p["gspo"].objective).__name__ == "GSPOConfig"
     assert type(p["cispo"].objective).__name__ == "CISPOConfig" and p["cispo"].objective.clip_high == 4.0
@@ -263,10 +263,10 @@ def test_gsm8k_with_remote_engine_server(data_dir, tmp_path):
     from rlcore import tiny
     from rlcore.inference import engine as engine_lib
     from rlcore.inference import server as engine_server
-    from rlcore.training import loop
+    from rlcore.training import engines, harness
 
     cfg = GSM.SMOKE["grpo"]
-    tok = loop.load_tokenizer(loop.TINY)
+    tok = harness.load_tokenizer(harness.TINY)
     # Same seed as the trainer's tiny model: the server starts from the trainer's initial weights.
     served = tiny.build_model(tok, cfg.tiny, seed=cfg.run.seed)
     ev_loop = asyncio.new_event_loop()
@@ -285,7 +285,7 @@ def test_gsm8k_with_remote_engine_server(data_dir, tmp_path):
     ) as eng:
         runner, port = call(up(engine_server.make_app(eng)))
         try:
-            setup = loop.EngineSetup(engine_addrs=(f"127.0.0.1:{port}",), disk_root=str(tmp_path / "w"))
+            setup = engines.EngineSetup(engine_addrs=(f"127.0.0.1:{port}",), disk_root=str(tmp_path / "w"))
             out = GSM.main(dataclasses.replace(cfg, data_dir=str(data_dir), engine=setup))
             check_finite(out, "ppo_actor/loss", "eval/pass@1")
             assert eng.version == cfg.steps  # every step's weights reached the server
