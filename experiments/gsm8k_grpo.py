@@ -368,7 +368,7 @@ def main(cfg: Config) -> dict[str, float]:
                                                    reward_norm=group_norm)
                 # --- advantages: GAE (+ KL-in-reward against ℓ^old), then the batch z-score ---
                 logp_old = step.old_logp(batch, coupled_recompute=cfg.prox == "recompute" and cfg.coupled)
-                truncated = batch.truncated if batch.truncated is not None else torch.zeros_like(batch.rewards).bool()
+                truncated = torch.zeros_like(mask[:, 0]) if batch.truncated is None else batch.truncated
                 adv = gae_lib.compute_advantages(
                     reward, mask, batch.attention_mask.sum(1), truncated, cfg=cfg.gae, value=batch.value_old,
                     logp_old=logp_old.float(), logp_ref=batch.logp_ref, turn_ids=batch.turn_ids,
