@@ -213,7 +213,8 @@ def main(cfg: Config) -> dict[str, float]:
                     )
                     batch = dataclasses.replace(batch, adv=adv.adv.float())
                     # --- loss_fn -> train_step -> publish (the proxy's in-flight calls pause and resume) ---
-                    state, m = step.train_step(state, batch, make_loss_fn(cfg), cfg=step_cfg)
+                    loss_fn = make_loss_fn(cfg)
+                    state, m = step.train_step(state, batch, loss_fn, cfg=step_cfg)
                     state = engines.publish(state, eng, rollout=ctl)
                     m = {**harness.average([m], rename={"train/": "ppo_actor/"}), **ctl.last_metrics}
                     m["rollout/turns_mean"] = float((batch.turn_ids.max(1).values + 1).float().mean())

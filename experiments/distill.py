@@ -180,7 +180,8 @@ def main(cfg: Config) -> dict[str, float]:
                 )
                 batch = dataclasses.replace(batch, adv=adv.adv.float())
                 # --- loss_fn (KD + RL) -> train_step -> publish ---
-                state, m = step.train_step(state, batch, make_loss_fn(cfg), cfg=step_cfg)
+                loss_fn = make_loss_fn(cfg)
+                state, m = step.train_step(state, batch, loss_fn, cfg=step_cfg)
                 state = engines.publish(state, eng, rollout=ctl)
                 m = {**harness.average([m], rename={"train/": "ppo_actor/"}), **ctl.last_metrics}
                 # Monte-Carlo reverse KL on the student's own tokens (behaviour ~ student): mean log pi_behav - log pi_T.

@@ -169,7 +169,8 @@ def main(cfg: Config) -> dict[str, float]:
                 )
                 batch = dataclasses.replace(batch, adv=adv.adv.float())
                 # --- loss_fn -> train_step (one optimizer step) -> publish (version + 1) ---
-                state, m = step.train_step(state, batch, make_loss_fn(cfg), cfg=step_cfg)
+                loss_fn = make_loss_fn(cfg)
+                state, m = step.train_step(state, batch, loss_fn, cfg=step_cfg)
                 state = engines.publish(state, eng, rollout=ctl)
                 m = {**harness.average([m], rename={"train/": "ppo_actor/"}), **ctl.last_metrics}
                 m["rollout/turns_mean"] = float((batch.turn_ids.max(1).values + 1).float().mean())
