@@ -376,8 +376,8 @@ def main(cfg: Config) -> dict[str, float]:
                 )
                 batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
                 # --- loss_fn -> train_step: one optimizer step per minibatch, the LR schedule advanced once ---
-                loss_fn = make_loss_fn(cfg, version=state.version)
                 step0, version, mbs = state.step, state.version, step.minibatches(batch, cfg.ppo_n_minibatches)
+                loss_fn = make_loss_fn(cfg, version=version)
                 actor, critic = [], []
                 for i, mb in enumerate(mbs):
                     last = dataclasses.replace(step_cfg, schedule=i == len(mbs) - 1)
@@ -390,14 +390,18 @@ def main(cfg: Config) -> dict[str, float]:
                 state = dataclasses.replace(state, step=step0 + 1)  # TrainState.step counts training steps
                 # --- publish: the engines serve version + 1; in-flight requests resume on the new weights ---
                 state = engines.publish(state, eng, rollout=ctl)
-                m = harness.average(actor, rename={"train/": "ppo_actor/"})
-                m.update(harness.average(critic, rename={"train/": "ppo_critic/"}) if critic else {})
-                gen = mask & (batch.versions >= 0)
+                m = harness.average(actor, rename={"train/": "ppo_actor/", "timing/step_s": "timing/actor_s"})
+                m.update(harness.average(critic, rename={"train/": "ppo_critic/", "timing/step_s": "timing/critic_s",
+                                                         "perf/": "perf/critic_"}) if critic else {})
+                gen, stale = mask & (batch.versions >= 0), (version - batch.versions).float()
                 m.update({
                     "ppo_actor/task_reward": batch.rewards.float().mean(),
                     "ppo_actor/advantages": _mean(batch.adv, mask),
                     "ppo_actor/kl_rewards": _mean(adv.kl_rewards, mask),
-                    "version_stats/staleness_max": torch.where(gen, version - batch.versions, 0).max(),
+                    "ppo_actor/seq_len": batch.attention_mask.sum(1).float().mean(),
+                    "ppo_actor/n_tokens": batch.attention_mask.sum().float(),
+                    "version_stats/staleness_mean": _mean(stale, gen),
+                    "version_stats/staleness_max": torch.where(gen, stale, 0.0).max(),
                     **ctl.last_metrics,
                 })
                 evaluate = state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)

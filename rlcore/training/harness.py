@@ -152,7 +152,7 @@ def floats(m: Mapping[str, Any]) -> dict[str, float]:
 def average(ms: Sequence[Mapping[str, Any]], *, rename: Mapping[str, str] = {}) -> dict[str, float]:
     """Mean of each scalar key over ``ms`` (e.g. one ``train_step`` metrics dict per PPO minibatch).
 
-    ``rename`` maps key prefixes (``{"train/": "ppo_actor/"}``); ``timing/*`` and ``perf/*`` are summed, not averaged.
+    ``rename`` maps key prefixes (``{"train/": "ppo_actor/"}``); ``timing/*`` keys are summed, not averaged.
     """
     acc: dict[str, float] = {}
     for m in ms:
@@ -162,7 +162,7 @@ def average(ms: Sequence[Mapping[str, Any]], *, rename: Mapping[str, str] = {}) 
                     k = new + k[len(old):]
                     break
             acc[k] = acc.get(k, 0.0) + v
-    return {k: v if k.startswith(("timing/", "perf/")) else v / len(ms) for k, v in acc.items()}
+    return {k: v if k.startswith("timing/") else v / len(ms) for k, v in acc.items()}
 
 
 def rank() -> int:
