@@ -8,26 +8,30 @@ Expect: distill/reverse_kl (the sampled estimate of KL(student || teacher)) fall
 
 Pure KD (rl_weight = 0, the default) minimises the reverse KL with the score-function estimator of spec §13.4
 (reward log pi_T - log pi_theta on the student's own samples); the GSM8K reward is still computed and logged.
-Teacher and student must share the tokenizer (log-probs are compared token by token).
+Teacher and student must share the tokenizer (log-probs are compared token by token). The step has the shape
+of gsm8k_grpo.py: rollout -> rewards -> advantages -> loss_fn (PPO + the distillation term) -> train_step -> publish.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import torch
 import tyro
 
 from rlcore import tiny as tiny_lib
-from rlcore.advantages import normalize
+from rlcore.advantages import gae, normalize
 from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.objectives import distill as distill_lib
-from rlcore.objectives import ppo
+from rlcore.objectives import entropy, ppo
 from rlcore.objectives import rejection as rejection_lib
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import math as math_reward
-from rlcore.training import loop, models, step, train_state
+from rlcore.training import engines, harness, models, recover, step, train_state
+from rlcore.types import TokenBatch
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,10 @@ class Config:
     """Max head off-policyness eta (0 = synchronous)."""
     distill: distill_lib.DistillConfig = distill_lib.DistillConfig(rl_weight=0.0, kd_weight=1.0)
     """KD/RL weights and the reverse-KL estimator (score: unbiased score-function; k2: pathwise)."""
-    clip_low: float = 0.4
-    """PPO clip of the RL term (used when distill.rl_weight > 0)."""
+    objective: ppo.PPOConfig = ppo.PPOConfig(clip_low=0.4)
+    """Decoupled PPO surrogate of the RL term (used when distill.rl_weight > 0)."""
+    rejection: rejection_lib.RejectionConfig = rejection_lib.RejectionConfig()
+    """Off-policy rejection sampling on pi_prox / pi_behav of the RL term (baseline: token ratio <= 5)."""
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=1.7e-5, weight_decay=0.017)
     """AdamW settings."""
     max_tokens_per_mb: int = 16384
@@ -70,9 +76,9 @@ class Config:
     """Evaluate pass@k every N steps (and at the end); 0: only at the end."""
     eval_n: int = 4
     """Samples per test question."""
-    engine: loop.EngineSetup = loop.EngineSetup()
+    engine: engines.EngineSetup = engines.EngineSetup()
     """Embedded or remote inference engines (serving the student)."""
-    run: tyro.conf.OmitArgPrefixes[loop.RunConfig] = loop.RunConfig()
+    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
     """Logging, checkpoints, seed."""
     tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=512)
     """Shape of the random models when model/teacher = 'tiny'."""
@@ -87,8 +93,8 @@ class Config:
 
 
 SMOKE = Config(
-    model=loop.TINY,
-    teacher=loop.TINY,
+    model=harness.TINY,
+    teacher=harness.TINY,
     train_limit=2,
     eval_limit=2,
     steps=2,
@@ -98,8 +104,8 @@ SMOKE = Config(
     eval_n=2,
     eval_every=0,
     optim=train_state.OptimConfig(lr=1e-3),
-    engine=loop.EngineSetup(max_batch=8, max_seq_len=512),
-    run=loop.RunConfig(progress=False, threads=1),
+    engine=engines.EngineSetup(max_batch=8, max_seq_len=512),
+    run=harness.RunConfig(progress=False, threads=1),
 )
 
 
@@ -108,34 +114,42 @@ def reward_fn(completion: str, item: dict) -> float:
     return math_reward.gsm8k_reward(completion, item)
 
 
+def make_loss_fn(cfg: Config) -> step.LossFn:
+    """Rejection filter -> decoupled PPO (the RL term) -> the distillation loss ``rl_weight·RL + kd_weight·KD``.
+
+    The KD term is the reverse KL to the teacher on the student's own samples (spec §13.4), over the kept tokens,
+    divided by the GLOBAL token count like the PPO term.
+    """
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, spec §4.1
+        keep, weight, m_rs = rejection_lib.process(mb.logp_prox, behav, mb.loss_mask, cfg=cfg.rejection)
+        rl_loss, m = ppo.loss(logp, mb.logp_prox, behav, mb.adv, keep, cfg=cfg.objective,
+                              denom=mb.denom(cfg.objective.agg), weight=weight)
+        loss, m_kd = distill_lib.loss(logp, behav, mb.logp_teacher, keep, cfg=cfg.distill, rl_loss=rl_loss,
+                                      denom=mb.n_tokens)
+        ent = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
+        return loss, {**m, **m_rs, **m_kd, "ppo_actor/entropy": ent}
+
+    return loss_fn
+
+
 def main(cfg: Config) -> dict[str, float]:
     # --- setup: student state, frozen teacher on the student's device, engines serving the student ---
-    info = loop.setup_torch(cfg.run)
-    tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
+    info = harness.setup_torch(cfg.run)
+    tok = harness.load_tokenizer(cfg.model, cfg.tokenizer)
     train = gsm8k.load(f"{cfg.data_dir}/train.jsonl", limit=cfg.train_limit)
     test = gsm8k.load(f"{cfg.data_dir}/test.jsonl", limit=cfg.eval_limit)
-    student = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
+    student = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     # seed + 1: with two 'tiny' models the teacher must differ from the student, or the KL is zero.
-    teacher_hf = loop.load_model(
-        cfg.teacher, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed + 1, field="--teacher"
-    )
+    teacher_hf = harness.load_model(cfg.teacher, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed + 1, field="--teacher")
     if teacher_hf.get_output_embeddings().weight.shape[0] != student.get_output_embeddings().weight.shape[0]:
-        raise ValueError(
-            "--teacher has a different vocabulary size than --model; distillation needs one tokenizer"
-        )
+        raise ValueError("--teacher has a different vocabulary size than --model; distillation needs one tokenizer")
     state = train_state.init_train_state(student, cfg.optim, compile_layers=cfg.run.compile)
     teacher = models.PolicyModel(models.frozen_copy(teacher_hf)).to(next(state.model.parameters()).device)
-    step_cfg = step.RLStepConfig(
-        objective="ppo",
-        objective_cfg=ppo.PPOConfig(clip_low=cfg.clip_low),
-        temperature=cfg.temperature,
-        keep_masks=(rejection_lib.RejectionConfig(),),
-        reward_norm=normalize.GRPO,
-        adv_norm=normalize.BATCH_ZSCORE,
-        group_size=cfg.group_size,
-        distill_cfg=cfg.distill,
-        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
-    )
+    step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
+                               temperature=cfg.temperature)
+    group_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
     wf = workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     episode = workflows.rlvr(tok, reward_fn, wf)
     ro_cfg = rollout.RolloutConfig(
@@ -144,36 +158,42 @@ def main(cfg: Config) -> dict[str, float]:
 
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)  # ranks draw different prompts
     with (
-        loop.open_engines(student, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
+        engines.open_engines(student, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
         rollout.RolloutController(eng.client, episode, loader, ro_cfg) as ctl,
     ):
-        state, _ = loop.resume(cfg.run, state, eng=eng, rollout=ctl)
+        state, _ = recover.resume(cfg.run, state, eng=eng, rollout=ctl)
         keys = ("distill/reverse_kl", "ppo_actor/task_reward", "eval/pass@1")
-        with loop.Tracker(cfg.run, cfg.steps, "distill", keys, start=state.step) as tracker:
-            # --- loop: student rollout -> teacher log-probs + KD(+RL) step (inside rl_step) -> publish -> eval ---
+        with harness.Tracker(cfg.run, cfg.steps, "distill", keys, start=state.step) as tracker:
             while state.step < cfg.steps:
-                batch = trajectory.concat(ctl.prepare_batch())
-                state, m = step.rl_step(state, batch, cfg=step_cfg, teacher=teacher)
-                # Monte-Carlo reverse KL on the student's own tokens (behaviour ~ student), from the step's inputs.
-                m["distill/reverse_kl"] = reverse_kl(batch, teacher, cfg.temperature, step_cfg.mb)
-                state = loop.publish(state, eng, rollout=ctl)
-                m.update(ctl.last_metrics)
-                if state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                # --- rollout: the student samples; the teacher scores the same tokens ---
+                batch = TokenBatch.from_rollout(trajectory.concat(ctl.prepare_batch()))
+                batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg),
+                                            logp_teacher=step.teacher_logp(teacher, batch, cfg=step_cfg))
+                # --- rewards: GSM8K correctness -> GRPO group z-score (the RL term; logged under pure KD) ---
+                mask = batch.loss_mask
+                reward = normalize.normalize(batch.rewards.float(), cfg=group_norm)
+                # --- advantages: return-to-go (GAE with gamma = lambda = 1), batch z-score ---
+                truncated = torch.zeros_like(mask[:, 0]) if batch.truncated is None else batch.truncated
+                adv = gae.compute_advantages(
+                    reward, mask, batch.attention_mask.sum(1), truncated, cfg=gae.GAEConfig(),
+                    turn_ids=batch.turn_ids, adv_norm=lambda a, m: normalize.normalize(a, m, cfg=normalize.BATCH_ZSCORE),
+                )
+                batch = dataclasses.replace(batch, adv=adv.adv.float())
+                # --- loss_fn (KD + RL) -> train_step -> publish ---
+                loss_fn = make_loss_fn(cfg)
+                state, m = step.train_step(state, batch, loss_fn, cfg=step_cfg)
+                state = engines.publish(state, eng, rollout=ctl)
+                m = {**harness.average([m], rename={"train/": "ppo_actor/"}), **ctl.last_metrics}
+                # Monte-Carlo reverse KL on the student's own tokens (behaviour ~ student): mean log pi_behav - log pi_T.
+                m["distill/reverse_kl"] = torch.where(mask, batch.logp_behav - batch.logp_teacher, 0.0).sum() / mask.sum()
+                m["ppo_actor/task_reward"] = batch.rewards.float().mean()
+                evaluate = state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)
+                if evaluate:
                     ev = ctl.evaluate(test, group_size=cfg.eval_n)
                     m.update({k.replace("eval-rollout/", "eval/"): v for k, v in ev.items()})
-                tracker.log(state.step, m)
-                loop.maybe_save(cfg.run, state, {"rollout": ctl.state_dict()}, final=state.step == cfg.steps)
-    return loop.finish(cfg.run, state, tok, tracker.last)
-
-
-def reverse_kl(
-    batch: dict, teacher: models.PolicyModel, temperature: float, mb: microbatch.MicroBatchConfig
-) -> float:
-    """Mean over sampled tokens of log pi_behav - log pi_T: a sampled estimate of KL(student || teacher)."""
-    data = step.shift_to_predictive(batch)
-    logp_t = step.forward_logp(teacher, data, temperature=temperature, mb_cfg=mb, aligned=True)[0].cpu()
-    mask = data["loss_mask"].bool()
-    return float((data["logprobs"] - logp_t).masked_fill(~mask, 0.0).sum() / mask.sum().clamp(min=1))
+                tracker.log(state.step, m, print_step=bool(evaluate))
+                recover.maybe_save(cfg.run, state, {"rollout": ctl.state_dict()}, final=state.step == cfg.steps)
+    return harness.finish(cfg.run, state, tok, tracker.last)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ answer tokens (a clean test of the objective; swap in real preference data with 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -22,7 +23,8 @@ from rlcore.data import gsm8k, microbatch, preference, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.objectives import dpo as dpo_lib
 from rlcore.rollout import workflows
-from rlcore.training import loop, step, train_state
+from rlcore.training import harness, recover, step, train_state
+from rlcore.types import TokenBatch
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Config:
     """Gradient-norm clip."""
     eval_every: int = 25
     """Evaluate held-out accuracy every N steps (and at the end); 0: only at the end."""
-    run: tyro.conf.OmitArgPrefixes[loop.RunConfig] = loop.RunConfig()
+    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
     """Logging, checkpoints, seed."""
     tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=1024)
     """Shape of the random model when model='tiny'."""
@@ -68,24 +70,37 @@ class Config:
 
 
 SMOKE = Config(
-    model=loop.TINY,
+    model=harness.TINY,
     train_limit=4,
     eval_limit=2,
     steps=2,
     pairs_per_step=2,
     eval_every=0,
     optim=train_state.OptimConfig(lr=1e-3),
-    run=loop.RunConfig(progress=False, threads=1),
+    run=harness.RunConfig(progress=False, threads=1),
 )
+
+
+def make_loss_fn(cfg: Config, *, n_pairs: torch.Tensor) -> step.LossFn:
+    """DPO / IPO on interleaved pairs (spec §13.1): sequence log-probs of policy and reference, the pair loss
+    divided by ``n_pairs``, the GLOBAL count of valid pairs (micro-batches keep pairs together)."""
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        lp, n = dpo_lib.sequence_logp(logp, mb.loss_mask)
+        lr, _ = dpo_lib.sequence_logp(mb.logp_ref, mb.loss_mask)
+        (pc, pr), (rc, rr), (lc, lrj) = dpo_lib.pairs(lp), dpo_lib.pairs(lr), dpo_lib.pairs(n)
+        return dpo_lib.loss(pc, pr, rc, rr, cfg=cfg.dpo, len_chosen=lc, len_rejected=lrj, denom=float(n_pairs))
+
+    return loss_fn
 
 
 @torch.no_grad()
 def preference_accuracy(state: train_state.TrainState, pairs: list[dict], beta: float) -> dict[str, float]:
     """Held-out accuracy [r_chosen > r_rejected] and mean margin of the implicit rewards beta (logp - logp_ref)."""
-    batch = step.shift_to_predictive(trajectory.concat(pairs))
-    mask = batch["loss_mask"]
-    logp = step.forward_logp(state.model, batch, aligned=True)[0].cpu()
-    logp_ref = step.forward_logp(state.ref, batch, aligned=True)[0].cpu()
+    batch = TokenBatch.from_rollout(trajectory.concat(pairs))
+    mask = batch.loss_mask
+    logp = step.policy_logp(state, batch).cpu()
+    logp_ref = step.ref_logp(state, batch).cpu()
     reward = beta * (dpo_lib.sequence_logp(logp, mask)[0] - dpo_lib.sequence_logp(logp_ref, mask)[0])
     chosen, rejected = dpo_lib.pairs(reward)
     return {
@@ -96,9 +111,9 @@ def preference_accuracy(state: train_state.TrainState, pairs: list[dict], beta: 
 
 def main(cfg: Config) -> dict[str, float]:
     # --- setup: pairs, a resumable loader over them, policy + frozen reference ---
-    info = loop.setup_torch(cfg.run)
+    info = harness.setup_torch(cfg.run)
     rng = random.Random(cfg.run.seed)
-    tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
+    tok = harness.load_tokenizer(cfg.model, cfg.tokenizer)
     fits = lambda p: p["input_ids"].shape[1] <= cfg.max_seq_len  # noqa: E731
     train = [
         p
@@ -112,33 +127,34 @@ def main(cfg: Config) -> dict[str, float]:
     ]
     if not train:
         raise ValueError(f"no training pair fits max_seq_len={cfg.max_seq_len}; raise --max-seq-len")
-    model = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
+    model = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     # The reference is the initial policy, frozen (rebuilt, not checkpointed, on resume).
     state = train_state.init_train_state(model, cfg.optim, ref=True, compile_layers=cfg.run.compile)
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)
-    step_cfg = step.PairStepConfig(
-        dpo=cfg.dpo,
-        max_grad_norm=cfg.max_grad_norm,
-        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb, granularity=2),
-    )
-    state, extra = loop.resume(cfg.run, state)
+    # granularity 2: a pair's two rows always share a micro-batch (the loss compares them).
+    step_cfg = step.StepConfig(max_grad_norm=cfg.max_grad_norm,
+                               mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb, granularity=2))
+    state, extra = recover.resume(cfg.run, state)
     if "loader" in extra:
         loader.load_state_dict(extra["loader"])
 
-    # --- loop: pairs -> dpo_step -> eval -> log / checkpoint ---
-    with loop.Tracker(
+    # --- loop: pairs -> reference log-probs -> loss_fn -> train_step -> eval -> log / checkpoint ---
+    with harness.Tracker(
         cfg.run, cfg.steps, cfg.dpo.loss_type, ("train/loss", "eval/accuracy"), start=state.step
     ) as tracker:
         while state.step < cfg.steps:
-            batch = trajectory.concat(
-                [next(loader)[1] for _ in range(cfg.pairs_per_step)]
-            )  # rows c0, r0, c1, r1, ...
-            state, m = step.dpo_step(state, batch, cfg=step_cfg)
-            if test and (state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)):
+            rows = trajectory.concat([next(loader)[1] for _ in range(cfg.pairs_per_step)])  # c0, r0, c1, r1, ...
+            batch = TokenBatch.from_rollout(rows)
+            batch = dataclasses.replace(batch, logp_ref=step.ref_logp(state, batch, cfg=step_cfg))
+            n_tok = batch.loss_mask.sum(1)
+            n_pairs = step.global_sum(((n_tok[0::2] > 0) & (n_tok[1::2] > 0)).sum())  # valid pairs on all ranks
+            state, m = step.train_step(state, batch, make_loss_fn(cfg, n_pairs=n_pairs), cfg=step_cfg)
+            evaluate = bool(test) and (state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0))
+            if evaluate:
                 m.update(preference_accuracy(state, test, cfg.dpo.beta))
-            tracker.log(state.step, m)
-            loop.maybe_save(cfg.run, state, {"loader": loader.state_dict()}, final=state.step == cfg.steps)
-    return loop.finish(cfg.run, state, tok, tracker.last)
+            tracker.log(state.step, m, print_step=evaluate)
+            recover.maybe_save(cfg.run, state, {"loader": loader.state_dict()}, final=state.step == cfg.steps)
+    return harness.finish(cfg.run, state, tok, tracker.last)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from rlcore.data import gsm8k
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import math as math_reward
-from rlcore.training import checkpoint, loop, models
+from rlcore.training import checkpoint, engines, harness, models
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ class Config:
     """Questions per progress-bar update."""
     out: str = ""
     """Write the metrics as JSON to this file; empty skips."""
-    engine: loop.EngineSetup = loop.EngineSetup()
+    engine: engines.EngineSetup = engines.EngineSetup()
     """Embedded or remote engines (remote servers must already serve the weights to evaluate)."""
-    run: tyro.conf.OmitArgPrefixes[loop.RunConfig] = loop.RunConfig()
+    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
     """TensorBoard directory, progress bar, seed (checkpoint fields unused here: see --checkpoint)."""
     tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=512)
     """Shape of the random model when model='tiny'."""
@@ -66,12 +66,12 @@ class Config:
 
 
 SMOKE = Config(
-    model=loop.TINY,
+    model=harness.TINY,
     limit=2,
     n=2,
     max_new_tokens=8,
-    engine=loop.EngineSetup(max_batch=8, max_seq_len=512),
-    run=loop.RunConfig(progress=False, threads=1),
+    engine=engines.EngineSetup(max_batch=8, max_seq_len=512),
+    run=harness.RunConfig(progress=False, threads=1),
 )
 
 
@@ -91,9 +91,9 @@ def load_checkpoint_policy(hf: torch.nn.Module, path: str) -> int:
 
 def main(cfg: Config) -> dict[str, float]:
     # --- setup: model (+ checkpoint weights), questions, the sampling episode ---
-    info = loop.setup_torch(cfg.run)
-    tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
-    hf = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
+    info = harness.setup_torch(cfg.run)
+    tok = harness.load_tokenizer(cfg.model, cfg.tokenizer)
+    hf = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     step = load_checkpoint_policy(hf, cfg.checkpoint) if cfg.checkpoint else 0
     items = gsm8k.load(cfg.data, limit=cfg.limit)
     wf = workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
@@ -103,9 +103,9 @@ def main(cfg: Config) -> dict[str, float]:
     # --- run: chunks of questions through an eval-only controller; pass@k over all groups at the end ---
     groups = []
     with (
-        loop.open_engines(hf, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
+        engines.open_engines(hf, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
         rollout.RolloutController(eng.client, episode, None, ro_cfg) as ctl,
-        loop.Tracker(cfg.run, len(items), "eval", ("eval/pass@1",)) as tracker,
+        harness.Tracker(cfg.run, len(items), "eval", ("eval/pass@1",)) as tracker,
     ):
         for i in range(0, len(items), cfg.chunk):
             groups += ctl.rollout_batch(items[i : i + cfg.chunk])

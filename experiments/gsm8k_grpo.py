@@ -1,15 +1,17 @@
 """Asynchronous RL on GSM8K: every seed algorithm of spec algorithms.md §15.2 as a named preset.
 
 Run:    python experiments/gsm8k_grpo.py grpo --model /models/qwen2.5-1.5b-instruct --log-dir runs/grpo
-        (presets: grpo gspo ppo dapo liteppo drgrpo reinforce_pp reinforce_pp_baseline rloo sapo icepop kpop m2po;
-        remote engines: --engine.engine-addrs 127.0.0.1:30000, or run under `python -m rlcore.launch`)
+        (presets: grpo drgrpo liteppo rloo reinforce_pp reinforce_pp_baseline gspo dapo sapo cispo icepop kpop
+        m2po ppo; remote engines: --engine.engine-addrs 127.0.0.1:30000, or run under `python -m rlcore.launch`)
 Smoke:  python experiments/gsm8k_grpo.py grpo --model tiny --steps 2 --prompts-per-step 2 --train-limit 2 \
             --eval-limit 2 --group-size 2 --max-new-tokens 8 --tiny.max-positions 512
 Expect: on Qwen2.5-1.5B-Instruct with the shipped settings, eval pass@1 rises from the model's few-shot level;
         SMOKE[name] finishes in seconds on a CPU with finite metrics (tests/test_experiments.py).
 
-One step: rollout (bounded staleness, in the background) -> rl_step (shaping, reward/adv norm, keep-masks,
-objective, optional critic) -> publish weights (version + 1) -> periodic pass@k eval -> log / checkpoint.
+One step: rollout (bounded staleness, in the background) -> rewards (shaping, group normalisation) ->
+advantages (GAE, batch z-score) -> loss_fn (keep-masks and their weight, the surrogate, entropy / KL terms)
+-> train_step per minibatch (+ the critic's) -> publish weights (version + 1) -> periodic pass@k eval.
+A preset is data: ``make_loss_fn`` turns its config into the loss with plain ``if``s on its fields.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import tyro
 
 from rlcore import tiny as tiny_lib
 from rlcore.advantages import gae as gae_lib
 from rlcore.advantages import normalize
+from rlcore.advantages import prox as prox_lib
 from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
-from rlcore.objectives import cispo, gspo, ppo, sapo
+from rlcore.objectives import cispo, entropy, gspo, kl, ppo, sapo, value
 from rlcore.objectives import icepop as icepop_lib
 from rlcore.objectives import kpop as kpop_lib
 from rlcore.objectives import m2po as m2po_lib
@@ -34,7 +38,8 @@ from rlcore.objectives import rejection as rejection_lib
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import math as math_reward
-from rlcore.training import loop, step, train_state
+from rlcore.training import engines, harness, recover, step, train_state
+from rlcore.types import TokenBatch
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class Config:
     stop-gradient); the preset picks the type."""
     prox: Literal["recompute", "interpolate", "behav"] = "recompute"
     """Proximal log-probs: recompute (forward before the update), version interpolation, or behaviour (coupled)."""
+    prox_interp: prox_lib.ProxConfig = prox_lib.ProxConfig()
+    """Version-interpolation settings (used with --prox interpolate)."""
     shaping: shaping_lib.ShapingConfig = shaping_lib.ShapingConfig(reward_bias=-0.5, reward_scaling=10.0)
     """Reward bias/scale/clip and the DAPO overlong penalty ({0,1} -> {-5,+5}); its L_max is --max-new-tokens."""
     reward_norm: normalize.NormConfig | None = normalize.GRPO
@@ -86,14 +93,22 @@ class Config:
     """KPop binary-KL mask; None: off."""
     m2po: m2po_lib.M2POConfig | None = None
     """M2PO second-moment mask (applied first); None: off."""
+    kl_loss_coef: float = 0.0
+    """KL-in-loss coefficient to the frozen reference (GRPO-paper style; > 0 loads it); 0: off."""
+    kl_loss: kl.KLConfig = kl.KLConfig(estimator="k3")
+    """Estimator of the KL-in-loss term."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (spec §11 ships none: 0 only logs the entropy)."""
     critic: bool = False
     """Train a value model (copy of the policy + zero value head) and use GAE with its values (PPO)."""
+    value_loss: value.ValueConfig = value.ValueConfig()
+    """Clipped value loss of the critic."""
     dynamic_filter: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal)."""
     dynamic_bs: bool = False
     """Stop collecting once accepted + rejected groups reach the batch size (variable batch)."""
     ppo_n_minibatches: int = 1
-    """Optimizer steps per batch."""
+    """Optimizer steps per batch (the critic takes as many, as in AReaL's examples)."""
     max_tokens_per_mb: int = 16384
     """Token budget of one micro-batch (gradient accumulation)."""
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=1.7e-5, weight_decay=0.017)
@@ -106,35 +121,48 @@ class Config:
     """Samples per test question (pass@1..eval_n)."""
     eval_temperature: float = 1.0
     """Sampling temperature of the evaluation."""
-    engine: loop.EngineSetup = loop.EngineSetup(max_seq_len=2048)
+    engine: engines.EngineSetup = engines.EngineSetup(max_seq_len=2048)
     """Embedded or remote inference engines."""
-    run: tyro.conf.OmitArgPrefixes[loop.RunConfig] = loop.RunConfig()
+    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
     """Logging, checkpoints, seed."""
     tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=512)
     """Shape of the random model when model='tiny'."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError("steps, prompts_per_step and group_size must be >= 1")
+        if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1 or self.ppo_n_minibatches < 1:
+            raise ValueError("steps, prompts_per_step, group_size and ppo_n_minibatches must be >= 1")
         if self.eval_n < 1:
             raise ValueError(f"eval_n must be >= 1, got {self.eval_n}")
         if isinstance(self.objective, sapo.SAPOConfig) and self.prox == "recompute":
             raise ValueError("objective=SAPO compares against the behaviour policy; set --prox behav")
+        if self.rejection is not None and self.rejection.action == "clamp" and not self.weighted:
+            raise ValueError(
+                "rejection.action='clamp' needs an objective that applies a behaviour weight (decoupled "
+                "ppo/gspo/cispo); with SAPO or coupled PPO only a mask can act: use --rejection.action mask"
+            )
 
     @property
-    def keep_masks(self) -> tuple:
-        """Keep-masks in application order (M2PO first, as in AReaL, then the rejection filters)."""
-        return tuple(m for m in (self.m2po, self.rejection, self.icepop, self.kpop) if m is not None)
+    def coupled(self) -> bool:
+        """Coupled PPO (spec §4.1): the ratio is taken against ``ℓ^old`` itself and no behaviour weight applies."""
+        o = self.objective
+        return o.ratio_against == "prox" if isinstance(o, sapo.SAPOConfig) else not o.decoupled
 
+    @property
+    def weighted(self) -> bool:
+        """The objective multiplies by a behaviour weight (``weight=``: the rejection filter's processed one)."""
+        return not isinstance(self.objective, sapo.SAPOConfig) and not self.coupled
 
-OBJECTIVE_NAMES = {
-    ppo.PPOConfig: "ppo",
-    ppo.DAPOConfig: "dapo",
-    gspo.GSPOConfig: "gspo",
-    sapo.SAPOConfig: "sapo",
-    cispo.CISPOConfig: "cispo",
-}
-"""Key of ``rlcore.objectives.OBJECTIVES`` for each objective config type."""
+    @property
+    def need_ref(self) -> bool:
+        """A frozen reference policy is loaded for the KL-in-reward or the KL-in-loss term."""
+        return self.gae.kl_ctl > 0 or self.kl_loss_coef > 0
+
+    @property
+    def reward_shaping(self) -> shaping_lib.ShapingConfig:
+        """The overlong ramp ends at the real generation budget (AReaL: actor.max_new_tokens)."""
+        if not self.shaping.overlong_penalty:
+            return self.shaping
+        return dataclasses.replace(self.shaping, max_new_tokens=self.max_new_tokens)
 
 
 def reward_fn(completion: str, item: dict) -> float:
@@ -142,72 +170,54 @@ def reward_fn(completion: str, item: dict) -> float:
     return math_reward.gsm8k_reward(completion, item)
 
 
-# --- presets: the baseline plus the per-algorithm deltas of spec §15.2 ---
+# --- presets: the baseline plus the per-algorithm deltas of spec §15.2 (a preset is data) ---
 BASE = Config()
+_replace = dataclasses.replace
 PRESETS: dict[str, tuple[str, Config]] = {
     "grpo": ("GRPO: group z-score rewards, decoupled token PPO, eps 0.4", BASE),
-    "drgrpo": (
-        "Dr.GRPO: group-centred rewards without std scaling",
-        dataclasses.replace(BASE, reward_norm=normalize.DR_GRPO),
-    ),
-    "liteppo": ("LitePPO: group mean, batch std", dataclasses.replace(BASE, reward_norm=normalize.LITE_PPO)),
-    "rloo": ("RLOO: leave-one-out group baseline", dataclasses.replace(BASE, reward_norm=normalize.RLOO)),
+    "drgrpo": ("Dr.GRPO: group-centred rewards without std scaling", _replace(BASE, reward_norm=normalize.DR_GRPO)),
+    "liteppo": ("LitePPO: group mean, batch std", _replace(BASE, reward_norm=normalize.LITE_PPO)),
+    "rloo": ("RLOO: leave-one-out group baseline", _replace(BASE, reward_norm=normalize.RLOO)),
     "reinforce_pp": (
         "REINFORCE++: no reward norm, KL-in-reward 0.001 (k1) to a frozen reference",
-        dataclasses.replace(BASE, reward_norm=None, gae=gae_lib.GAEConfig(kl_ctl=0.001, kl_estimator="k1")),
+        _replace(BASE, reward_norm=None, gae=gae_lib.GAEConfig(kl_ctl=0.001, kl_estimator="k1")),
     ),
     "reinforce_pp_baseline": (
         "REINFORCE++-baseline: group-mean baseline, KL 0.001 (k2)",
-        dataclasses.replace(
-            BASE,
-            reward_norm=normalize.REINFORCE_PP_BASELINE,
-            gae=gae_lib.GAEConfig(kl_ctl=0.001, kl_estimator="k2"),
-        ),
+        _replace(BASE, reward_norm=normalize.REINFORCE_PP_BASELINE, gae=gae_lib.GAEConfig(kl_ctl=0.001, kl_estimator="k2")),
     ),
     "gspo": (
         "GSPO: sequence-level geometric-mean ratio",
-        dataclasses.replace(BASE, objective=gspo.GSPOConfig(clip_low=0.4, clip_high=None)),
+        _replace(BASE, objective=gspo.GSPOConfig(clip_low=0.4, clip_high=None)),
     ),
     "dapo": (
         "DAPO: clip-higher [0.8, 1.28], overlong penalty, dynamic batch",
-        dataclasses.replace(
-            BASE,
-            objective=ppo.DAPOConfig(),
-            dynamic_bs=True,
-            shaping=shaping_lib.ShapingConfig(
-                reward_bias=-0.5,
-                reward_scaling=10.0,
-                overlong_penalty=True,
-                max_new_tokens=1024,
-                overlong_tokens=512,
-            ),
-        ),
+        _replace(BASE, objective=ppo.DAPOConfig(), dynamic_bs=True, shaping=shaping_lib.ShapingConfig(
+            reward_bias=-0.5, reward_scaling=10.0, overlong_penalty=True, max_new_tokens=1024, overlong_tokens=512)),
     ),
     "sapo": (
         "SAPO: soft sigmoid gate vs the behaviour policy, no RS",
-        dataclasses.replace(BASE, objective=sapo.SAPOConfig(), prox="behav", rejection=None),
+        _replace(BASE, objective=sapo.SAPOConfig(), prox="behav", rejection=None),
     ),
     "cispo": (
         "CISPO: REINFORCE through a clipped, stop-gradient IS weight in [0, 5]; every token keeps its gradient",
-        dataclasses.replace(BASE, objective=cispo.CISPOConfig()),
+        _replace(BASE, objective=cispo.CISPOConfig()),
     ),
     "icepop": (
         "IcePop: keep tokens with pi_prox/pi_behav in [0.5, 5]",
-        dataclasses.replace(BASE, rejection=None, icepop=icepop_lib.IcePopConfig(lower=0.5, upper=5.0)),
+        _replace(BASE, rejection=None, icepop=icepop_lib.IcePopConfig(lower=0.5, upper=5.0)),
     ),
     "kpop": (
         "KPop: keep tokens whose binary KL(prox, behav) <= 2",
-        dataclasses.replace(BASE, rejection=None, kpop=kpop_lib.KPopConfig(upper=2.0)),
+        _replace(BASE, rejection=None, kpop=kpop_lib.KPopConfig(upper=2.0)),
     ),
     "m2po": (
         "M2PO: second-moment mask 0.04, eps 0",
-        dataclasses.replace(
-            BASE, objective=ppo.PPOConfig(clip_low=0.0), m2po=m2po_lib.M2POConfig(threshold=0.04)
-        ),
+        _replace(BASE, objective=ppo.PPOConfig(clip_low=0.0), m2po=m2po_lib.M2POConfig(threshold=0.04)),
     ),
     "ppo": (
         "PPO with a critic: no reward norm, GAE gamma = lambda = 1, critic clip 0.5",
-        dataclasses.replace(BASE, reward_norm=None, critic=True),
+        _replace(BASE, reward_norm=None, critic=True),
     ),
 }
 
@@ -216,102 +226,192 @@ def smoke(cfg: Config) -> Config:
     """The same algorithm on a random tiny model, 2 prompts x 2 samples, 2 steps: a CPU check in seconds."""
     sh = dataclasses.replace(cfg.shaping, overlong_tokens=4) if cfg.shaping.overlong_penalty else cfg.shaping
     return dataclasses.replace(
-        cfg,
-        model=loop.TINY,
-        train_limit=2,
-        eval_limit=2,
-        steps=2,
-        prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=8,
-        eval_n=2,
-        eval_every=0,
-        shaping=sh,
-        max_tokens_per_mb=4096,
-        optim=train_state.OptimConfig(lr=1e-3),
-        engine=loop.EngineSetup(max_batch=8, max_seq_len=512),
-        run=loop.RunConfig(progress=False, threads=1),
+        cfg, model=harness.TINY, train_limit=2, eval_limit=2, steps=2, prompts_per_step=2, group_size=2,
+        max_new_tokens=8, eval_n=2, eval_every=0, shaping=sh, max_tokens_per_mb=4096,
+        optim=train_state.OptimConfig(lr=1e-3), engine=engines.EngineSetup(max_batch=8, max_seq_len=512),
+        run=harness.RunConfig(progress=False, threads=1),
     )
 
 
 SMOKE: dict[str, Config] = {name: smoke(cfg) for name, (_, cfg) in PRESETS.items()}
 
 
+def _mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x.float(), 0.0).sum() / mask.sum().clamp(min=1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The algorithm: one micro-batch's loss, composed from the leaves
+# ----------------------------------------------------------------------------------------------------------
+
+
+def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
+    """``loss_fn(logp (b t), mb) -> (loss, metrics)`` of the preset ``cfg`` at weight version ``version``.
+
+    proximal log-probs -> keep-masks (M2PO first, as in AReaL, then rejection / IcePop / KPop; the rejection
+    filter's processed weight replaces pi_prox / pi_behav, spec §7.4) -> the surrogate -> optional KL-in-loss and
+    entropy terms. Every term divides by the GLOBAL count of its aggregation (``mb.denom``) taken BEFORE the
+    masks, so rejected tokens stay in the denominator and the split into micro-batches does not matter.
+    """
+    obj = cfg.objective
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # ℓ^old (spec §4.1): coupled PPO on recomputed log-probs compares against the recomputed tensor.
+        behav = step.old_logp(mb, coupled_recompute=cfg.prox == "recompute" and cfg.coupled)
+        metrics: dict[str, torch.Tensor] = {}
+        if cfg.prox == "recompute":
+            logp_prox = mb.logp_prox
+        elif cfg.prox == "interpolate":  # no extra forward: interpolate between behaviour and current by version
+            logp_prox, m = prox_lib.prox_logp(logp, behav, mb.versions, mb.loss_mask, current_version=version,
+                                              cfg=cfg.prox_interp)
+            metrics.update(m)
+        else:
+            logp_prox = behav
+        keep, weight = mb.loss_mask, None
+        if cfg.m2po is not None:
+            keep, m = m2po_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.m2po)
+            metrics.update(m)
+        if cfg.rejection is not None:
+            keep, w, m = rejection_lib.process(logp_prox, behav, keep, cfg=cfg.rejection)
+            weight = w if cfg.weighted else None  # SAPO / coupled PPO take no behaviour weight: mask only
+            metrics.update(m)
+        if cfg.icepop is not None:
+            keep, m = icepop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.icepop)
+            metrics.update(m)
+        if cfg.kpop is not None:
+            keep, m = kpop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.kpop)
+            metrics.update(m)
+        denom = mb.denom(obj.agg)
+        if isinstance(obj, gspo.GSPOConfig):
+            loss, m = gspo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, weight=weight)
+        elif isinstance(obj, sapo.SAPOConfig):
+            loss, m = sapo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom)
+        elif isinstance(obj, cispo.CISPOConfig):
+            loss, m = cispo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, weight=weight)
+        else:
+            loss, m = ppo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, weight=weight)
+        metrics.update(m)
+        if cfg.kl_loss_coef > 0:
+            kl_term, m = kl.penalty(logp, mb.logp_ref, keep, cfg=cfg.kl_loss, denom=mb.n_tokens)
+            loss = loss + cfg.kl_loss_coef * kl_term
+            metrics.update(m)
+        if cfg.entropy_coef > 0:
+            bonus, _ = entropy.masked_mean(keep, entropy=mb.entropy, denom=mb.n_tokens)
+            loss = loss - cfg.entropy_coef * bonus
+        metrics["ppo_actor/entropy"] = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
+        metrics["ppo_actor/new_logp"] = _mean(logp.detach(), mb.loss_mask)
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(cfg: Config) -> step.LossFn:
+    """Clipped value loss (spec §12) on the pre-update values and the GAE returns; global token mean."""
+
+    def loss_fn(values: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return value.loss(values, mb.value_old, mb.returns, mb.loss_mask, cfg=cfg.value_loss, denom=mb.n_tokens)
+
+    return loss_fn
+
+
 def main(cfg: Config) -> dict[str, float]:
     # --- setup: tokenizer, data, train state (policy [+ reference] [+ critic]), engines ---
-    info = loop.setup_torch(cfg.run)
-    tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
+    info = harness.setup_torch(cfg.run)
+    tok = harness.load_tokenizer(cfg.model, cfg.tokenizer)
     train = gsm8k.load(f"{cfg.data_dir}/train.jsonl", limit=cfg.train_limit)
     test = gsm8k.load(f"{cfg.data_dir}/test.jsonl", limit=cfg.eval_limit)
     # Drop over-long prompts up front so no request can exceed the engine's context.
     fits = lambda row: len(workflows.prompt_ids(tok, row)) <= cfg.max_prompt_tokens  # noqa: E731
     train, test = [r for r in train if fits(r)], [r for r in test if fits(r)]
     if not train:
-        raise ValueError(
-            f"no training prompt fits max_prompt_tokens={cfg.max_prompt_tokens}; raise --max-prompt-tokens"
-        )
-    model = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
-    # The overlong ramp ends at the real generation budget (AReaL: actor.max_new_tokens).
-    shaping = (
-        dataclasses.replace(cfg.shaping, max_new_tokens=cfg.max_new_tokens)
-        if cfg.shaping.overlong_penalty
-        else cfg.shaping
-    )
-    need_ref = cfg.gae.kl_ctl > 0  # KL-in-reward needs the frozen initial policy
-    state = train_state.init_train_state(
-        model, cfg.optim, ref=need_ref, critic=cfg.critic, compile_layers=cfg.run.compile
-    )
-    step_cfg = step.RLStepConfig(
-        objective=OBJECTIVE_NAMES[type(cfg.objective)],
-        objective_cfg=cfg.objective,
-        keep_masks=cfg.keep_masks,
-        prox=cfg.prox,
-        temperature=cfg.temperature,
-        gae=cfg.gae,
-        shaping=shaping,
-        reward_norm=cfg.reward_norm,
-        adv_norm=cfg.adv_norm,
-        group_size=cfg.group_size,
-        ppo_n_minibatches=cfg.ppo_n_minibatches,
-        critic_n_minibatches=cfg.ppo_n_minibatches,  # AReaL's examples tie the critic's minibatches to the actor's
-        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
-        max_grad_norm=cfg.max_grad_norm,
-    )
+        raise ValueError(f"no training prompt fits max_prompt_tokens={cfg.max_prompt_tokens}; raise --max-prompt-tokens")
+    model = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
+    state = train_state.init_train_state(model, cfg.optim, ref=cfg.need_ref, critic=cfg.critic,
+                                         compile_layers=cfg.run.compile)
+    mb_cfg = microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb)
+    step_cfg = step.StepConfig(mb=mb_cfg, temperature=cfg.temperature, max_grad_norm=cfg.max_grad_norm)
+    reward_norm = None if cfg.reward_norm is None else dataclasses.replace(cfg.reward_norm, group_size=cfg.group_size)
+    adv_norm = None if cfg.adv_norm is None else dataclasses.replace(cfg.adv_norm, group_size=cfg.group_size)
     wf = workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     episode = workflows.rlvr(tok, reward_fn, wf)
     eval_episode = workflows.rlvr(tok, reward_fn, dataclasses.replace(wf, temperature=cfg.eval_temperature))
-    ro_cfg = rollout.RolloutConfig(
-        batch_size=cfg.prompts_per_step,
-        group_size=cfg.group_size,
-        max_staleness=cfg.max_staleness,
-        dynamic_bs=cfg.dynamic_bs,
-    )
+    ro_cfg = rollout.RolloutConfig(batch_size=cfg.prompts_per_step, group_size=cfg.group_size,
+                                   max_staleness=cfg.max_staleness, dynamic_bs=cfg.dynamic_bs)
     # Dynamic sampling keeps only groups with a learning signal; the rollout refills the slot with a new prompt.
     accept = (lambda g: bool(g["rewards"].max() > g["rewards"].min())) if cfg.dynamic_filter else None
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)
 
     with (
-        loop.open_engines(model, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
+        engines.open_engines(model, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
         rollout.RolloutController(eng.client, episode, loader, ro_cfg, should_accept=accept) as ctl,
     ):
-        state, _ = loop.resume(cfg.run, state, eng=eng, rollout=ctl)
+        state, _ = recover.resume(cfg.run, state, eng=eng, rollout=ctl)
         keys = ("ppo_actor/task_reward", "eval/pass@1", "ppo_actor/loss")
-        with loop.Tracker(cfg.run, cfg.steps, "gsm8k-rl", keys, start=state.step) as tracker:
-            # --- loop: rollout -> rl_step -> publish weights -> eval -> log / checkpoint ---
+        with harness.Tracker(cfg.run, cfg.steps, "gsm8k-rl", keys, start=state.step) as tracker:
             while state.step < cfg.steps:
+                # --- rollout: groups of samples, each token tagged with the weight version that sampled it ---
                 groups = ctl.prepare_batch()
                 if not groups:  # dynamic_bs can return an empty batch when every group was filtered
                     continue
-                state, m = step.rl_step(state, trajectory.concat(groups), cfg=step_cfg)
-                state = loop.publish(state, eng, rollout=ctl)
-                m.update(ctl.last_metrics)
-                if state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                batch = TokenBatch.from_rollout(trajectory.concat(groups))  # the single predictive shift
+                # --- no-grad forwards before the update (spec §1 steps 2-5) ---
+                batch = dataclasses.replace(
+                    batch,
+                    value_old=step.critic_values(state, batch, cfg=step_cfg) if cfg.critic else None,
+                    logp_ref=step.ref_logp(state, batch, cfg=step_cfg) if cfg.need_ref else None,
+                    logp_prox=step.policy_logp(state, batch, cfg=step_cfg) if cfg.prox == "recompute" else None,
+                )
+                # --- rewards: the verifier's {0, 1} -> overlong penalty, +-5 scale, group normalisation ---
+                mask = batch.loss_mask
+                group_norm = None if reward_norm is None else (lambda r: normalize.normalize(r, cfg=reward_norm))
+                reward = shaping_lib.shape_rewards(batch.rewards, cfg=cfg.reward_shaping, gen_len=mask.sum(1),
+                                                   reward_norm=group_norm)
+                # --- advantages: GAE (+ KL-in-reward against ℓ^old), then the batch z-score ---
+                logp_old = step.old_logp(batch, coupled_recompute=cfg.prox == "recompute" and cfg.coupled)
+                truncated = torch.zeros_like(mask[:, 0]) if batch.truncated is None else batch.truncated
+                adv = gae_lib.compute_advantages(
+                    reward, mask, batch.attention_mask.sum(1), truncated, cfg=cfg.gae, value=batch.value_old,
+                    logp_old=logp_old.float(), logp_ref=batch.logp_ref, turn_ids=batch.turn_ids,
+                    adv_norm=None if adv_norm is None else (lambda a, m: normalize.normalize(a, m, cfg=adv_norm)),
+                )
+                batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
+                # --- loss_fn -> train_step: one optimizer step per minibatch, the LR schedule advanced once ---
+                step0, version, mbs = state.step, state.version, step.minibatches(batch, cfg.ppo_n_minibatches)
+                loss_fn = make_loss_fn(cfg, version=version)
+                actor, critic = [], []
+                for i, mb in enumerate(mbs):
+                    last = dataclasses.replace(step_cfg, schedule=i == len(mbs) - 1)
+                    state, m = step.train_step(state, mb, loss_fn, cfg=last)
+                    actor.append(m)
+                    if cfg.critic:  # the critic regresses on the same minibatch's returns
+                        ccfg = dataclasses.replace(last, module="critic")
+                        state, m = step.train_step(state, mb, critic_loss_fn(cfg), cfg=ccfg)
+                        critic.append(m)
+                state = dataclasses.replace(state, step=step0 + 1)  # TrainState.step counts training steps
+                # --- publish: the engines serve version + 1; in-flight requests resume on the new weights ---
+                state = engines.publish(state, eng, rollout=ctl)
+                m = harness.average(actor, rename={"train/": "ppo_actor/", "timing/step_s": "timing/actor_s"})
+                m.update(harness.average(critic, rename={"train/": "ppo_critic/", "timing/step_s": "timing/critic_s",
+                                                         "perf/": "perf/critic_"}) if critic else {})
+                gen, stale = mask & (batch.versions >= 0), (version - batch.versions).float()
+                m.update({
+                    "ppo_actor/task_reward": batch.rewards.float().mean(),
+                    "ppo_actor/advantages": _mean(batch.adv, mask),
+                    "ppo_actor/kl_rewards": _mean(adv.kl_rewards, mask),
+                    "ppo_actor/seq_len": batch.attention_mask.sum(1).float().mean(),
+                    "ppo_actor/n_tokens": batch.attention_mask.sum().float(),
+                    "version_stats/staleness_mean": _mean(stale, gen),
+                    "version_stats/staleness_max": torch.where(gen, stale, 0.0).max(),
+                    **ctl.last_metrics,
+                })
+                evaluate = state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)
+                if evaluate:
                     ev = ctl.evaluate(test, episode=eval_episode, group_size=cfg.eval_n)
                     m.update({k.replace("eval-rollout/", "eval/"): v for k, v in ev.items()})
-                tracker.log(state.step, m)
-                loop.maybe_save(cfg.run, state, {"rollout": ctl.state_dict()}, final=state.step == cfg.steps)
+                tracker.log(state.step, m, print_step=bool(evaluate))
+                recover.maybe_save(cfg.run, state, {"rollout": ctl.state_dict()}, final=state.step == cfg.steps)
     # --- final numbers for the test / notebooks ---
-    return loop.finish(cfg.run, state, tok, tracker.last)
+    return harness.finish(cfg.run, state, tok, tracker.last)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ Expect: rollout/reward (discounted) and eval pass@1 at the FIRST attempt both ri
 
 One row per episode holds every attempt: prompt, attempt 1, feedback (masked), attempt 2, ... with turn_ids =
 attempt index. The discounted scalar reward sits on the last token and GRPO's group normalisation compares
-episodes of the same question.
+episodes of the same question. The step is the same shape as gsm8k_grpo.py: rollout -> rewards -> advantages ->
+loss_fn (rejection filter + decoupled PPO) -> train_step -> publish.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 import tyro
 
 from rlcore import tiny as tiny_lib
-from rlcore.advantages import normalize
+from rlcore.advantages import gae, normalize
 from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
-from rlcore.objectives import ppo
+from rlcore.objectives import entropy, ppo
 from rlcore.objectives import rejection as rejection_lib
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import math as math_reward
-from rlcore.training import loop, step, train_state
+from rlcore.training import engines, harness, recover, step, train_state
+from rlcore.types import TokenBatch
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ class Config:
     """Max head off-policyness eta (0 = synchronous)."""
     objective: ppo.PPOConfig = ppo.PPOConfig(clip_low=0.4)
     """Decoupled PPO surrogate."""
+    rejection: rejection_lib.RejectionConfig = rejection_lib.RejectionConfig()
+    """Off-policy rejection sampling on pi_prox / pi_behav (baseline: token ratio <= 5)."""
+    shaping: shaping_lib.ShapingConfig = shaping_lib.ShapingConfig(reward_bias=-0.5, reward_scaling=10.0)
+    """Reward bias/scale ({0,1} -> {-5,+5}) before GRPO's group normalisation."""
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=1.7e-5, weight_decay=0.017)
     """AdamW settings."""
     max_tokens_per_mb: int = 16384
@@ -70,9 +77,9 @@ class Config:
     """Evaluate every N steps (and at the end); 0: only at the end."""
     eval_n: int = 4
     """Samples per test question (single attempt: first-try pass@k)."""
-    engine: loop.EngineSetup = loop.EngineSetup(max_seq_len=4096)
+    engine: engines.EngineSetup = engines.EngineSetup(max_seq_len=4096)
     """Embedded or remote engines; max_seq_len must hold prompt + every attempt + feedback."""
-    run: tyro.conf.OmitArgPrefixes[loop.RunConfig] = loop.RunConfig()
+    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
     """Logging, checkpoints, seed."""
     tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=1024)
     """Shape of the random model when model='tiny'."""
@@ -83,7 +90,7 @@ class Config:
 
 
 SMOKE = Config(
-    model=loop.TINY,
+    model=harness.TINY,
     train_limit=2,
     eval_limit=2,
     steps=2,
@@ -93,8 +100,8 @@ SMOKE = Config(
     eval_n=2,
     eval_every=0,
     optim=train_state.OptimConfig(lr=1e-3),
-    engine=loop.EngineSetup(max_batch=8, max_seq_len=1024),
-    run=loop.RunConfig(progress=False, threads=1),
+    engine=engines.EngineSetup(max_batch=8, max_seq_len=1024),
+    run=harness.RunConfig(progress=False, threads=1),
 )
 
 
@@ -103,25 +110,31 @@ def reward_fn(completion: str, item: dict) -> float:
     return math_reward.gsm8k_reward(completion, item)
 
 
+def make_loss_fn(cfg: Config) -> step.LossFn:
+    """Rejection filter (its processed weight replaces pi_prox / pi_behav) -> decoupled PPO; global token mean."""
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, spec §4.1
+        keep, weight, m_rs = rejection_lib.process(mb.logp_prox, behav, mb.loss_mask, cfg=cfg.rejection)
+        loss, m = ppo.loss(logp, mb.logp_prox, behav, mb.adv, keep, cfg=cfg.objective,
+                           denom=mb.denom(cfg.objective.agg), weight=weight)
+        ent = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
+        return loss, {**m, **m_rs, "ppo_actor/entropy": ent}
+
+    return loss_fn
+
+
 def main(cfg: Config) -> dict[str, float]:
     # --- setup: data, train state, the multi-turn episode and its single-attempt eval twin ---
-    info = loop.setup_torch(cfg.run)
-    tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
+    info = harness.setup_torch(cfg.run)
+    tok = harness.load_tokenizer(cfg.model, cfg.tokenizer)
     train = gsm8k.load(f"{cfg.data_dir}/train.jsonl", limit=cfg.train_limit)
     test = gsm8k.load(f"{cfg.data_dir}/test.jsonl", limit=cfg.eval_limit)
-    model = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
+    model = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     state = train_state.init_train_state(model, cfg.optim, compile_layers=cfg.run.compile)
-    step_cfg = step.RLStepConfig(
-        objective="ppo",
-        objective_cfg=cfg.objective,
-        keep_masks=(rejection_lib.RejectionConfig(),),
-        temperature=cfg.temperature,
-        shaping=shaping_lib.ShapingConfig(reward_bias=-0.5, reward_scaling=10.0),
-        reward_norm=normalize.GRPO,
-        adv_norm=normalize.BATCH_ZSCORE,
-        group_size=cfg.group_size,
-        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
-    )
+    step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
+                               temperature=cfg.temperature)
+    group_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
     # The whole episode must fit the engine's context: later attempts stop early instead of overflowing it.
     wf = workflows.WorkflowConfig(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, max_tokens=cfg.engine.max_seq_len
@@ -134,25 +147,40 @@ def main(cfg: Config) -> dict[str, float]:
 
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)  # ranks draw different prompts
     with (
-        loop.open_engines(model, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
+        engines.open_engines(model, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
         rollout.RolloutController(eng.client, episode, loader, ro_cfg) as ctl,
     ):
-        state, _ = loop.resume(cfg.run, state, eng=eng, rollout=ctl)
+        state, _ = recover.resume(cfg.run, state, eng=eng, rollout=ctl)
         keys = ("rollout/reward", "rollout/turns_mean", "eval/pass@1")
-        with loop.Tracker(cfg.run, cfg.steps, "multi-turn", keys, start=state.step) as tracker:
-            # --- loop: episodes -> rl_step -> publish -> eval (first attempt only) -> log / checkpoint ---
+        with harness.Tracker(cfg.run, cfg.steps, "multi-turn", keys, start=state.step) as tracker:
             while state.step < cfg.steps:
-                batch = trajectory.concat(ctl.prepare_batch())
-                state, m = step.rl_step(state, batch, cfg=step_cfg)
-                state = loop.publish(state, eng, rollout=ctl)
-                m.update(ctl.last_metrics)
-                m["rollout/turns_mean"] = float((batch["turn_ids"].max(1).values + 1).float().mean())
-                if state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                # --- rollout: one row per episode (every attempt + masked feedback, turn_ids = attempt) ---
+                batch = TokenBatch.from_rollout(trajectory.concat(ctl.prepare_batch()))
+                batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
+                # --- rewards: the discounted outcome -> +-5 scale -> GRPO group z-score ---
+                mask = batch.loss_mask
+                reward = shaping_lib.shape_rewards(batch.rewards, cfg=cfg.shaping, gen_len=mask.sum(1),
+                                                   reward_norm=lambda r: normalize.normalize(r, cfg=group_norm))
+                # --- advantages: return-to-go on the last token (GAE with gamma = lambda = 1), batch z-score ---
+                truncated = torch.zeros_like(mask[:, 0]) if batch.truncated is None else batch.truncated
+                adv = gae.compute_advantages(
+                    reward, mask, batch.attention_mask.sum(1), truncated, cfg=gae.GAEConfig(),
+                    turn_ids=batch.turn_ids, adv_norm=lambda a, m: normalize.normalize(a, m, cfg=normalize.BATCH_ZSCORE),
+                )
+                batch = dataclasses.replace(batch, adv=adv.adv.float())
+                # --- loss_fn -> train_step (one optimizer step) -> publish (version + 1) ---
+                loss_fn = make_loss_fn(cfg)
+                state, m = step.train_step(state, batch, loss_fn, cfg=step_cfg)
+                state = engines.publish(state, eng, rollout=ctl)
+                m = {**harness.average([m], rename={"train/": "ppo_actor/"}), **ctl.last_metrics}
+                m["rollout/turns_mean"] = float((batch.turn_ids.max(1).values + 1).float().mean())
+                evaluate = state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)
+                if evaluate:  # the first attempt only: is the policy learning to be right early?
                     ev = ctl.evaluate(test, episode=first_try, group_size=cfg.eval_n)
                     m.update({k.replace("eval-rollout/", "eval/"): v for k, v in ev.items()})
-                tracker.log(state.step, m)
-                loop.maybe_save(cfg.run, state, {"rollout": ctl.state_dict()}, final=state.step == cfg.steps)
-    return loop.finish(cfg.run, state, tok, tracker.last)
+                tracker.log(state.step, m, print_step=bool(evaluate))
+                recover.maybe_save(cfg.run, state, {"rollout": ctl.state_dict()}, final=state.step == cfg.steps)
+    return harness.finish(cfg.run, state, tok, tracker.last)
 
 
 if __name__ == "__main__":

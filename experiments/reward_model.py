@@ -20,8 +20,11 @@ import tyro
 from rlcore import tiny as tiny_lib
 from rlcore.data import gsm8k, microbatch, preference, trajectory
 from rlcore.data.loader import PromptLoader
+from rlcore.objectives import dpo as dpo_lib
+from rlcore.objectives import reward_model as rm_lib
 from rlcore.rollout import workflows
-from rlcore.training import loop, models, step, train_state
+from rlcore.training import harness, models, recover, step, train_state
+from rlcore.types import TokenBatch
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class Config:
     """Gradient-norm clip."""
     eval_every: int = 25
     """Evaluate held-out accuracy every N steps (and at the end); 0: only at the end."""
-    run: tyro.conf.OmitArgPrefixes[loop.RunConfig] = loop.RunConfig()
+    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
     """Logging, checkpoints, seed."""
     tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=1024)
     """Shape of the random model when model='tiny'."""
@@ -65,15 +68,27 @@ class Config:
 
 
 SMOKE = Config(
-    model=loop.TINY,
+    model=harness.TINY,
     train_limit=4,
     eval_limit=2,
     steps=2,
     pairs_per_step=2,
     eval_every=0,
     optim=train_state.OptimConfig(lr=1e-3),
-    run=loop.RunConfig(progress=False, threads=1),
+    run=harness.RunConfig(progress=False, threads=1),
 )
+
+
+def make_loss_fn(*, n_pairs: float) -> step.LossFn:
+    """Bradley–Terry on interleaved pairs (spec §13.2): the score is the value head at each row's last real
+    token; ``-log sigmoid(s_chosen - s_rejected)`` summed and divided by ``n_pairs`` (GLOBAL pair count)."""
+
+    def loss_fn(values: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        s = rm_lib.last_token_scores(values, mb.attention_mask.sum(1).to(values.device))
+        s_chosen, s_rejected = dpo_lib.pairs(s)
+        return rm_lib.loss(s_chosen, s_rejected, denom=n_pairs)
+
+    return loss_fn
 
 
 @torch.no_grad()
@@ -92,9 +107,9 @@ def scores(critic: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
 
 def main(cfg: Config) -> dict[str, float]:
     # --- setup: pairs, a resumable loader, a critic (policy backbone + zero value head) as the trained model ---
-    info = loop.setup_torch(cfg.run)
+    info = harness.setup_torch(cfg.run)
     rng = random.Random(cfg.run.seed)
-    tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
+    tok = harness.load_tokenizer(cfg.model, cfg.tokenizer)
     fits = lambda p: p["input_ids"].shape[1] <= cfg.max_seq_len  # noqa: E731
     train = [
         p
@@ -108,35 +123,35 @@ def main(cfg: Config) -> dict[str, float]:
     ]
     if not train:
         raise ValueError(f"no training pair fits max_seq_len={cfg.max_seq_len}; raise --max-seq-len")
-    hf = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
-    # A CriticModel as TrainState.model: rm_step trains it, checkpoint saves it like any policy.
+    hf = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
+    # A CriticModel as TrainState.model: train_step trains it, checkpoint saves it like any policy.
     state = train_state.init_train_state(models.CriticModel(hf.train()), cfg.optim, compile_layers=cfg.run.compile)
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)
-    step_cfg = step.PairStepConfig(
-        max_grad_norm=cfg.max_grad_norm,
-        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb, granularity=2),
-    )
-    state, extra = loop.resume(cfg.run, state)
+    # granularity 2: a pair's two rows always share a micro-batch (the loss compares them).
+    step_cfg = step.StepConfig(max_grad_norm=cfg.max_grad_norm,
+                               mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb, granularity=2))
+    state, extra = recover.resume(cfg.run, state)
     if "loader" in extra:
         loader.load_state_dict(extra["loader"])
 
-    # --- loop: pairs -> rm_step -> eval -> log / checkpoint ---
-    with loop.Tracker(
+    # --- loop: pairs -> loss_fn -> train_step -> eval -> log / checkpoint ---
+    with harness.Tracker(
         cfg.run, cfg.steps, "reward-model", ("train/loss", "eval/accuracy"), start=state.step
     ) as tracker:
         while state.step < cfg.steps:
-            batch = trajectory.concat(
-                [next(loader)[1] for _ in range(cfg.pairs_per_step)]
-            )  # rows c0, r0, c1, r1, ...
-            state, m = step.rm_step(state, batch, cfg=step_cfg)
-            if test and (state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)):
+            rows = trajectory.concat([next(loader)[1] for _ in range(cfg.pairs_per_step)])  # c0, r0, c1, r1, ...
+            batch = TokenBatch.from_rollout(rows)
+            n_pairs = float(step.global_sum(batch.num_rows // 2))  # pairs on all ranks
+            state, m = step.train_step(state, batch, make_loss_fn(n_pairs=n_pairs), cfg=step_cfg)
+            evaluate = bool(test) and (state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0))
+            if evaluate:
                 s = scores(state.model, trajectory.concat(test))
                 m["eval/accuracy"] = float((s[0::2] > s[1::2]).float().mean())
                 m["eval/margin"] = float((s[0::2] - s[1::2]).mean())
-            tracker.log(state.step, m)
-            loop.maybe_save(cfg.run, state, {"loader": loader.state_dict()}, final=state.step == cfg.steps)
+            tracker.log(state.step, m, print_step=evaluate)
+            recover.maybe_save(cfg.run, state, {"loader": loader.state_dict()}, final=state.step == cfg.steps)
     # The export (--export-dir) is the backbone only: the value head lives in the checkpoint.
-    return loop.finish(cfg.run, state, tok, tracker.last)
+    return harness.finish(cfg.run, state, tok, tracker.last)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,11 @@ import tyro
 from rlcore import tiny as tiny_lib
 from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
+from rlcore.objectives import entropy
+from rlcore.objectives import sft as sft_lib
 from rlcore.rollout import workflows
-from rlcore.training import loop, step, train_state
+from rlcore.training import harness, recover, step, train_state
+from rlcore.types import TokenBatch
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,11 @@ class Config:
     """AdamW + schedule (keep total_steps = steps for a full cosine)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
+    sft: sft_lib.SFTConfig = sft_lib.SFTConfig()
+    """Masked NLL settings."""
     eval_every: int = 50
     """Evaluate test NLL every N steps (and at the end); 0: only at the end."""
-    run: tyro.conf.OmitArgPrefixes[loop.RunConfig] = loop.RunConfig()
+    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
     """Logging, checkpoints, seed."""
     tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=1024)
     """Shape of the random model when model='tiny'."""
@@ -65,14 +70,14 @@ class Config:
 
 
 SMOKE = Config(
-    model=loop.TINY,
+    model=harness.TINY,
     train_limit=4,
     eval_limit=2,
     steps=2,
     batch_size=2,
     eval_every=0,
     optim=train_state.OptimConfig(lr=1e-3),
-    run=loop.RunConfig(progress=False, threads=1),
+    run=harness.RunConfig(progress=False, threads=1),
 )
 
 
@@ -95,19 +100,28 @@ def make_row(tok, item: dict) -> dict[str, torch.Tensor]:
     }
 
 
+def make_loss_fn(cfg: Config) -> step.LossFn:
+    """Masked NLL over the answer tokens, divided by the GLOBAL token count (spec §13.3); entropy logged."""
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, m = sft_lib.loss(logp, mask=mb.loss_mask, cfg=cfg.sft, denom=float(mb.n_tokens))
+        return loss, {**m, "sft/entropy": entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]}
+
+    return loss_fn
+
+
 @torch.no_grad()
-def test_nll(state: train_state.TrainState, rows: list[dict], mb: microbatch.MicroBatchConfig) -> float:
+def test_nll(state: train_state.TrainState, rows: list[dict], cfg: step.StepConfig) -> float:
     """Mean NLL per target token over ``rows`` (predictive alignment, as in training)."""
-    batch = step.shift_to_predictive(trajectory.concat(rows))
-    logp = step.forward_logp(state.model, batch, mb_cfg=mb, aligned=True)[0]
-    mask = batch["loss_mask"].to(logp.device)
-    return float(-(logp * mask).sum() / mask.sum().clamp(min=1))
+    batch = TokenBatch.from_rollout(trajectory.concat(rows))
+    logp = step.policy_logp(state, batch, cfg=cfg)
+    return float(-torch.where(batch.loss_mask, logp, 0.0).sum() / batch.loss_mask.sum().clamp(min=1))
 
 
 def main(cfg: Config) -> dict[str, float]:
     # --- setup: data as (1 l) rows, a resumable shuffled loader, the train state ---
-    info = loop.setup_torch(cfg.run)
-    tok = loop.load_tokenizer(cfg.model, cfg.tokenizer)
+    info = harness.setup_torch(cfg.run)
+    tok = harness.load_tokenizer(cfg.model, cfg.tokenizer)
     train = [make_row(tok, r) for r in gsm8k.load(f"{cfg.data_dir}/train.jsonl", limit=cfg.train_limit)]
     test = [make_row(tok, r) for r in gsm8k.load(f"{cfg.data_dir}/test.jsonl", limit=cfg.eval_limit)]
     # Over-long rows would be truncated silently by a fixed context; drop them instead.
@@ -115,25 +129,27 @@ def main(cfg: Config) -> dict[str, float]:
     test = [r for r in test if r["input_ids"].shape[1] <= cfg.max_seq_len]
     if not train:
         raise ValueError(f"no training row fits max_seq_len={cfg.max_seq_len}; raise --max-seq-len")
-    model = loop.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
+    model = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     state = train_state.init_train_state(model, cfg.optim, compile_layers=cfg.run.compile)
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)
     mb = microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb)
-    step_cfg = step.SFTStepConfig(mb=mb, max_grad_norm=cfg.max_grad_norm)
-    state, extra = loop.resume(cfg.run, state)
+    step_cfg = step.StepConfig(mb=mb, max_grad_norm=cfg.max_grad_norm)
+    loss_fn = make_loss_fn(cfg)
+    state, extra = recover.resume(cfg.run, state)
     if "loader" in extra:
         loader.load_state_dict(extra["loader"])
 
-    # --- loop: batch -> sft_step -> eval -> log / checkpoint ---
-    with loop.Tracker(cfg.run, cfg.steps, "sft", ("train/loss", "eval/nll"), start=state.step) as tracker:
+    # --- loop: batch -> loss_fn -> train_step -> eval -> log / checkpoint ---
+    with harness.Tracker(cfg.run, cfg.steps, "sft", ("train/loss", "eval/nll"), start=state.step) as tracker:
         while state.step < cfg.steps:
-            batch = trajectory.concat([next(loader)[1] for _ in range(cfg.batch_size)])
-            state, m = step.sft_step(state, batch, cfg=step_cfg)
-            if test and (state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)):
-                m["eval/nll"] = test_nll(state, test, mb)
-            tracker.log(state.step, m)
-            loop.maybe_save(cfg.run, state, {"loader": loader.state_dict()}, final=state.step == cfg.steps)
-    return loop.finish(cfg.run, state, tok, tracker.last)
+            batch = TokenBatch.from_rollout(trajectory.concat([next(loader)[1] for _ in range(cfg.batch_size)]))
+            state, m = step.train_step(state, batch, loss_fn, cfg=step_cfg)
+            evaluate = bool(test) and (state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0))
+            if evaluate:
+                m["eval/nll"] = test_nll(state, test, step_cfg)
+            tracker.log(state.step, m, print_step=evaluate)
+            recover.maybe_save(cfg.run, state, {"loader": loader.state_dict()}, final=state.step == cfg.steps)
+    return harness.finish(cfg.run, state, tok, tracker.last)
 
 
 if __name__ == "__main__":

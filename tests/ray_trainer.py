@@ -1,8 +1,8 @@
 """Trainer script for tests/test_ray_launch.py: async GRPO steps on remote engines, with a pause for fault injection.
 
-Run by ``rlcore.launch.ray_cluster`` as every trainer rank (gloo on CPU): the library end to end — ``loop.open_engines``
+Run by ``rlcore.launch.ray_cluster`` as every trainer rank (gloo on CPU): the library end to end — ``engines.open_engines``
 (an ``EngineClient`` over ``$RLCORE_ENGINE_ADDRS``, weights published through safetensors on disk),
-``RolloutController`` (bounded staleness), ``step.rl_step`` and ``loop.publish``. After step ``--pause-after``
+``RolloutController`` (bounded staleness), ``step.rl_step`` and ``engines.publish``. After step ``--pause-after``
 rank 0 writes ``<sync>/paused`` and every rank waits for ``<sync>/go`` (the test kills an engine in between),
 so the following steps must run on the engines that are left. Each rank writes ``<sync>/result-<rank>.json``.
 """
@@ -21,7 +21,7 @@ from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
-from rlcore.training import loop, step, train_state
+from rlcore.training import engines, harness, step, train_state
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(3)]
 
@@ -41,18 +41,18 @@ def main() -> None:
     sync = Path(a.sync)
 
     # --- setup: process group (gloo), tokenizer, model, train state, engines ---
-    info = loop.setup_torch(loop.RunConfig(threads=1, progress=False))
-    tok = loop.load_tokenizer(a.model)
-    state = train_state.init_train_state(loop.load_model(a.model, tok), train_state.OptimConfig(lr=1e-3))
+    info = harness.setup_torch(harness.RunConfig(threads=1, progress=False))
+    tok = harness.load_tokenizer(a.model)
+    state = train_state.init_train_state(harness.load_model(a.model, tok), train_state.OptimConfig(lr=1e-3))
     step_cfg = step.RLStepConfig(group_size=2)
     episode = workflows.rlvr(tok, reward_fn, workflows.WorkflowConfig(max_new_tokens=6))
     ro_cfg = rollout.RolloutConfig(batch_size=2, group_size=2, max_staleness=1)
-    setup = loop.EngineSetup(dtype="float32", disk_root=str(sync / "weights"))
+    setup = engines.EngineSetup(dtype="float32", disk_root=str(sync / "weights"))
     # Quick eviction of a dead server: 1 retry with short back-off, dead after 2 failures in a row.
     fast = engine_client.ClientConfig(retries=1, backoff_s=0.2, dead_after_failures=2, timeout_s=60)
     losses, step_s = [], []
-    with loop.open_engines(state.model, tok, setup) as eng:
-        eng.client = engine_client.EngineClient(loop.engine_addresses(setup), fast)
+    with engines.open_engines(state.model, tok, setup) as eng:
+        eng.client = engine_client.EngineClient(engines.engine_addresses(setup), fast)
         loader = PromptLoader(PROMPTS, seed=info.rank)
         with rollout.RolloutController(eng.client, episode, loader, ro_cfg) as ctl:
             # --- loop: rollout -> rl_step -> publish (version + 1), pausing once for the test ---
@@ -60,7 +60,7 @@ def main() -> None:
                 t0 = time.monotonic()
                 groups = ctl.prepare_batch()
                 state, m = step.rl_step(state, trajectory.concat(groups), cfg=step_cfg)
-                state = loop.publish(state, eng, rollout=ctl)
+                state = engines.publish(state, eng, rollout=ctl)
                 losses.append(float(m["ppo_actor/loss"]))
                 step_s.append(round(time.monotonic() - t0, 2))
                 if state.step == a.pause_after:

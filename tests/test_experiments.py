@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,9 +71,11 @@ GSM = load("gsm8k_grpo")
 
 
 @pytest.mark.parametrize("name", sorted(GSM.PRESETS))
-def test_gsm8k_smoke_every_preset(name, data_dir):
+def test_gsm8k_smoke_every_preset(name, data_dir, capsys):
     cfg = dataclasses.replace(GSM.SMOKE[name], data_dir=str(data_dir))
     out = GSM.main(cfg)
+    printed = capsys.readouterr().out  # SMOKE runs with --no-progress: the final metrics still get printed (23.6)
+    assert f"gsm8k-rl step {cfg.steps}/{cfg.steps}: " in printed and "eval/pass@1=" in printed, printed[-500:]
     check_finite(out, "ppo_actor/loss", "ppo_actor/grad_norm", "eval/pass@1", "eval/pass@2", "rollout/reward")
     assert out["train/steps"] == cfg.steps
     assert 0.0 <= out["eval/pass@1"] <= out["eval/pass@2"] <= 1.0
@@ -95,8 +98,8 @@ def test_presets_mirror_the_recipe_table():
     assert (
         p["dapo"].objective.clip_high == 0.28 and p["dapo"].shaping.overlong_penalty and p["dapo"].dynamic_bs
     )
-    assert p["m2po"].objective.clip_low == 0.0 and p["m2po"].keep_masks[0] is p["m2po"].m2po
-    assert p["icepop"].keep_masks == (p["icepop"].icepop,) and p["kpop"].kpop.upper == 2.0
+    assert p["m2po"].objective.clip_low == 0.0 and p["m2po"].m2po.threshold == 0.04
+    assert p["icepop"].rejection is None and p["icepop"].icepop.lower == 0.5 and p["kpop"].kpop.upper == 2.0
     assert p["sapo"].prox == "behav" and p["sapo"].rejection is None
     assert type(p["gspo"].objective).__name__ == "GSPOConfig"
     assert type(p["cispo"].objective).__name__ == "CISPOConfig" and p["cispo"].objective.clip_high == 4.0
@@ -140,12 +143,106 @@ def test_gsm8k_checkpoint_resume_and_tensorboard(data_dir, tmp_path):
     assert out["eval/n_groups"] == 2
 
 
+# --------------------------------------------------------------------------------------------- the one shape
+RL_CALLS = {  # what each RL experiment must call itself (module-qualified leaves, as in anchors.md rule 2)
+    "gsm8k_grpo": [r"gae_lib\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"normalize\.normalize\(",
+                   r"ppo\.loss\(", r"gspo\.loss\(", r"sapo\.loss\(", r"cispo\.loss\(", r"rejection_lib\.process\(",
+                   r"icepop_lib\.keep_mask\(", r"kpop_lib\.keep_mask\(", r"m2po_lib\.keep_mask\(", r"kl\.penalty\(",
+                   r"entropy\.masked_mean\(", r"value\.loss\("],
+    "multi_turn": [r"gae\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"ppo\.loss\(",
+                   r"rejection_lib\.process\("],
+    "agent": [r"gae\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"ppo\.loss\(", r"rejection_lib\.process\("],
+    "distill": [r"gae\.compute_advantages\(", r"ppo\.loss\(", r"rejection_lib\.process\(", r"distill_lib\.loss\(",
+                r"step\.teacher_logp\("],
+}
+SHAPE = [r"\.prepare_batch\(", r"\.compute_advantages\(", r"make_loss_fn\(", r"step\.train_step\(", r"engines\.publish\("]
+"""rollout -> (rewards ->) advantages -> loss_fn -> train_step -> publish, in this order inside ``main``."""
+GONE = [r"\brl_step\b", r"RLStepConfig", r"legacy_loss_fn", r"rl_prepare", r"\bloop\.", r"import loop\b",
+        r"training\.loop", r"OBJECTIVES", r"MASKS", r"OBJECTIVE_NAMES"]
+
+
+@pytest.mark.parametrize("name", sorted(RL_CALLS))
+def test_rl_experiment_shows_the_algorithm(name):
+    """grep: the advantage, loss and mask calls are literally in the file, main runs the one shape in order, and
+    nothing goes through rl_step, a name registry or the old loop module."""
+    src = (EXP / f"{name}.py").read_text()
+    missing = [pat for pat in RL_CALLS[name] if not re.search(pat, src)]
+    assert not missing, f"{name}.py does not call {missing}"
+    found = [pat for pat in GONE if re.search(pat, src)]
+    assert not found, f"{name}.py still uses {found}"
+    main = src[src.index("\ndef main("):]
+    pos = [m.start() if (m := re.search(pat, main)) else -1 for pat in SHAPE]
+    assert -1 not in pos and pos == sorted(pos), f"{name}.py main() is not rollout -> advantages -> loss_fn -> " \
+                                                 f"train_step -> publish: {dict(zip(SHAPE, pos))}"
+
+
+def test_every_gsm8k_preset_mask_is_applied_by_the_loss_fn():
+    """Each mask a preset turns on is a plain ``if cfg.<field> is not None`` guarding that mask's call."""
+    src = (EXP / "gsm8k_grpo.py").read_text()
+    calls = {"rejection": r"rejection_lib\.process\(", "icepop": r"icepop_lib\.keep_mask\(",
+             "kpop": r"kpop_lib\.keep_mask\(", "m2po": r"m2po_lib\.keep_mask\("}
+    for field, call in calls.items():
+        assert re.search(rf"if cfg\.{field} is not None:\n\s+keep, .*{call}", src), field
+    used = {f for _, c in GSM.PRESETS.values() for f in calls if getattr(c, f) is not None}
+    assert used == set(calls)  # every mask is exercised by some preset
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "reward_model"])
+def test_supervised_experiments_call_train_step(name):
+    src = (EXP / f"{name}.py").read_text()
+    assert re.search(r"step\.train_step\(state, batch, ", src) and "def make_loss_fn(" in src
+    assert not re.search(r"\b(sft_step|dpo_step|rm_step)\b|\bloop\.", src)
+
+
+@pytest.mark.parametrize("name", ["icepop", "gspo"])
+def test_gsm8k_loss_fn_gradient_equals_hand_composed_leaves(name):
+    """The experiment's own ``make_loss_fn(preset)`` through ``train_step`` (3 micro-batches) == ``torch.func.grad``
+    of the leaves composed by hand on the whole packed batch (float64): decoupled PPO with the IcePop mask, and
+    GSPO with the rejection filter's mask + processed weight. Nothing a leaf computes is lost on the way."""
+    from rlcore.objectives import gspo, icepop, ppo, rejection
+    from rlcore.training import step
+    from rlcore.types import TokenBatch
+    from tests.training import test_train_step as tts
+
+    cfg = GSM.PRESETS[name][1]
+    batch = tts.common.make_batch(13, n=8)
+    g = torch.Generator().manual_seed(1)  # behaviour log-probs spread around the policy's, so the masks bind
+    batch["logprobs"] = torch.where(batch["loss_mask"], -4.5 + 1.2 * torch.randn(batch["logprobs"].shape, generator=g),
+                                    batch["logprobs"])
+    st = tts.state64()
+    _, mask, behav, _ = tts.shifted(batch)
+    adv = tts.grpo_adv(batch, mask)
+    kept = []
+
+    def loss_of(lp, lp0):  # lp0: the no-grad policy log-probs = the recomputed proximal ones
+        if name == "icepop":
+            keep, _ = icepop.keep_mask(lp0, behav, mask, cfg=cfg.icepop)
+            loss = ppo.loss(lp, lp0, behav, adv, keep, cfg=cfg.objective, denom=mask.sum())[0]
+        else:
+            keep, w, _ = rejection.process(lp0, behav, mask, cfg=cfg.rejection)
+            loss = gspo.loss(lp, lp0, behav, adv, keep, cfg=cfg.objective, denom=mask.sum(), weight=w)[0]
+        kept.append(int(keep.sum()))
+        return loss
+
+    grad_ref, loss_ref = tts.hand_grad(st.model, batch, loss_of)
+    assert 0 < kept[-1] < int(mask.sum()), "the mask must drop some tokens, or the comparison proves little"
+    tb = TokenBatch.from_rollout(batch)
+    tb = dataclasses.replace(tb, logp_prox=step.policy_logp(st, tb), adv=adv)
+    scfg = step.StepConfig(mb=GSM.microbatch.MicroBatchConfig(max_tokens_per_mb=24), max_grad_norm=0.0)
+    loss_fn = GSM.make_loss_fn(cfg, version=0)
+    (_, m), delta = tts.run_and_delta(lambda s: step.train_step(s, tb, loss_fn, cfg=scfg), st)
+    assert abs(float(m["train/loss"]) - loss_ref) <= 1e-6, (float(m["train/loss"]), loss_ref)
+    tts.assert_grad_equal(delta, grad_ref)
+
+
 # --------------------------------------------------------------------------------------------- supervised
-def test_sft_smoke_learns(data_dir):
+def test_sft_smoke_learns(data_dir, capsys):
     sft = load("sft")
     base = dataclasses.replace(sft.SMOKE, data_dir=str(data_dir), train_limit=2, steps=3)
     out = sft.main(base)
     check_finite(out, "train/loss", "eval/nll")
+    printed = capsys.readouterr().out  # --no-progress (SMOKE) prints the final metrics line (23.6)
+    assert f"sft step 3/3: train/loss={out['train/loss']:.4g}, eval/nll={out['eval/nll']:.4g}" in printed, printed
     frozen = sft.main(dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=0.0)))
     assert out["train/loss"] < frozen["train/loss"]  # same two rows every step: training must lower their NLL
     assert "\\boxed{1234}" in sft.target_text(ROWS[3][1]) and "<<" not in sft.target_text(ROWS[2][1])
@@ -263,10 +360,10 @@ def test_gsm8k_with_remote_engine_server(data_dir, tmp_path):
     from rlcore import tiny
     from rlcore.inference import engine as engine_lib
     from rlcore.inference import server as engine_server
-    from rlcore.training import loop
+    from rlcore.training import engines, harness
 
     cfg = GSM.SMOKE["grpo"]
-    tok = loop.load_tokenizer(loop.TINY)
+    tok = harness.load_tokenizer(harness.TINY)
     # Same seed as the trainer's tiny model: the server starts from the trainer's initial weights.
     served = tiny.build_model(tok, cfg.tiny, seed=cfg.run.seed)
     ev_loop = asyncio.new_event_loop()
@@ -285,7 +382,7 @@ def test_gsm8k_with_remote_engine_server(data_dir, tmp_path):
     ) as eng:
         runner, port = call(up(engine_server.make_app(eng)))
         try:
-            setup = loop.EngineSetup(engine_addrs=(f"127.0.0.1:{port}",), disk_root=str(tmp_path / "w"))
+            setup = engines.EngineSetup(engine_addrs=(f"127.0.0.1:{port}",), disk_root=str(tmp_path / "w"))
             out = GSM.main(dataclasses.replace(cfg, data_dir=str(data_dir), engine=setup))
             check_finite(out, "ppo_actor/loss", "eval/pass@1")
             assert eng.version == cfg.steps  # every step's weights reached the server

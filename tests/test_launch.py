@@ -143,26 +143,26 @@ def test_engine_commands():
 def test_weight_sync_host_is_loopback_for_local_engines(monkeypatch):
     import socket
 
-    from rlcore.training import loop
+    from rlcore.training import engines
 
-    monkeypatch.delenv(loop.ENV_SYNC_HOST, raising=False)
+    monkeypatch.delenv(engines.ENV_SYNC_HOST, raising=False)
     local = ["127.0.0.1:30000", "localhost:30001", f"{socket.gethostname()}:30002", "[::1]:30003"]
-    assert loop.weight_sync_host(local) == "127.0.0.1"
-    monkeypatch.setenv(loop.ENV_SYNC_HOST, "10.1.2.3")
-    assert loop.weight_sync_host(local) == "10.1.2.3"
+    assert engines.weight_sync_host(local) == "127.0.0.1"
+    monkeypatch.setenv(engines.ENV_SYNC_HOST, "10.1.2.3")
+    assert engines.weight_sync_host(local) == "10.1.2.3"
 
 
 def test_weight_sync_host_routes_towards_a_remote_engine(monkeypatch):
     """A remote engine gets this node's routable address, never loopback; no route -> an error naming the fix."""
     import ipaddress
 
-    from rlcore.training import loop
+    from rlcore.training import engines
 
-    monkeypatch.delenv(loop.ENV_SYNC_HOST, raising=False)
+    monkeypatch.delenv(engines.ENV_SYNC_HOST, raising=False)
     try:
-        host = loop.weight_sync_host(["127.0.0.1:1", "192.0.2.7:30000"])  # TEST-NET-1: routed, never answered
+        host = engines.weight_sync_host(["127.0.0.1:1", "192.0.2.7:30000"])  # TEST-NET-1: routed, never answered
     except RuntimeError as e:
-        assert loop.ENV_SYNC_HOST in str(e) and "192.0.2.7" in str(e)
+        assert engines.ENV_SYNC_HOST in str(e) and "192.0.2.7" in str(e)
     else:
         assert not ipaddress.ip_address(host).is_loopback
 
@@ -189,11 +189,11 @@ def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = ()
     from safetensors.torch import load_file
 
     from rlcore import tiny
-    from rlcore.training import loop
+    from rlcore.training import harness
 
     root = Path(__file__).resolve().parent.parent
     model = tmp_path / "model"
-    tok = loop.load_tokenizer(loop.TINY)
+    tok = harness.load_tokenizer(harness.TINY)
     tiny.build_model(tok, model_cfg, seed=0).save_pretrained(str(model))
     tok.save_pretrained(str(model))
     data = tmp_path / "gsm8k"

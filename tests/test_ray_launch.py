@@ -342,10 +342,10 @@ def test_ray_launcher_sigterm_stops_children_and_keeps_cluster(ray_cluster, tmp_
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     from rlcore import tiny
-    from rlcore.training import loop
+    from rlcore.training import harness
 
     path = tmp_path_factory.mktemp("ray-model")
-    tok = loop.load_tokenizer(loop.TINY)
+    tok = harness.load_tokenizer(harness.TINY)
     tiny.build_model(tok, tiny.TinyModelConfig(max_positions=512), seed=0).save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
