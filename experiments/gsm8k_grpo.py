@@ -268,18 +268,20 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
         else:
             logp_prox = behav
         keep, weight = mb.loss_mask, None
+        # M2PO, IcePop and KPop only filter: their weight factor is 1, so the objective keeps its own
+        # behaviour weight exp(prox - behav); rejection_lib.process returns the processed weight w' itself.
         if cfg.m2po is not None:
-            keep, m = m2po_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.m2po)
+            keep, _, m = m2po_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.m2po)
             metrics.update(m)
         if cfg.rejection is not None:
             keep, w, m = rejection_lib.process(logp_prox, behav, keep, cfg=cfg.rejection)
             weight = w if cfg.weighted else None  # SAPO / coupled PPO take no behaviour weight: mask only
             metrics.update(m)
         if cfg.icepop is not None:
-            keep, m = icepop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.icepop)
+            keep, _, m = icepop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.icepop)
             metrics.update(m)
         if cfg.kpop is not None:
-            keep, m = kpop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.kpop)
+            keep, _, m = kpop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.kpop)
             metrics.update(m)
         denom = mb.denom(obj.agg)
         if isinstance(obj, gspo.GSPOConfig):
