@@ -205,7 +205,7 @@ fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
 ax = axes[0]
 prev = None
 for upper in ((2.0, 5.0, 10.0) if FULL else (2.0, 5.0)):
-    keep, _ = icepop.keep_mask(prox, behav, full_mask, cfg=icepop.IcePopConfig(upper=upper))
+    keep, _, _ = icepop.keep_mask(prox, behav, full_mask, cfg=icepop.IcePopConfig(upper=upper))
     ax.plot(ratio_grid, keep[0].float(), label=f"IcePop [0.5, {upper}]")
     assert bool((keep <= full_mask).all())  # a subset of its input mask
     assert prev is None or bool((prev <= keep).all())  # a wider band keeps at least as much
@@ -230,7 +230,7 @@ p = torch.linspace(0.001, 0.999, 201 if FULL else 81)
 lpq = p.log()
 P, Q = torch.meshgrid(lpq, lpq, indexing="ij")  # (n n): log p_prox, log p_behav
 stat = kpop.symmetric_binary_kl(P, Q)
-keep, _ = kpop.keep_mask(P, Q, torch.ones_like(P, dtype=torch.bool), cfg=kpop.KPopConfig())
+keep, _, _ = kpop.keep_mask(P, Q, torch.ones_like(P, dtype=torch.bool), cfg=kpop.KPopConfig())
 assert torch.equal(keep, keep.T)  # symmetric in (prox, behav)
 im = ax.pcolormesh(p, p, stat.log10().clamp(min=-4), shading="auto", cmap="viridis")
 ax.contour(p, p, stat, levels=[0.5, 2.0], colors=["w", "r"], linewidths=1)
@@ -246,7 +246,7 @@ for spread in ((0.05, 0.2, 0.5) if FULL else (0.05, 0.5)):
     b_lp = -torch.rand(16, 32, generator=gen) * 4
     p_lp = b_lp + spread * torch.randn(16, 32, generator=gen)
     m = torch.ones_like(b_lp, dtype=torch.bool)
-    frac = [float(m2po.keep_mask(p_lp, b_lp, m, cfg=m2po.M2POConfig(threshold=float(t)))[1]["m2po/filtered_frac"])
+    frac = [float(m2po.keep_mask(p_lp, b_lp, m, cfg=m2po.M2POConfig(threshold=float(t)))[2]["m2po/filtered_frac"])
             for t in thresholds]
     ax.plot(thresholds, frac, marker="o", ms=3, label=f"std(log ratio)={spread}")
     assert all(a >= b for a, b in zip(frac, frac[1:]))  # a looser threshold drops fewer tokens

@@ -216,7 +216,7 @@ def test_gsm8k_loss_fn_gradient_equals_hand_composed_leaves(name):
 
     def loss_of(lp, lp0):  # lp0: the no-grad policy log-probs = the recomputed proximal ones
         if name == "icepop":
-            keep, _ = icepop.keep_mask(lp0, behav, mask, cfg=cfg.icepop)
+            keep, _, _ = icepop.keep_mask(lp0, behav, mask, cfg=cfg.icepop)
             loss = ppo.loss(lp, lp0, behav, adv, keep, cfg=cfg.objective, denom=mask.sum())[0]
         else:
             keep, w, _ = rejection.process(lp0, behav, mask, cfg=cfg.rejection)
