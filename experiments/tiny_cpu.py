@@ -29,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +44,7 @@ from rlcore.advantages import normalize
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
+from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
 from rlcore.inference import process as engine_process
 from rlcore.objectives import ppo
@@ -150,10 +152,29 @@ def open_engine(cfg: Config, policy: torch.nn.Module, stack: contextlib.ExitStac
         max_batch=max_batch, max_seq_len=32, seed=cfg.seed,
     )))
     # The same client and protocol as for a remote SGLang server: one client for the rollouts, one blocking
-    # client (own loop thread) for the publish's control calls; weights go through a file in /dev/shm.
+    # client (own loop thread) for the publish's control calls; weights go through a file in /dev/shm. The
+    # rollout client's /generate calls of one event-loop tick share one (batched) HTTP request: per-request
+    # HTTP work would otherwise cost more CPU than generating ~6 tokens with a 0.1M-parameter model.
     control = stack.enter_context(engine_client.connect(ep.address))
-    return (engine_client.EngineClient(ep.address), [control],
+    return (engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address)), [control],
             weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place"), ep.pid)
+
+
+class PromptIds(Sequence):
+    """The dataset with each row's prompt token ids added (``input_ids``), tokenized once per prompt.
+
+    The rollout workflow tokenizes the row of every sample otherwise (chat template + tokenizer, ~1 ms), which is
+    8 times per group and, with a 0.1M-parameter model, a third of the rollout thread's CPU time."""
+
+    def __init__(self, dataset: Sequence[dict], tok: Any):
+        self.dataset, self.tok = dataset, tok
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.dataset[i]
+        return row | {"input_ids": workflows.prompt_ids(self.tok, row)}
 
 
 def greedy_success(model: torch.nn.Module, tok, problems: list[countdown.Problem], max_new_tokens: int) -> float:
@@ -201,7 +222,7 @@ def main(cfg: Config) -> dict[str, float]:
     rollout_cfg = rollout.RolloutConfig(
         batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=cfg.max_staleness,
     )
-    loader = PromptLoader(countdown.CountdownDataset(200_000, seed=cfg.seed), seed=cfg.seed)
+    loader = PromptLoader(PromptIds(countdown.CountdownDataset(200_000, seed=cfg.seed), tok), seed=cfg.seed)
 
     hist: list[tuple[float, int, float]] = []
     out: dict[str, float] = {}

@@ -379,7 +379,11 @@ def _publish_shm(state: TrainState, targets: Sequence[Any], version: int, dtype:
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp))
         os.replace(tmp, path)
         for t in targets:
-            _wait(t.update_weights_from_disk(str(path), version), cfg.timeout_s)
+            if _is_engine(t):  # in-process: the load runs on the scheduler thread, nothing is aborted
+                t.update_weights_from_disk(str(path), version)
+            else:  # an in_place pause holds requests in their slots: keep them (re-prefilled on continue)
+                keep = cfg.pause_mode != "abort"
+                _wait(t.update_weights_from_disk(str(path), version, abort_all_requests=not keep), cfg.timeout_s)
     finally:
         tmp.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
