@@ -159,7 +159,8 @@ def die_with_parent(parent_pid: int, lifetime_fd: int = -1, *, pdeathsig: bool =
 
     ``lifetime_fd``: read end of a pipe whose write end only the parent holds; a daemon thread blocks on it and
     exits the process on EOF. ``pdeathsig``: also ask Linux for SIGTERM when the parent's spawning thread dies.
-    If the parent is already gone when this runs, exit at once.
+    SIGTERM is then handled by a ``sigwait`` thread (exit at once, cleaning up if the parent is gone). If the
+    parent is already gone when this runs, exit at once. Call it before any other thread is started.
     """
 
     def orphaned() -> None:
@@ -167,15 +168,19 @@ def die_with_parent(parent_pid: int, lifetime_fd: int = -1, *, pdeathsig: bool =
             remove_shm_weights(shm_root or default_shm_root(), parent_pid)
         os._exit(0)
 
+    # SIGTERM (ours on shutdown, or the parent-death signal) is taken by a thread blocked in sigwait, not by a
+    # Python handler: those run only on the main thread, which may sit in epoll for a long time.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by every thread started later
+
+    def on_term() -> None:
+        signal.sigwait({signal.SIGTERM})
+        if os.getppid() != parent_pid:
+            orphaned()
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=on_term, name="sigterm-watch", daemon=True).start()
     if pdeathsig and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-        def on_term(signum, frame):  # noqa: ARG001 — signal handler signature
-            if os.getppid() != parent_pid:
-                orphaned()
-            os._exit(128 + signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, on_term)
     if lifetime_fd >= 0:
 
         def watch() -> None:
@@ -401,7 +406,10 @@ def engine_process(cfg: EngineProcessConfig) -> Iterator[EngineProcess]:
                     f"(EngineProcessConfig.startup_timeout_s; {'no address printed yet' if not found else found[0]}); "
                     f"last stderr lines:\n{ep.stderr_tail()}"
                 )
-            got_address.wait(0.05) if not found else time.sleep(0.05)
+            if found:
+                time.sleep(0.05)
+            else:
+                got_address.wait(0.05)
         yield ep
     finally:
         _stop(proc, cfg.stop_timeout_s)
