@@ -8,8 +8,9 @@ Engine and trainer then no longer share one GIL: each process runs its own torch
 
 Lifetime (the child never outlives the trainer):
 
-* on leaving the ``with`` block (normally or by an exception) the child gets SIGTERM, then SIGKILL after
-  ``stop_timeout_s``, and is reaped;
+* on leaving the ``with`` block (normally or by an exception) the trainer writes a stop byte into the
+  lifetime pipe (below), then sends SIGTERM and SIGKILL if the child is still there after ``stop_timeout_s``
+  / 2 and ``stop_timeout_s``, and reaps it;
 * if the trainer dies without cleaning up (SIGKILL, OOM kill), the child notices within a fraction of a
   second: it holds the read end of a *lifetime pipe* whose only write end is in the trainer, so the kernel
   closes it and the child's watcher thread reads EOF; on Linux it also asked for ``PR_SET_PDEATHSIG``
@@ -48,6 +49,8 @@ from typing import Literal
 SHM_WEIGHTS_PREFIX = "rlcore-weights-"
 """File-name prefix of published weight files: ``rlcore-weights-<trainer pid>-v<version>.safetensors``."""
 _PR_SET_PDEATHSIG = 1
+_STOP = b"q"
+"""Written by the parent into the lifetime pipe to stop the child on purpose (EOF means the parent died)."""
 _ADDRESS_RE = re.compile(r"\[rlcore\.serve\] .* on (http://\S+)")
 
 
@@ -158,9 +161,10 @@ def die_with_parent(parent_pid: int, lifetime_fd: int = -1, *, pdeathsig: bool =
     """Make this (child) process exit when ``parent_pid`` dies; clean the parent's weight files first.
 
     ``lifetime_fd``: read end of a pipe whose write end only the parent holds; a daemon thread blocks on it and
-    exits the process on EOF. ``pdeathsig``: also ask Linux for SIGTERM when the parent's spawning thread dies.
-    SIGTERM is then handled by a ``sigwait`` thread (exit at once, cleaning up if the parent is gone). If the
-    parent is already gone when this runs, exit at once. Call it before any other thread is started.
+    exits the process on EOF (cleaning up) or on the stop byte (a planned stop). ``pdeathsig``: also ask Linux
+    for SIGTERM when the parent's spawning thread dies. SIGTERM is handled by a ``sigwait`` thread (exit,
+    cleaning up if the parent is gone). If the parent is already gone when this runs, exit at once. Call it
+    before any other thread is started, so that every thread blocks SIGTERM.
     """
 
     def orphaned() -> None:
@@ -174,6 +178,11 @@ def die_with_parent(parent_pid: int, lifetime_fd: int = -1, *, pdeathsig: bool =
 
     def on_term() -> None:
         signal.sigwait({signal.SIGTERM})
+        # The parent-death signal can come while the dying parent's other threads still exist (the child is
+        # first handed to one of them, so getppid() has not changed yet): give the parent 2 s to be gone.
+        deadline = time.monotonic() + 2.0
+        while os.getppid() == parent_pid and time.monotonic() < deadline:
+            time.sleep(0.01)
         if os.getppid() != parent_pid:
             orphaned()
         os._exit(128 + signal.SIGTERM)
@@ -186,13 +195,15 @@ def die_with_parent(parent_pid: int, lifetime_fd: int = -1, *, pdeathsig: bool =
         def watch() -> None:
             while True:
                 try:
-                    if not os.read(lifetime_fd, 4096):
-                        break
+                    data = os.read(lifetime_fd, 1)
                 except InterruptedError:
                     continue
                 except OSError:
-                    break
-            orphaned()
+                    data = b""
+                if data == _STOP:  # a planned stop by the (live) parent: nothing to clean
+                    os._exit(0)
+                if not data:  # EOF: the parent is gone
+                    orphaned()
 
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     if os.getppid() != parent_pid:
@@ -331,17 +342,20 @@ def _health_ok(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+def _stop(proc: subprocess.Popen, lifetime_fd: int, grace_s: float) -> None:
+    """Ask the child to exit through the lifetime pipe; SIGTERM after half the grace period, SIGKILL after all."""
     if proc.poll() is not None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
+    with contextlib.suppress(OSError):
+        os.write(lifetime_fd, _STOP)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            proc.wait(grace_s / 2)
+            return
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+    proc.wait()
 
 
 @contextlib.contextmanager
@@ -412,7 +426,7 @@ def engine_process(cfg: EngineProcessConfig) -> Iterator[EngineProcess]:
                 got_address.wait(0.05)
         yield ep
     finally:
-        _stop(proc, cfg.stop_timeout_s)
+        _stop(proc, write_fd, cfg.stop_timeout_s)
         os.close(write_fd)
         for r in readers:
             r.join(2.0)

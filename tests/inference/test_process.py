@@ -70,28 +70,35 @@ def perturb(state: train_state.TrainState, seed: int) -> dict[str, torch.Tensor]
     return {k: v.detach().clone() for k, v in weight_sync.hf_named_tensors(state.model)}
 
 
-def recomputed_logp(ref: torch.nn.Module, weights: dict[str, torch.Tensor], prompt: list[int], out: list[int]) -> torch.Tensor:
-    """Log-probs (temperature 1) of ``out`` after ``prompt`` under ``weights``, by one teacher-forced forward."""
+def recomputed_logp(ref: torch.nn.Module, weights: dict[str, torch.Tensor], seqs: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    """Log-probs (temperature 1) of ``seqs[:, n_prompt:]`` under ``weights``: one teacher-forced forward.
+
+    seqs: (b t) prompt + output token ids, all prompts of length ``n_prompt``. Returns (b, t - n_prompt)."""
     with torch.no_grad():
         for name, p in weight_sync.hf_named_tensors(ref):
             p.copy_(weights[name])
-        ids = torch.tensor([prompt + out])
-        logits = ref(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-        return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out)[:, None])[:, 0]
+        logits = ref(input_ids=seqs).logits[:, n_prompt - 1 : -1]
+        return torch.log_softmax(logits.float(), -1).gather(2, seqs[:, n_prompt:, None])[..., 0]
 
 
 def version_mismatches(ref, weights: dict[int, dict], responses) -> list[tuple[int, int, float]]:
-    """(response index, token index, |error|) for every token whose log-prob is not its tagged version's."""
+    """(response index, token index, |error|) for every token whose log-prob is not its tagged version's.
+
+    Responses are checked in batches of equal prompt and output length (one forward per batch and version)."""
     bad = []
+    by_shape: dict[tuple[int, int], list[int]] = {}
     for i, r in enumerate(responses):
-        vs = torch.tensor(r.output_versions)
-        lp = torch.tensor(r.output_logprobs)
+        by_shape.setdefault((len(r.input_tokens), len(r.output_tokens)), []).append(i)
+    for (n_prompt, _), idx in by_shape.items():
+        seqs = torch.tensor([responses[i].input_tokens + responses[i].output_tokens for i in idx])
+        vs = torch.tensor([responses[i].output_versions for i in idx])
+        lp = torch.tensor([responses[i].output_logprobs for i in idx])
         for v in vs.unique().tolist():
-            if v not in weights:
-                bad += [(i, j, float("inf")) for j in (vs == v).nonzero()[:, 0].tolist()]
-                continue
-            err = (recomputed_logp(ref, weights[v], r.input_tokens, r.output_tokens) - lp).abs()
-            bad += [(i, j, float(err[j])) for j in ((vs == v) & (err > 1e-4)).nonzero()[:, 0].tolist()]
+            tagged = vs == v
+            err = torch.full(lp.shape, float("inf"))
+            if v in weights:
+                err = (recomputed_logp(ref, weights[v], seqs, n_prompt) - lp).abs()
+            bad += [(idx[a], b, float(err[a, b])) for a, b in (tagged & (err > 1e-4)).nonzero().tolist()]
     return bad
 
 
