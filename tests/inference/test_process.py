@@ -137,9 +137,19 @@ def test_process_layout_end_to_end(model_dir):
                 return await asyncio.gather(*(gen.client.agenerate(r) for r in reqs))
 
             served = gen.run(batch())
+
+            async def one_bad_prompt():  # coalesced with good ones: only its own caller sees the 400
+                reqs = [ModelRequest(input_ids=p, sampling=sampling) for p in prompts(3, seed=2)]
+                reqs.append(ModelRequest(input_ids=[5] * 70, sampling=sampling))  # > max_seq_len 64
+                return await asyncio.gather(*(gen.client.agenerate(r) for r in reqs), return_exceptions=True)
+
+            *good, bad = gen.run(one_bad_prompt())
+            assert all(r.output_versions == [2] * 8 for r in good)
+            assert isinstance(bad, engine_client.EngineError) and "400" in str(bad)
+            assert gen.client.servers[0].engine.batches >= 2  # /generate calls really were batched
         assert all(r.output_versions == [0] * 8 for r in first)
         assert all(r.output_versions == [2] * 8 for r in served)
-        assert version_mismatches(ref, weights, first + served) == []
+        assert version_mismatches(ref, weights, first + served + good) == []
         # the check is sharp: version 2's tokens do not pass as version 1's
         assert version_mismatches(ref, {2: weights[1]}, served) != []
         assert ep.cpu_seconds() > 0
@@ -283,3 +293,25 @@ def test_all_or_nothing_load_under_concurrent_generation(model_dir):
         assert all(set(r.output_versions) == {7} for r in half_served)
         assert version_mismatches(ref, weights | {7: half}, half_served) != []
         assert version_mismatches(ref, weights | {7: weights[6]}, half_served) != []
+
+
+def test_orphan_sweep_cpu_accounting_and_core_split(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = process.shm_weights_file(tmp_path, os.getpid(), 3)
+    orphan = process.shm_weights_file(tmp_path, dead.pid, 5)
+    for f in (mine, orphan, tmp_path / "unrelated.safetensors"):
+        f.write_bytes(b"x")
+    assert process.remove_orphan_shm_weights(tmp_path) == [orphan]
+    assert process.remove_shm_weights(tmp_path, os.getpid()) == [mine]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated.safetensors"]
+    t0 = process.cpu_seconds()
+    x = 0
+    while process.cpu_seconds() - t0 < 0.05:
+        x += 1
+    assert process.cpu_seconds(os.getpid()) >= t0 + 0.05
+    assert process.split_cores(1, [0, 1]) == ((1,), (0,))
+    assert process.split_cores(2, [0, 1, 2, 3]) == ((2, 3), (0, 1))
+    assert process.split_cores(1, [0]) == ((0,), (0,))
+    with pytest.raises(ValueError, match="engine_cores"):
+        process.split_cores(2, [0, 1])
