@@ -95,15 +95,15 @@ class Config:
     log_dir: str = "runs/tiny_cpu"
     """TensorBoard directory."""
     engine: Literal["process", "thread"] = "process"
-    """process: the engine in its own OS process (HTTP on 127.0.0.1, weights through /dev/shm); thread: in a
-    thread of this process with in-process transport and weight copy (the old layout, for debugging)."""
+    """process: the engine in its own OS process (HTTP on 127.0.0.1, weights through /dev/shm).
+    thread: the engine in a thread of this process, in-process transport (the old layout, for debugging)."""
     threads: int = 1
     """torch intra-op threads of the trainer (and of the engine thread with --engine thread)."""
     engine_threads: int = 1
     """torch intra-op threads of the engine process: its share of the cores."""
     pin_cores: bool = False
-    """--engine process: pin the engine process to the last engine_threads CPUs and the trainer to the others
-    (os.sched_setaffinity); off by default, so that a busy shared machine can balance the load."""
+    """--engine process: pin the engine to the last engine_threads CPUs, the trainer to the others.
+    Off by default (os.sched_setaffinity), so that a busy shared machine can balance the load."""
     progress: bool = True
     """Show the tqdm progress bar."""
 
