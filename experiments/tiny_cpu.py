@@ -2,29 +2,36 @@
 
 A 2-layer, width-64 Qwen2 (~0.1M parameters, one token per character) was warm-started by
 experiments/sft_warmstart.py to ~21% greedy success on 1,000 held-out Countdown prompts
-(``3579:42=`` -> ``7*5+9-3``). Here it trains with the whole library in one process:
+(``3579:42=`` -> ``7*5+9-3``). Here it trains with the whole library, in two processes (one core each):
 
-    RolloutController (staleness eta) -> EngineClient (in-process transport) -> Engine (own thread)
+    trainer process: RolloutController (staleness eta) -> EngineClient (HTTP, SGLang protocol)
+                                                                    |
+    engine process (python -m rlcore.serve, rlcore.inference.process): Engine
       -> rlvr episodes, countdown reward -> groups of 8 -> rl_step (decoupled PPO, GRPO advantages)
-      -> publish_weights (pause -> state-dict push -> version + 1 -> resume) -> repeat
+      -> publish_weights (pause -> safetensors file in /dev/shm -> engine loads it -> version + 1 -> resume)
 
-Generation pauses only for the weight push (~10 ms): while ``rl_step`` runs on batch k, the engine is
-already sampling batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects for
-that one step of staleness with the behaviour weight pi_prox / pi_behav.
+Engine and trainer no longer share one GIL: while ``rl_step`` runs on batch k in this process, the engine
+process is already sampling batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects
+for that one step of staleness with the behaviour weight pi_prox / pi_behav. ``--engine thread`` runs the
+engine in a thread of this process instead (the old layout, for debugging: one process, in-process transport).
 
 Run:    python experiments/tiny_cpu.py                      # 10 minutes on 2 CPU cores
 Smoke:  python experiments/tiny_cpu.py --minutes 0.2 --eval-prompts 64
 Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within two to
-        four minutes on an idle 2-core CPU and to ~50% at 10 minutes (measured 20.8% -> 49.4%, 2,393 steps,
-        and 20.8% -> 50.5%, 1,968 steps; docs/results.md#cpu-main-job). TensorBoard: ``tensorboard --logdir runs``.
+        four minutes on an idle 2-core CPU and to ~50% at 10 minutes (measured with --engine thread: 20.8% ->
+        49.4%, 2,393 steps, and 20.8% -> 50.5%, 1,968 steps; docs/results.md#cpu-main-job). TensorBoard:
+        ``tensorboard --logdir runs`` (``perf/cores_busy``: average cores kept busy by both processes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import tyro
@@ -36,7 +43,9 @@ from rlcore.advantages import normalize
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
+from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
+from rlcore.inference import process as engine_process
 from rlcore.objectives import ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
@@ -84,14 +93,87 @@ class Config:
     """Seconds between greedy evaluations (each takes well under a second)."""
     log_dir: str = "runs/tiny_cpu"
     """TensorBoard directory."""
+    engine: Literal["process", "thread"] = "process"
+    """process: the engine in its own OS process (HTTP on 127.0.0.1, weights through /dev/shm).
+    thread: the engine in a thread of this process, in-process transport (the old layout, for debugging)."""
     threads: int = 1
-    """torch intra-op threads; the engine thread and the trainer thread share the 2 cores."""
+    """torch intra-op threads of the trainer (and of the engine thread with --engine thread)."""
+    engine_threads: int = 1
+    """torch intra-op threads of the engine process: its share of the cores."""
+    pin_cores: bool = False
+    """--engine process: pin the engine to the last engine_threads CPUs, the trainer to the others.
+    Off by default (os.sched_setaffinity), so that a busy shared machine can balance the load."""
     progress: bool = True
     """Show the tqdm progress bar."""
 
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
                log_dir="/tmp/rlcore_tiny_cpu_smoke")
+
+
+class CoresBusy:
+    """Average cores kept busy since construction: CPU seconds of this process (+ the engine process) / wall."""
+
+    def __init__(self, engine_pid: int | None):
+        self.engine_pid = engine_pid
+        self.t0, self.cpu0 = time.perf_counter(), self._cpu()
+
+    def _cpu(self) -> tuple[float, float]:
+        eng = engine_process.cpu_seconds(self.engine_pid) if self.engine_pid is not None else 0.0
+        return engine_process.cpu_seconds(), eng
+
+    def __call__(self) -> dict[str, float]:
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        (tr, eng), (tr0, eng0) = self._cpu(), self.cpu0
+        return {"perf/cores_busy": (tr - tr0 + eng - eng0) / wall, "perf/cores_busy_trainer": (tr - tr0) / wall,
+                "perf/cores_busy_engine": (eng - eng0) / wall}
+
+
+def open_engine(cfg: Config, policy: torch.nn.Module, stack: contextlib.ExitStack) -> tuple[Any, list, Any, int | None]:
+    """Start the engine in the chosen layout; returns (rollout client, publish targets, PublishConfig, engine pid)."""
+    max_batch = (cfg.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size  # every request of eta+1 batches
+    if cfg.engine == "thread":
+        # The engine gets its own copy of the weights: it samples while the trainer updates its copy, and only
+        # publish_weights moves trained weights across (float32, so behaviour log-probs stay exact).
+        engine = stack.enter_context(engine_lib.Engine(
+            copy.deepcopy(policy),
+            engine_lib.EngineConfig(max_batch=max_batch, max_seq_len=32, device="cpu", dtype="float32", seed=cfg.seed),
+        ))
+        # In-process transport: the client calls the SGLang handlers directly, no HTTP (and no session to close).
+        return (engine_client.EngineClient(engine), [engine],
+                weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place"), None)
+    engine_cpus, trainer_cpus = engine_process.split_cores(cfg.engine_threads) if cfg.pin_cores else ((), ())
+    if trainer_cpus:
+        engine_process.pin_threads(cfg.threads, trainer_cpus)
+    # The engine process loads the same warm-start directory as the trainer, so both start at version 0.
+    ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
+        model=cfg.model_dir, threads=cfg.engine_threads, cpus=engine_cpus, dtype="float32", device="cpu",
+        max_batch=max_batch, max_seq_len=32, seed=cfg.seed,
+    )))
+    # The same client and protocol as for a remote SGLang server: one client for the rollouts, one blocking
+    # client (own loop thread) for the publish's control calls; weights go through a file in /dev/shm. The
+    # rollout client's /generate calls of one event-loop tick share one (batched) HTTP request: per-request
+    # HTTP work would otherwise cost more CPU than generating ~6 tokens with a 0.1M-parameter model.
+    control = stack.enter_context(engine_client.connect(ep.address))
+    return (engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address)), [control],
+            weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place"), ep.pid)
+
+
+class PromptIds(Sequence):
+    """The dataset with each row's prompt token ids added (``input_ids``), tokenized once per prompt.
+
+    The rollout workflow tokenizes the row of every sample otherwise (chat template + tokenizer, ~1 ms), which is
+    8 times per group and, with a 0.1M-parameter model, a third of the rollout thread's CPU time."""
+
+    def __init__(self, dataset: Sequence[dict], tok: Any):
+        self.dataset, self.tok = dataset, tok
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.dataset[i]
+        return row | {"input_ids": workflows.prompt_ids(self.tok, row)}
 
 
 def greedy_success(model: torch.nn.Module, tok, problems: list[countdown.Problem], max_new_tokens: int) -> float:
@@ -118,13 +200,6 @@ def main(cfg: Config) -> dict[str, float]:
     tok = tiny.load_tokenizer(cfg.model_dir)
     policy = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
     heldout = countdown.heldout_set(cfg.eval_prompts)
-    # The engine gets its own copy of the weights: it samples while the trainer updates its copy, and
-    # only publish_weights moves trained weights across (float32, so behaviour log-probs stay exact).
-    engine = engine_lib.Engine(
-        copy.deepcopy(policy),
-        engine_lib.EngineConfig(max_batch=(cfg.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size,
-                                max_seq_len=32, device="cpu", dtype="float32", seed=cfg.seed),
-    )
     state = train_state.init_train_state(policy, cfg.optim, device="cpu")
     step_cfg = step.RLStepConfig(
         objective=cfg.objective_name,
@@ -136,7 +211,6 @@ def main(cfg: Config) -> dict[str, float]:
         max_grad_norm=1.0,
         mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
     )
-    publish_cfg = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place")
     episode = workflows.rlvr(
         tok, countdown_reward.reward_fn,
         workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
@@ -147,19 +221,16 @@ def main(cfg: Config) -> dict[str, float]:
     rollout_cfg = rollout.RolloutConfig(
         batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=cfg.max_staleness,
     )
-    loader = PromptLoader(countdown.CountdownDataset(200_000, seed=cfg.seed), seed=cfg.seed)
+    loader = PromptLoader(PromptIds(countdown.CountdownDataset(200_000, seed=cfg.seed), tok), seed=cfg.seed)
 
     hist: list[tuple[float, int, float]] = []
     out: dict[str, float] = {}
-    # In-process transport: the client calls the SGLang handlers directly, no HTTP (and no session to
-    # close); pointing it at "http://127.0.0.1:PORT" of rlcore.serve or SGLang changes nothing else.
-    client = engine_client.EngineClient(engine)
-    with (
-        engine,
-        rollout.RolloutController(client, episode, loader, rollout_cfg) as ctl,
-        metrics.MetricsLogger(metrics.LoggerConfig(log_dir=cfg.log_dir)) as logger,
-    ):
+    with contextlib.ExitStack() as stack:
+        client, targets, publish_cfg, engine_pid = open_engine(cfg, policy, stack)
+        ctl = stack.enter_context(rollout.RolloutController(client, episode, loader, rollout_cfg))
+        logger = stack.enter_context(metrics.MetricsLogger(metrics.LoggerConfig(log_dir=cfg.log_dir)))
         t0 = time.perf_counter()
+        cores = CoresBusy(engine_pid)
         hist.append((0.0, 0, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
         next_eval = cfg.eval_every_s
@@ -179,10 +250,10 @@ def main(cfg: Config) -> dict[str, float]:
             if groups:
                 state, m = step.rl_step(state, trajectory.concat(groups), cfg=step_cfg)
             t_pub = time.perf_counter()
-            state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
+            state = weight_sync.publish_weights(state, targets, cfg=publish_cfg, rollout=ctl)
             roll["time/publish_s"] = time.perf_counter() - t_pub
             elapsed = time.perf_counter() - t0
-            m = {k: float(v) for k, v in m.items()} | roll | {"time/elapsed_s": elapsed}
+            m = {k: float(v) for k, v in m.items()} | roll | cores() | {"time/elapsed_s": elapsed}
             if elapsed >= next_eval:
                 next_eval += cfg.eval_every_s
                 hist.append((elapsed, state.step, greedy_success(models.hf_module(state.model), tok, heldout,
@@ -197,7 +268,8 @@ def main(cfg: Config) -> dict[str, float]:
                 f"train {m.get('perf/tokens_per_s', 0):.0f} tok/s wait {roll['time/wait_rollout_s']:.2f}s "
                 f"greedy {hist[-1][2]:.3f}"
             )
-            out = {k: m[k] for k in ("rollout/reward", "version_stats/staleness_max") if k in m}
+            out = {k: m[k] for k in ("rollout/reward", "version_stats/staleness_max", "perf/cores_busy",
+                                     "perf/cores_busy_trainer", "perf/cores_busy_engine") if k in m}
         bar.close()
         # ------------------------------------------------------------------ final eval
         elapsed = time.perf_counter() - t0

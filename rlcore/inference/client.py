@@ -634,10 +634,12 @@ class EngineClient:
         """POST /continue_generation on all servers."""
         return await self._fanout("POST", "/continue_generation", {})
 
-    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, Any]:
-        """Load an HF checkpoint directory on all servers (aborting their in-flight requests)."""
+    async def update_weights_from_disk(self, path: str, version: int, abort_all_requests: bool = True) -> dict[str, Any]:
+        """Load an HF checkpoint directory (or one safetensors file) on all servers; by default abort their
+        in-flight requests (``abort_all_requests=False`` keeps requests an ``in_place`` pause is holding)."""
         self._pause_epoch += 1
-        payload = {"model_path": str(path), "abort_all_requests": True, "weight_version": str(int(version))}
+        payload = {"model_path": str(path), "abort_all_requests": bool(abort_all_requests),
+                   "weight_version": str(int(version))}
         return await self._weight_fanout("/update_weights_from_disk", payload, ("v", int(version)))
 
     def init_weights_update_group(
@@ -815,8 +817,8 @@ class SyncEngineClient:
     def continue_generation(self) -> dict[str, Any]:
         return self.run(self.client.continue_generation())
 
-    def update_weights_from_disk(self, path: str, version: int) -> dict[str, Any]:
-        return self.run(self.client.update_weights_from_disk(path, version))
+    def update_weights_from_disk(self, path: str, version: int, abort_all_requests: bool = True) -> dict[str, Any]:
+        return self.run(self.client.update_weights_from_disk(path, version, abort_all_requests))
 
     def init_weights_update_group(self, *args, **kwargs) -> concurrent.futures.Future[dict[str, Any]]:
         return self._submit_task(lambda: self.client.init_weights_update_group(*args, **kwargs))
