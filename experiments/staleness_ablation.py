@@ -317,11 +317,16 @@ def main(cfg: Config) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- sweep driver
 
 
-def run_sweep(base: Config, *, etas, objectives, seeds, jobs: int, out_dir: Path) -> Path:
-    """Run every (eta, objective, seed) cell as its own process pinned to one core; write results.json + plots."""
+def grid(base: Config, pairs: list[tuple[str, int]], seeds: list[int], out_dir: Path) -> list[Config]:
+    """One Config per (objective, eta) pair and seed, each writing ``out_dir/cell_<objective>_eta<eta>_s<seed>.json``."""
+    return [dataclasses.replace(base, objective=o, eta=e, seed=s, out=str(out_dir / f"cell_{o}_eta{eta_label(e)}_s{s}.json"))
+            for s in seeds for o, e in pairs]
+
+
+def run_sweep(cells: list[Config], *, jobs: int, out_dir: Path) -> Path:
+    """Run every cell as its own process pinned to one core; write ``results.json`` and the figure to ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells = [dataclasses.replace(base, eta=e, objective=o, seed=s, out=str(out_dir / f"cell_{o}_eta{eta_label(e)}_s{s}.json"))
-             for s in seeds for e in etas for o in objectives]
+    base = cells[0]
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     jobs = max(1, min(jobs, len(cores), len(cells)))
     env = os.environ | {"OMP_NUM_THREADS": str(base.threads), "MKL_NUM_THREADS": str(base.threads)}
@@ -445,6 +450,15 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+def _pair(text: str) -> tuple[str, int]:
+    """``OBJECTIVE:ETA`` of ``--cells`` (eta -1 = unbounded)."""
+    obj, _, eta = text.partition(":")
+    if obj not in OBJECTIVES or not eta.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"--cells wants OBJECTIVE:ETA with OBJECTIVE in {OBJECTIVES}, e.g. naive:0 "
+                                         f"or loglinear:-1, got {text!r}")
+    return obj, int(eta)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
@@ -455,6 +469,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--etas", type=int, nargs="+", default=list(ETAS), help="-1 = unbounded")
     p.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--cells", nargs="+", type=_pair, default=[], metavar="OBJECTIVE:ETA",
+                   help="explicit (objective, eta) pairs instead of the --objectives x --etas grid, e.g. naive:0")
     p.add_argument("--out-dir", default="runs/staleness_ablation/sweep", help="sweep output directory")
     p.add_argument("--plot", default="", help="redraw the figure from a results.json and exit")
     p.add_argument("--cell", default="", help=argparse.SUPPRESS)  # the sweep's child processes: Config as JSON
@@ -470,7 +486,8 @@ if __name__ == "__main__":
     else:
         base = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
         if args.sweep:
-            print(run_sweep(base, etas=args.etas, objectives=args.objectives, seeds=args.seeds, jobs=args.jobs,
-                            out_dir=Path(args.out_dir)))
+            pairs = args.cells or [(o, e) for e in args.etas for o in args.objectives]
+            cells = grid(base, pairs, args.seeds, Path(args.out_dir))  # Config validates every pair
+            print(run_sweep(cells, jobs=args.jobs, out_dir=Path(args.out_dir)))
         else:
             main(base)
