@@ -412,10 +412,7 @@ def collect(out_dir: Path, paths: list[Path]) -> dict[str, Any]:
 
 def plot(results: dict[str, Any], path: Path) -> Path:
     """Final greedy success (mean, min-max band over seeds) vs eta per objective, both views, and the mechanism."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's (e.g. a notebook's) backend alone
 
     summary = results["summary"]
     etas = sorted(dict.fromkeys(r["eta"] for r in summary), key=lambda e: math.inf if e == "inf" else int(e))
@@ -425,7 +422,8 @@ def plot(results: dict[str, Any], path: Path) -> Path:
               ("clip_frac", "clip-binding fraction"), ("ess", "ESS of pi_prox/pi_behav"),
               ("weight_p99", "p99 of pi_prox/pi_behav"), ("mismatch_stale0", "|logp - logp_behav|, staleness 0"),
               ("staleness_mean", "mean token staleness"), ("steps", "training steps")]
-    fig, axes = plt.subplots(2, 4, figsize=(18, 7))
+    fig = Figure(figsize=(18, 7))
+    axes = fig.subplots(2, 4)
     for ax, (key, title) in zip(axes.flat, panels):
         for obj, marker in zip(dict.fromkeys(r["objective"] for r in summary), "osd^"):
             rows = sorted((r for r in summary if r["objective"] == obj), key=lambda r: x[r["eta"]])
@@ -443,7 +441,6 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"staleness ablation, CPU main job (up to {n_seeds} seeds per cell; band = min-max over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
