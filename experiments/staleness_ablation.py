@@ -228,6 +228,7 @@ def main(cfg: Config) -> dict[str, Any]:
             engine.pause("in_place")
             g = greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)
             curve.append({"t": train_s, "samples": samples, "step": state.step, "greedy": g})
+            print(f"  t={train_s:6.1f}s samples={samples:7d} step={state.step:5d} greedy={g:.3f}", flush=True)
             engine.continue_generation()
             ctl.resume()
 
