@@ -398,8 +398,8 @@ async def _init_group(engine: Engine, p: dict) -> tuple[int, dict]:
         raise
     except EngineError as e:
         return 400, {"success": False, "message": str(e)}
-    except Exception as e:  # rendezvous failures are the caller's to retry
-        return 500, {
+    except Exception as e:  # a failed rendezvous (timeout, refused, closed): SGLang answers 400 + success false
+        return 400, {
             "success": False,
             "message": f"init_weights_update_group failed: {type(e).__name__}: {e}",
         }
