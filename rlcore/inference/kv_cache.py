@@ -139,6 +139,16 @@ class ModelForward:
         logits = self.model(**kwargs).logits
         return logits[:, -1]
 
+    def prompt_logprobs(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Teacher-forced ``log_softmax`` of the prompt ``ids (L,)`` at each token ``j > start`` given ``ids[:j]``;
+        returns ``(L - 1 - start,)`` float32. A plain forward (no cache), keeping only the logits it needs."""
+        n = ids.shape[0] - 1 - start
+        kwargs: dict[str, Any] = {"input_ids": ids[None], "use_cache": False}
+        if self.keep_kw is not None:
+            kwargs[self.keep_kw] = n + 1
+        logits = self.model(**kwargs).logits[0, -(n + 1) : -1].float()  # (n v): predicts ids[start+1:]
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[start + 1 :, None])[:, 0]
+
     def prefill_right(self, ids: torch.Tensor, last: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         """Right-padded prefill: row ``i`` of ``ids (k L)`` is real at columns ``[0, last[i]]``.
 
