@@ -13,8 +13,6 @@ import math
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from rlcore.inference.engine import Engine, EngineConfig
 from rlcore.inference.protocol import SamplingParams
