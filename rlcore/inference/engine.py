@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from rlcore.inference import architectures
 from rlcore.inference.attention import install_grouped_attention
 from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward, SlotCache
@@ -198,6 +199,7 @@ class Engine:
             else int(mcfg.vocab_size)
         )
 
+        self.adapters = architectures.adapt(self.model)  # refuses what the slot cache cannot serve
         self.grouped_attention = cfg.grouped_decode_attention and install_grouped_attention(self.model)
         self._fwd = ModelForward(self.model, self.max_seq_len)
         self._cache = SlotCache(cfg.max_batch, self.max_seq_len)

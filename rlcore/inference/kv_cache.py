@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
+from rlcore.inference.architectures import uses_row_positions
+
 
 class SlotCache(DynamicCache):
     """Per-slot static KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer, allocated on first use.
@@ -113,6 +115,8 @@ class ModelForward:
         else:
             self.types["full_attention"] = None
         self.max_seq_len = max_seq_len
+        self.row_positions = uses_row_positions(model)
+        """Padding of a right-padded prefill takes its row's last position (per-row LongRoPE reads the max)."""
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.head: nn.Module | None = head if isinstance(head, nn.Module) else None
 
@@ -160,6 +164,8 @@ class ModelForward:
         """
         k, length = ids.shape
         pos = torch.arange(length, device=ids.device)[None].expand(k, length)
+        if self.row_positions:  # padding (after each row's end, never attended) must not look like a longer row
+            pos = torch.minimum(pos, last[:, None])
         hit: list[bool] = []
         owner = threading.get_ident()  # leave calls from other threads (a trainer sharing the module) alone
 
