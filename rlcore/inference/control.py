@@ -10,6 +10,7 @@ on the engine's loop without a thread.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
@@ -156,7 +157,12 @@ async def _destroy_group(engine: Engine, p: dict) -> tuple[int, dict]:
     group = p.get("group_name", "update_weight_group")
     if not isinstance(group, str):
         return _err(400, "group_name must be a string")
-    await _control(engine, engine.destroy_weights_update_group, group, timeout_s=_timeout(p, 60.0))
+    try:
+        await _control(engine, engine.destroy_weights_update_group, group, timeout_s=_timeout(p, 60.0))
+    except EngineBusy:
+        raise
+    except EngineError as e:  # SGLang: 400 {"success": false, "message"} (e.g. the group does not exist)
+        return 400, {"success": False, "message": str(e)}
     return _ok(f"destroyed {group}")
 
 
@@ -242,7 +248,12 @@ async def _get_model_info(engine: Engine, p: dict) -> tuple[int, dict]:
 
 async def _models(engine: Engine, p: dict) -> tuple[int, dict]:
     name = engine.model_path or "rlcore-engine"
-    return 200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "rlcore", "root": name}]}
+    return 200, {"object": "list", "data": [{"id": name, "object": "model", "created": _STARTED, "owned_by": "rlcore",
+                                             "root": name}]}
+
+
+_STARTED = int(time.time())
+"""``created`` of the served model (OpenAI's ``Model`` requires it): when this module was loaded."""
 
 
 async def _weight_version(engine: Engine, p: dict) -> tuple[int, dict]:
