@@ -207,3 +207,24 @@ def test_unsupported_top_level_fields_are_refused(engine, field, value):
 
 def test_vocab_is_the_one_the_tests_assume(engine):
     assert engine.vocab_size == V
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_release_weights_and_kv_on_cuda_frees_device_memory_and_resumes_with_graphs():
+    model = tiny_model()
+    with Engine(model, EngineConfig(max_batch=4, max_seq_len=96, device="cuda", dtype="float32")) as eng:
+        sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+        before = eng.generate([3, 4, 5], sp, timeout=60)
+        assert eng.stats["graphs_captured"] >= 1
+        torch.cuda.synchronize()
+        used = torch.cuda.memory_allocated()
+        assert call(eng, "release_memory_occupation", {})[0] == 200
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() < used
+        assert all(p.device.type == "cpu" for p in eng.model.parameters())
+        assert call(eng, "resume_memory_occupation", {})[0] == 200
+        assert all(p.device.type == "cuda" for p in eng.model.parameters())
+        after = eng.generate([3, 4, 5], sp, timeout=60)
+        assert after.output_ids == before.output_ids
+        assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-5)
