@@ -102,6 +102,12 @@ class Config:
     resume: bool = False
     """Continue from the latest checkpoint in ``checkpoint_dir`` (and cut ``record`` back to it)."""
 
+    def __post_init__(self) -> None:
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("Config.resume needs Config.checkpoint_dir; pass --checkpoint-dir DIR")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"Config.checkpoint_every must be >= 1, got {self.checkpoint_every}")
+
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
                log_dir="/tmp/rlcore_tiny_cpu_smoke")
