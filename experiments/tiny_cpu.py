@@ -7,16 +7,18 @@ experiments/sft_warmstart.py to ~21% greedy success on 1,000 held-out Countdown 
     trainer process: RolloutController (staleness eta) -> EngineClient (HTTP, SGLang protocol)
                                                                     |
     engine process (python -m rlcore.serve, rlcore.inference.process): Engine
-      -> rlvr episodes, countdown reward -> groups of 8 -> rl_step (decoupled PPO, GRPO advantages)
+      -> rlvr episodes, countdown reward -> groups of 8 -> train_batch (decoupled PPO, GRPO advantages)
       -> publish_weights (pause -> safetensors file in /dev/shm -> engine loads it -> version + 1 -> resume)
 
-Engine and trainer no longer share one GIL: while ``rl_step`` runs on batch k in this process, the engine
+Engine and trainer no longer share one GIL: while ``train_batch`` runs on batch k in this process, the engine
 process is already sampling batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects
 for that one step of staleness with the behaviour weight pi_prox / pi_behav. ``--engine thread`` runs the
 engine in a thread of this process instead (the old layout, for debugging: one process, in-process transport).
 
 Run:    python experiments/tiny_cpu.py                      # 10 minutes on 2 CPU cores
 Smoke:  python experiments/tiny_cpu.py --minutes 0.2 --eval-prompts 64
+Replay: python experiments/tiny_cpu.py --record /tmp/rec && python -m rlcore.replay /tmp/rec   # docs/replay.md
+Resume: python experiments/tiny_cpu.py --checkpoint-dir /tmp/ck [--resume]   # nothing lost across a kill -9
 Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within two to
         four minutes on an idle 2-core CPU and to ~50% at 10 minutes (measured with --engine thread: 20.8% ->
         49.4%, 2,393 steps, and 20.8% -> 50.5%, 1,968 steps; docs/results.md#cpu-main-job). TensorBoard:
@@ -50,7 +52,8 @@ from rlcore.objectives import ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import metrics, models, step, train_state, weight_sync
+from rlcore.training import checkpoint, metrics, models, record, step, train_state, weight_sync
+from rlcore.types import TokenBatch
 
 ASSET = tiny.COUNTDOWN_TINY_DIR  # package data: rlcore/assets/countdown-tiny
 
@@ -82,10 +85,10 @@ class Config:
     objective: ppo.PPOConfig = ppo.PPOConfig(clip_low=0.2, decoupled=True, agg="token_mean")
     """Decoupled PPO: ratio against the recomputed proximal policy, behaviour weight for staleness."""
     objective_name: str = "ppo"
-    """Key in rlcore.objectives.OBJECTIVES that rl_step calls with ``objective`` as its config; register your
+    """Key in rlcore.objectives.OBJECTIVES that build_loss_fn uses with ``objective`` as its config; register your
     own loss there under a new name to train with it (notebooks/write_your_own_objective.py)."""
     tokens_per_microbatch: int = 512
-    """Packed micro-batch budget of the train step: rl_step packs rows into one stream with a block-causal
+    """Packed micro-batch budget of the train step: train_step packs rows into one stream with a block-causal
     mask, whose cost grows with the square of its length, so short streams are faster on a CPU."""
     eval_prompts: int = 1000
     """Held-out prompts for the greedy success curve."""
@@ -105,6 +108,22 @@ class Config:
     Off by default (os.sched_setaffinity), so that a busy shared machine can balance the load."""
     progress: bool = True
     """Show the tqdm progress bar."""
+    record: str = ""
+    """Record what every train step consumed into this directory, for ``python -m rlcore.replay DIR`` (bit-for-bit
+    re-run without an engine, or another objective on the same samples; docs/replay.md). Empty: no record."""
+    checkpoint_dir: str = ""
+    """Save a recover checkpoint here (weights, Adam, RNG, the prompt cursor and the rollout accounting: groups in
+    flight and buffered); empty: none."""
+    checkpoint_every: int = 1
+    """Rollout batches between checkpoints (with ``checkpoint_dir``)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``checkpoint_dir`` (and cut ``record`` back to it)."""
+
+    def __post_init__(self) -> None:
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("Config.resume needs Config.checkpoint_dir; pass --checkpoint-dir DIR")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"Config.checkpoint_every must be >= 1, got {self.checkpoint_every}")
 
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
@@ -193,15 +212,15 @@ def informative(group: dict[str, torch.Tensor]) -> bool:
     return bool((r != r[0]).any())
 
 
-def main(cfg: Config) -> dict[str, float]:
-    # ------------------------------------------------------------------ setup
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    tok = tiny.load_tokenizer(cfg.model_dir)
+def init_state(cfg: Config) -> train_state.TrainState:
+    """The initial train state: the warm-started policy (float32) and a fresh Adam."""
     policy = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
-    heldout = countdown.heldout_set(cfg.eval_prompts)
-    state = train_state.init_train_state(policy, cfg.optim, device="cpu")
-    step_cfg = step.RLStepConfig(
+    return train_state.init_train_state(policy, cfg.optim, device="cpu")
+
+
+def step_config(cfg: Config) -> step.RLStepConfig:
+    """Decoupled PPO on GRPO advantages, the proximal policy recomputed before the update."""
+    return step.RLStepConfig(
         objective=cfg.objective_name,
         objective_cfg=cfg.objective,
         prox="recompute",
@@ -211,6 +230,43 @@ def main(cfg: Config) -> dict[str, float]:
         max_grad_norm=1.0,
         mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
     )
+
+
+def build_loss_fn(cfg: Config) -> step.LossFn:
+    """The algorithm as a ``loss_fn(logp, mb)``: ``cfg.objective_name`` with ``cfg.objective`` (decoupled PPO)."""
+    return step.legacy_loss_fn(step_config(cfg))
+
+
+def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], loss_fn: step.LossFn,
+                cfg: Config) -> tuple[train_state.TrainState, dict]:
+    """One RL step on a token-own trajectory dict (``b`` rows): proximal recompute -> GRPO advantages ->
+    ``train_step(loss_fn)``. It reads nothing but ``state``, ``batch`` and ``cfg``, so ``rlcore.replay``
+    re-runs it from a record (and an ablation passes another ``loss_fn`` on the same samples)."""
+    rl = step_config(cfg)
+    scfg = step.StepConfig(mb=rl.mb, temperature=rl.temperature, max_grad_norm=rl.max_grad_norm)
+    data = TokenBatch.from_rollout(batch)
+    data = dataclasses.replace(data, logp_prox=step.policy_logp(state, data, cfg=scfg))
+    acfg = step.AdvantageConfig(reward_norm=rl.reward_norm, group_size=rl.group_size)
+    adv = step.compute_batch_advantages(data, cfg=acfg, logp_old=step.old_logp(data, coupled_recompute=False))
+    data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
+    version = state.version
+    state, m = step.train_step(state, data, loss_fn, cfg=scfg)
+    gen = data.loss_mask & (data.versions >= 0)
+    m["version_stats/staleness_max"] = torch.where(gen, version - data.versions, 0).max().float()
+    return state, m
+
+
+def main(cfg: Config) -> dict[str, float]:
+    # ------------------------------------------------------------------ setup
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    tok = tiny.load_tokenizer(cfg.model_dir)
+    state = init_state(cfg)
+    policy = models.hf_module(state.model)
+    heldout = countdown.heldout_set(cfg.eval_prompts)
+    # The recorder hashes the initial weights and stores the config; with resume it checks both and keeps the record.
+    recorder = record.Recorder(cfg.record, config=cfg, experiment=__file__, state=state, resume=cfg.resume)
+    loss_fn = build_loss_fn(cfg)
     episode = workflows.rlvr(
         tok, countdown_reward.reward_fn,
         workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
@@ -229,9 +285,18 @@ def main(cfg: Config) -> dict[str, float]:
         client, targets, publish_cfg, engine_pid = open_engine(cfg, policy, stack)
         ctl = stack.enter_context(rollout.RolloutController(client, episode, loader, rollout_cfg))
         logger = stack.enter_context(metrics.MetricsLogger(metrics.LoggerConfig(log_dir=cfg.log_dir)))
+        if cfg.resume:
+            # Before the first prepare_batch: weights, Adam, RNG; then the prompt cursor and the rollout accounting
+            # (groups finished but not consumed come back as they were, prompts in flight are re-issued under the
+            # restored version); the record is cut back to this checkpoint; the engine gets the restored weights.
+            state, saved = checkpoint.restore(cfg.checkpoint_dir, state)
+            ctl.load_state_dict(saved["rollout"])
+            recorder.load_state_dict(saved.get("record"))
+            state = weight_sync.publish_weights(dataclasses.replace(state, version=state.version - 1), targets,
+                                                cfg=publish_cfg, rollout=ctl)
         t0 = time.perf_counter()
         cores = CoresBusy(engine_pid)
-        hist.append((0.0, 0, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
+        hist.append((0.0, state.step, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
         next_eval = cfg.eval_every_s
         bar = tqdm(total=round(cfg.minutes * 60), unit="s", disable=not cfg.progress,
@@ -242,16 +307,21 @@ def main(cfg: Config) -> dict[str, float]:
             t_wait = time.perf_counter()
             groups = ctl.prepare_batch()
             roll = dict(ctl.last_metrics) | {"time/wait_rollout_s": time.perf_counter() - t_wait}
-            groups = [g for g in groups if informative(g)]
+            kept = [informative(g) for g in groups]
+            groups = [g for g, k in zip(groups, kept) if k]
             roll["rollout/informative_groups"] = float(len(groups))
             # advantages -> decoupled PPO update -> weights to the engine (version + 1). The version moves on
             # even in the (rare) step with nothing to learn, or the staleness gate would stall generation.
-            m = {}
-            if groups:
-                state, m = step.rl_step(state, trajectory.concat(groups), cfg=step_cfg)
+            # The recorder (a pass-through without --record) stores the batch, version and RNG, then runs the step.
+            state, m = recorder.step(train_batch, state, trajectory.concat(groups) if groups else None, loss_fn, cfg,
+                                     prompts=ctl.last_batch_indices, kept=kept)
             t_pub = time.perf_counter()
             state = weight_sync.publish_weights(state, targets, cfg=publish_cfg, rollout=ctl)
             roll["time/publish_s"] = time.perf_counter() - t_pub
+            if cfg.checkpoint_dir and ctl.batches % cfg.checkpoint_every == 0:
+                # after the publish: the snapshot's version is the trainer's, and nothing newer is in flight
+                checkpoint.save(cfg.checkpoint_dir, state,
+                                extra={"rollout": ctl.state_dict(), "record": recorder.state_dict()})
             elapsed = time.perf_counter() - t0
             m = {k: float(v) for k, v in m.items()} | roll | cores() | {"time/elapsed_s": elapsed}
             if elapsed >= next_eval:
@@ -277,6 +347,9 @@ def main(cfg: Config) -> dict[str, float]:
             hist.append((elapsed, state.step, greedy_success(models.hf_module(state.model), tok, heldout,
                                                              cfg.max_new_tokens)))
             logger.log(state.step, {"eval/greedy_success": hist[-1][2]})
+        if cfg.checkpoint_dir and ctl.batches % cfg.checkpoint_every:
+            checkpoint.save(cfg.checkpoint_dir, state, extra={"rollout": ctl.state_dict(), "record": recorder.state_dict()})
+    digest = recorder.close(state)
     last = [s for _, _, s in hist[-3:]]  # evaluations are noisy (±1.5-2 points on 1,000 prompts)
     out |= {
         "steps": float(state.step),
@@ -288,6 +361,8 @@ def main(cfg: Config) -> dict[str, float]:
     print(" ".join(f"{k}={v:.4g}" for k, v in out.items()), flush=True)
     for t, s, g in hist:
         print(f"  t={t:6.0f}s step={s:5d} greedy={g:.3f}")
+    if digest:
+        print(f"record: {cfg.record} final weights sha256 {digest}", flush=True)
     return out
 
 
