@@ -25,6 +25,7 @@ from rlcore.data import microbatch, packing
 from rlcore.objectives import cispo, dpo, gspo, icepop, kpop, m2po, ppo, rejection, sapo, sft
 from rlcore.training import step
 from rlcore.training import train_state as ts
+from rlcore.types import RolloutBatch
 from tests.training import test_step as common
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -336,7 +337,7 @@ def test_rollout_batch_bridge_and_errors():
     d = common.make_batch(19)
     d["truncated"] = torch.zeros(6, dtype=torch.bool)
     d["group_id"] = torch.arange(6)
-    rb = step.RolloutBatch.from_dict(d)
+    rb = RolloutBatch.from_dict(d)
     back = rb.to_dict()
     assert back.keys() == d.keys() and all(torch.equal(back[k], d[k]) for k in d)
     tb = step.TokenBatch.from_rollout(rb)
@@ -345,9 +346,9 @@ def test_rollout_batch_bridge_and_errors():
     assert sub.num_rows == 2 and sub.input_ids.shape[1] == max(tb.lengths[1], tb.lengths[3])
     assert torch.equal(sub.extras["group_id"], torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="rewards"):
-        step.RolloutBatch.from_dict({**d, "rewards": torch.zeros(3)})
+        RolloutBatch.from_dict({**d, "rewards": torch.zeros(3)})
     with pytest.raises(KeyError, match="loss_mask"):
-        step.RolloutBatch.from_dict({"input_ids": d["input_ids"], "attention_mask": d["attention_mask"]})
+        RolloutBatch.from_dict({"input_ids": d["input_ids"], "attention_mask": d["attention_mask"]})
     with pytest.raises(ValueError, match="n_tokens"):
         tb.denom("token_mean")
 
