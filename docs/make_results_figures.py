@@ -47,10 +47,10 @@ def interrupt(ax) -> None:
 def train_step(ax) -> None:
     first, final, fix = load("bench_train.json"), load("final/bench_train.json"), load("final/bench_train_fix.json")
     rows = [
-        ("rl_step, dense-mask SDPA\n(first run)", first["rlcore_rl_step_interpolated_prox"]),
+        ("train_step, dense-mask SDPA\n(first run)", first["rlcore_rl_step_interpolated_prox"]),
         ("HF padded\nbaseline", final["hf_padded_baseline"]),
-        ("rl_step, varlen\nbf16 params", final["rlcore_rl_step_interpolated_prox"]),
-        ("rl_step, varlen\nfp32 master + autocast", fix["rlcore_rl_step_interpolated_prox_fp32_master"]),
+        ("train_step, varlen\nbf16 params", final["rlcore_rl_step_interpolated_prox"]),
+        ("train_step, varlen\nfp32 master + autocast", fix["rlcore_rl_step_interpolated_prox_fp32_master"]),
         ("same, layers\ntorch.compile'd", load("session2/bench_train_s2.json")[
             "rlcore_rl_step_interpolated_prox_fp32_master_compiled"]),
     ]

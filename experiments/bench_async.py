@@ -6,7 +6,7 @@ Smoke (CPU, tiny model, < 60 s):
     python experiments/bench_async.py --smoke
 
 One process, two devices: the embedded engine (rlcore.inference.engine.Engine, CUDA graphs, bf16) serves on
-``--engine-device`` (default cuda:0) and the trainer (rl_step, decoupled PPO with recomputed proximal
+``--engine-device`` (default cuda:0) and the trainer (train_step, decoupled PPO with recomputed proximal
 log-probs, GRPO group normalisation) runs on ``--train-device`` (default cuda:1). The rollout side is the
 library's own: RolloutController -> EngineClient (in-process transport, no HTTP) -> Engine, one task per
 prompt, ``--group-size`` samples per prompt. The model is built from a config (Qwen2-0.5B shapes by default,
@@ -333,9 +333,8 @@ def warm_engine(setup: Setup) -> None:
 
 
 def warm_trainer(setup: Setup) -> None:
-    """One rl_step on a synthetic batch (compiles the Triton kernels), then restore the initial weights."""
+    """One training step on a synthetic batch (compiles the Triton kernels), then restore the initial weights."""
     from rlcore.data import trajectory
-    from rlcore.training import step
 
     g = torch.Generator().manual_seed(2)
     rows = []
@@ -345,7 +344,7 @@ def warm_trainer(setup: Setup) -> None:
         lp = (-torch.rand(n_out, generator=g)).tolist()
         rows.append(trajectory.make_row(ids[: setup.args.prompt_len], ids[setup.args.prompt_len:], lp,
                                         [0] * n_out, float(i % 2)))
-    _ = step.rl_step(setup.state, trajectory.concat(rows), cfg=step_config(setup.args, setup.train_dev))
+    _ = make_train_step(setup.args, setup.train_dev)(setup.state, trajectory.concat(rows))
     sync(setup.train_dev)
     reset(setup)
 
@@ -367,22 +366,41 @@ def reset(setup: Setup) -> None:
     sync(setup.train_dev, setup.engine_dev)
 
 
-def step_config(args: argparse.Namespace, train_dev: torch.device):
-    """Decoupled PPO (proximal log-probs per --prox), GRPO group normalisation."""
+def make_train_step(args: argparse.Namespace, train_dev: torch.device):
+    """``train(state, rollout_dict) -> (state, metrics)``: one RL training step, decoupled PPO (proximal log-probs
+    per --prox), GRPO group normalisation: proximal forward -> advantages -> loss_fn -> train_step."""
     from rlcore.advantages import normalize
+    from rlcore.advantages import prox as prox_lib
     from rlcore.data import microbatch
     from rlcore.objectives import ppo
     from rlcore.training import step
+    from rlcore.types import TokenBatch
 
-    return step.RLStepConfig(
-        objective="ppo",
-        objective_cfg=ppo.PPOConfig(decoupled=True),
-        prox=args.prox,
-        reward_norm=dataclasses.replace(normalize.GRPO, group_size=args.group_size),
-        group_size=args.group_size,
-        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=args.mb_tokens),
-        pad_to_multiple=256 if train_dev.type == "cuda" else None,
-    )
+    scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=args.mb_tokens),
+                           pad_to_multiple=256 if train_dev.type == "cuda" else None)
+    acfg = step.AdvantageConfig(reward_norm=normalize.GRPO, group_size=args.group_size)
+    obj = ppo.PPOConfig(decoupled=True)
+
+    def train(state, batch: dict):
+        tb = TokenBatch.from_rollout(batch)
+        if args.prox == "recompute":
+            tb = dataclasses.replace(tb, logp_prox=step.policy_logp(state, tb, cfg=scfg))
+        adv = step.compute_batch_advantages(tb, cfg=acfg, logp_old=tb.logp_behav)
+        tb = dataclasses.replace(tb, adv=adv.adv.float(), returns=adv.returns.float())
+
+        def loss_fn(logp: torch.Tensor, mb: TokenBatch):
+            if args.prox == "recompute":
+                lp_prox = mb.logp_prox
+            elif args.prox == "interpolate":
+                lp_prox, _ = prox_lib.prox_logp(logp, mb.logp_behav, mb.versions, mb.loss_mask,
+                                                current_version=state.version, cfg=prox_lib.ProxConfig())
+            else:
+                lp_prox = mb.logp_behav
+            return ppo.loss(logp, lp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=obj, denom=mb.n_tokens)
+
+        return step.train_step(state, tb, loss_fn, cfg=scfg)
+
+    return train
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -468,7 +486,6 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
     from rlcore.data.loader import PromptLoader
     from rlcore.inference import client as engine_client
     from rlcore.rollout import controller as rollout
-    from rlcore.training import step
 
     args = setup.args
     reset(setup)
@@ -483,7 +500,7 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
               "slots; the rest queue", flush=True)
     rcfg = rollout.RolloutConfig(batch_size=batch_groups, group_size=G, max_staleness=eta,
                                  max_concurrent=conc, poll_s=0.005)
-    scfg = step_config(args, setup.train_dev)
+    train = make_train_step(args, setup.train_dev)
     client = engine_client.EngineClient(setup.engine)
     eng = setup.engine
     per_step: list[dict] = []
@@ -501,7 +518,7 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
                 groups = ctl.prepare_batch()
                 t1 = time.perf_counter()
                 batch = trajectory.concat(groups)
-                setup.state, m = step.rl_step(setup.state, batch, cfg=scfg)
+                setup.state, m = train(setup.state, batch)
                 sync(setup.train_dev)
                 t2 = time.perf_counter()
                 pub_s = publish(setup, ctl, args.publish, args.pause_mode)
@@ -514,7 +531,7 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
                     "train_tokens": int(batch["attention_mask"].sum()),
                     "max_gen_len": int(batch["loss_mask"].sum(1).max()),
                     "staleness_max": int(i - versions.min()) if versions.numel() else 0,
-                    "loss": float(m["ppo_actor/loss"]),
+                    "loss": float(m["train/loss"]),
                 }
                 per_step.append(rec)
                 print(f"[{NAME}] {label} step {i + 1}/{steps}: " + " ".join(

@@ -1,4 +1,4 @@
-"""Train-step throughput: rlcore's packed rl_step vs a transformers padded-batch PPO step, same model.
+"""Train-step throughput: rlcore's packed train_step vs a transformers padded-batch PPO step, same model.
 
 Run:    python experiments/bench_train.py --out bench_train.json          # one H200, ~5 min
 Smoke:  python experiments/bench_train.py --smoke                         # CPU, tiny model, < 1 min
@@ -6,7 +6,9 @@ Expect: JSON with tokens/s and MFU per section (docs/runtime.md records the numb
 
 Model: Qwen2-0.5B shapes (24 layers, width 896, 14/2 heads, vocab 151936, tied embeddings), random
 init, bf16 parameters. Batch: mixed-length sequences (prompt + response) packed into micro-batches of
-at most ``mb_tokens`` (16k) tokens, decoupled PPO loss.
+at most ``mb_tokens`` (16k) tokens, decoupled PPO loss. One rlcore step = what an experiment runs per
+training step: (proximal forward ->) advantages -> a decoupled-PPO ``loss_fn`` -> ``train_step``. Section
+names keep their historical ``rl_step`` spelling (docs/benchmarks.md and docs/results/*.json refer to them).
 
 FLOP formula (MFU numerator; only useful work, no padding, no causal-mask waste):
   per step = c · N · Σ l_i  +  a · n_layers · d_model · Σ l_i²
@@ -18,7 +20,7 @@ MFU = FLOPs / seconds / 989e12 (H200 dense bf16 peak).
 
 Sections (each builds its own model; memory is freed between sections; the HF baseline runs first):
   hf_padded_baseline                     transformers sdpa forward on padded, length-grouped rows, full logits
-  rlcore_rl_step_interpolated_prox       packed rl_step, varlen flash attention ("auto"), fused log-prob kernel
+  rlcore_rl_step_interpolated_prox       packed train_step, varlen flash attention ("auto"), fused log-prob kernel
   rlcore_rl_step_interpolated_prox_hf_attn   same, transformers' sdpa + block-causal mask (the previous path)
   rlcore_rl_step_interpolated_prox_fp32_master   varlen, fp32 parameters/optimizer + bf16 autocast forward
   rlcore_rl_step_recomputed_prox         varlen, with the extra no-grad proximal forward
@@ -151,11 +153,37 @@ def timed(fn, steps: int) -> float:
 # --------------------------------------------------------------------------------------------------------
 
 
+def rl_train_step(state, batch: dict, *, prox: str, scfg):
+    """One RL training step on a rollout dict: the proximal forward (``prox="recompute"``) or version
+    interpolation inside the loss, advantages, decoupled PPO through ``train_step``."""
+    from rlcore.advantages import prox as prox_lib
+    from rlcore.objectives import ppo
+    from rlcore.training import step
+    from rlcore.types import TokenBatch
+
+    tb = TokenBatch.from_rollout(batch)
+    if prox == "recompute":
+        tb = dataclasses.replace(tb, logp_prox=step.policy_logp(state, tb, cfg=scfg))
+    adv = step.compute_batch_advantages(tb, cfg=step.AdvantageConfig(), logp_old=tb.logp_behav)
+    tb = dataclasses.replace(tb, adv=adv.adv.float(), returns=adv.returns.float())
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch):
+        if prox == "recompute":
+            lp_prox = mb.logp_prox
+        else:
+            lp_prox, _ = prox_lib.prox_logp(logp, mb.logp_behav, mb.versions, mb.loss_mask,
+                                            current_version=state.version, cfg=prox_lib.ProxConfig())
+        return ppo.loss(logp, lp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=ppo.PPOConfig(), denom=mb.n_tokens)
+
+    return step.train_step(state, tb, loss_fn, cfg=scfg)
+
+
 def bench_rlcore(
     cfg: Config, batch, prox: str, logp_backend: str = "auto", attention: str = "auto", fp32_master: bool = False,
     compile_layers: bool = False, profile: bool = False,
 ) -> dict:
-    """rlcore ``rl_step`` with bf16 parameters (or fp32 masters + bf16 autocast when ``fp32_master``).
+    """rlcore's RL step (:func:`rl_train_step`) with bf16 parameters (or fp32 masters + bf16 autocast when
+    ``fp32_master``).
 
     ``compile_layers``: ``fsdp.compile_decoder_layers`` first. ``profile``: after timing, one more step under
     ``torch.profiler``; the 25 most expensive device kernels go into the result (``profile_top``).
@@ -171,13 +199,13 @@ def bench_rlcore(
     st.model.to(dtype)
     st.model.logp_backend = logp_backend  # "auto" = fused Triton kernel on CUDA
     st.model.attention = attention  # "auto" = varlen flash kernel on CUDA, "hf" = transformers sdpa + mask
-    rcfg = step.RLStepConfig(prox=prox, mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.mb_tokens),
-                             pad_to_multiple=None if cfg.smoke else 256)
+    rcfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.mb_tokens),
+                           pad_to_multiple=None if cfg.smoke else 256)
     holder = {"st": st, "m": None}
     n_compiled = fsdp.compile_decoder_layers(st.model) if compile_layers else 0
 
     def run():
-        holder["st"], holder["m"] = step.rl_step(holder["st"], batch, cfg=rcfg)
+        holder["st"], holder["m"] = rl_train_step(holder["st"], batch, prox=prox, scfg=rcfg)
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -215,7 +243,7 @@ def bench_rlcore(
            "warnings": sorted({str(w.message)[:300] for w in caught})[:5],
            "sec_per_step": sec, "tokens_per_s": sum(lengths) / sec, "tflops": fl / sec / 1e12,
            "mfu": fl / sec / 1e12 / PEAK_TFLOPS, "n_params": n_params,
-           "loss": float(holder["m"]["ppo_actor/loss"]),
+           "loss": float(holder["m"]["train/loss"]),
            "n_microbatches": len(microbatch.allocate(lengths, rcfg.mb)),
            "compiled_layers": n_compiled, "first_step_s": first_s}
     if top:

@@ -135,10 +135,12 @@ class Config:
             raise ValueError(f"eval_n must be >= 1, got {self.eval_n}")
         if isinstance(self.objective, sapo.SAPOConfig) and self.prox == "recompute":
             raise ValueError("objective=SAPO compares against the behaviour policy; set --prox behav")
-        if self.rejection is not None and self.rejection.action == "clamp" and not self.weighted:
+        if self.rejection is not None and self.rejection.carries_weight and not self.weighted:
             raise ValueError(
-                "rejection.action='clamp' needs an objective that applies a behaviour weight (decoupled "
-                "ppo/gspo/cispo); with SAPO or coupled PPO only a mask can act: use --rejection.action mask"
+                f"rejection (action={self.rejection.action!r}, level={self.rejection.level!r}) changes the behaviour "
+                "weight (a TIS clamp or the sequence geometric mean) and needs an objective that applies a behaviour "
+                "weight (decoupled ppo/gspo/cispo); with SAPO or coupled PPO only a mask can act: use "
+                "--rejection.action mask --rejection.level token (or a KL --rejection.metric)"
             )
 
     @property

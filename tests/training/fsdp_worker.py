@@ -1,11 +1,11 @@
-"""torchrun worker for tests/training/test_fsdp.py: one rl_step on FSDP2-sharded tiny Qwen2.
+"""torchrun worker for tests/training/test_fsdp.py: one RL step (``common.rl_update``: recomputed proximal
+log-probs, advantages, decoupled PPO through ``train_step``) on FSDP2-sharded tiny Qwen2.
 
 Usage: torchrun --nproc_per_node N tests/training/fsdp_worker.py OUT.pt [cpu|cuda]
 ``cpu`` (default): gloo on CPU. ``cuda``: NCCL, one GPU per rank, float32 compute everywhere (no autocast, FSDP
 param_dtype float32, TF32 off) so 1 and 2 ranks may be compared tightly. Rank 0 writes ``{"delta": {name: full param change}, "loss": global loss}`` to OUT.pt.
 """
 
-import dataclasses
 import sys
 
 import torch
@@ -34,9 +34,9 @@ def run(out_path: str, device: str = "cpu") -> None:
     lengths = batch["attention_mask"].sum(1).tolist()
     rows = microbatch.split_across_ranks(lengths, info.world_size)[info.rank]
     local = microbatch.select_rows(batch, rows)
-    cfg = step.RLStepConfig(prox="recompute", mb=microbatch.MicroBatchConfig(max_tokens_per_mb=13))
-    st2, m = step.rl_step(st, local, cfg=dataclasses.replace(cfg))
-    loss = torch.tensor([float(m["ppo_actor/loss"])], dtype=torch.float64, device=info.device)
+    scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=13))
+    st2, m = common.rl_update(st, local, scfg=scfg)
+    loss = torch.tensor([float(m["train/loss"])], dtype=torch.float64, device=info.device)
     if info.world_size > 1:
         torch.distributed.all_reduce(loss)
     after = {k: fsdp.full_tensor(v.detach()).clone() for k, v in st.model.named_parameters()}

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from rlcore.training import fsdp
-from rlcore.training import step as step_lib
 from tests.training import fsdp_worker
 from tests.training import test_step as common
 
@@ -150,15 +149,15 @@ def test_compile_layers_keeps_names_and_compiles_every_block():
 
 @pytest.mark.slow
 def test_compiled_layers_step_matches_eager():
-    """One rl_step with torch.compile'd decoder layers == eager (CPU inductor; ~1-2 min of compilation)."""
+    """One RL step (common.rl_update) with torch.compile'd decoder layers == eager (CPU inductor; ~1-2 min)."""
     torch.set_num_threads(1)
     batch = common.make_batch(4, n=8, stale=True)
     out = {}
     for comp in (False, True):
         st = common.with_sgd(common.fresh_state(seed=0, compile_layers=comp))
         before = {k: v.detach().clone() for k, v in st.model.named_parameters()}
-        _, m = step_lib.rl_step(st, batch, cfg=step_lib.RLStepConfig(prox="recompute"))
-        out[comp] = (float(m["ppo_actor/loss"]), {k: v.detach() - before[k] for k, v in st.model.named_parameters()})
+        _, m = common.rl_update(st, batch)
+        out[comp] = (float(m["train/loss"]), {k: v.detach() - before[k] for k, v in st.model.named_parameters()})
     assert abs(out[True][0] - out[False][0]) < 1e-5
     for k, d in out[False][1].items():
         torch.testing.assert_close(out[True][1][k], d, atol=1e-5, rtol=1e-4, msg=k)

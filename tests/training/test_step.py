@@ -1,4 +1,9 @@
-"""Train-step tests on a tiny Qwen2 (CPU): packing correctness, split invariance, skip guard, SFT/DPO/RM."""
+"""Train-step tests on a tiny Qwen2 (CPU): packing correctness, split invariance, skip guard, SFT/DPO/RM.
+
+``rl_update`` is one RL training step written the way the experiments write it (forwards -> advantages ->
+an explicit ``loss_fn`` from the leaves -> one ``train_step`` per minibatch, then the critic's); other test
+files import it, ``ppo_loss_fn`` and the tiny model / batch helpers from here.
+"""
 
 import dataclasses
 
@@ -6,10 +11,13 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
+from rlcore.advantages import prox as prox_lib
 from rlcore.data import microbatch
 from rlcore.data.trajectory import concat, make_row
+from rlcore.objectives import distill, icepop, kpop, m2po, ppo, rejection
 from rlcore.training import models, step
 from rlcore.training import train_state as ts
+from rlcore.types import TokenBatch
 
 V = 61
 
@@ -47,6 +55,63 @@ def with_sgd(state, lr=1.0):
 
 def params(model):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def ppo_loss_fn(obj_cfg=ppo.PPOConfig(), *, masks=(), prox="recompute", version=0, distill_cfg=None):
+    """Decoupled PPO from the leaves: proximal log-probs (``mb.logp_prox``, or version interpolation), keep-masks
+    ``(fn, cfg)`` in order whose factors multiply the behaviour weight (spec §7.4), the global denominator of the
+    aggregation, and an optional distillation term against ``mb.logp_teacher``."""
+
+    def loss_fn(logp, mb):
+        metrics = {}
+        if prox == "interpolate":
+            lp_prox, m = prox_lib.prox_logp(logp, mb.logp_behav, mb.versions, mb.loss_mask, current_version=version,
+                                            cfg=prox_lib.ProxConfig())
+            metrics.update(m)
+        else:
+            lp_prox = mb.logp_prox
+        keep, factor = mb.loss_mask, None
+        for fn, mcfg in masks:
+            keep, f, m = fn(lp_prox, mb.logp_behav, keep, cfg=mcfg)
+            factor = f if factor is None else factor * f
+            metrics.update(m)
+        extra = {} if factor is None else {"weight": torch.exp(lp_prox - mb.logp_behav) * factor}
+        loss, m = ppo.loss(logp, lp_prox, mb.logp_behav, mb.adv, keep, cfg=obj_cfg, denom=mb.denom(obj_cfg.agg),
+                           **extra)
+        metrics.update(m)
+        if distill_cfg is not None:
+            loss, m = distill.loss(logp, mb.logp_behav, mb.logp_teacher, keep, cfg=distill_cfg, rl_loss=loss,
+                                   denom=mb.n_tokens)
+            metrics.update(m)
+        return loss, metrics
+
+    return loss_fn
+
+
+def rl_update(state, batch, loss_fn=None, *, prox="recompute", adv_cfg=step.AdvantageConfig(), n_minibatches=1,
+              scfg=step.StepConfig(), teacher=None):
+    """One RL training step on a rollout dict (not modified): no-grad forwards (critic values, proximal and
+    teacher log-probs), advantages on the whole batch, then per minibatch ``train_step(loss_fn)`` and, with a
+    critic, ``train_step(value_loss_fn)``. Returns ``(state with step + 1, actor metrics + critic/* metrics)``."""
+    tb = TokenBatch.from_rollout(batch)
+    tb = dataclasses.replace(
+        tb,
+        value_old=step.critic_values(state, tb, cfg=scfg) if state.critic is not None else None,
+        logp_prox=step.policy_logp(state, tb, cfg=scfg) if prox == "recompute" else None,
+        logp_teacher=step.teacher_logp(teacher, tb, cfg=scfg) if teacher is not None else None,
+    )
+    adv = step.compute_batch_advantages(tb, cfg=adv_cfg, logp_old=tb.logp_behav, value=tb.value_old)
+    tb = dataclasses.replace(tb, adv=adv.adv, returns=adv.returns)
+    loss_fn = loss_fn or ppo_loss_fn(prox=prox, version=state.version)
+    st, metrics, mbs = state, {}, step.minibatches(tb, n_minibatches, granularity=scfg.mb.granularity)
+    for i, mb in enumerate(mbs):
+        c = dataclasses.replace(scfg, schedule=i == len(mbs) - 1)
+        st, m = step.train_step(st, mb, loss_fn, cfg=c)
+        metrics.update(m)
+        if state.critic is not None:
+            st, m = step.train_step(st, mb, step.value_loss_fn(), cfg=dataclasses.replace(c, module="critic"))
+            metrics.update({f"critic/{k}": v for k, v in m.items()})
+    return dataclasses.replace(st, step=state.step + 1), metrics
 
 
 def arch_config(arch, attn):
@@ -102,7 +167,7 @@ def test_shift_rolls_versions_and_turns():
 @pytest.mark.parametrize("prox", ["recompute", "interpolate"])
 def test_rl_update_independent_of_microbatch_split(prox, monkeypatch):
     batch = make_batch(4, stale=True)
-    base = step.RLStepConfig(prox=prox, group_size=2, reward_norm=step.norm_lib.GRPO)
+    adv_cfg = step.AdvantageConfig(group_size=2, reward_norm=step.norm_lib.GRPO)
     deltas = []
     for mb_cfg, extra_mbs in [(microbatch.MicroBatchConfig(), 0), (microbatch.MicroBatchConfig(max_tokens_per_mb=13), 0),
                               (microbatch.MicroBatchConfig(max_tokens_per_mb=20, algorithm="kk"), 2)]:
@@ -110,8 +175,8 @@ def test_rl_update_independent_of_microbatch_split(prox, monkeypatch):
         monkeypatch.setattr(microbatch, "sync_num_mbs", lambda n, group=None, e=extra_mbs: n + e)
         st = with_sgd(fresh_state())
         before = params(st.model)
-        st2, m = step.rl_step(st, batch, cfg=dataclasses.replace(base, mb=mb_cfg))
-        assert st2.step == 1 and st2.skipped_steps == 0 and float(m["ppo_actor/update_successful"]) == 1.0
+        st2, m = rl_update(st, batch, prox=prox, adv_cfg=adv_cfg, scfg=step.StepConfig(mb=mb_cfg))
+        assert st2.step == 1 and st2.skipped_steps == 0 and float(m["train/update_successful"]) == 1.0
         deltas.append({k: v - before[k] for k, v in params(st.model).items()})
     for d in deltas[1:]:
         for k in d:
@@ -124,93 +189,81 @@ def test_non_finite_step_is_skipped():
     batch = make_batch(5)
     batch["logprobs"] = torch.where(batch["loss_mask"], torch.full_like(batch["logprobs"], float("nan")), batch["logprobs"])
     before = params(st.model)
-    st2, m = step.rl_step(st, batch, cfg=step.RLStepConfig(prox="recompute"))
-    assert st2.skipped_steps == 1 and st2.step == 1 and float(m["ppo_actor/update_successful"]) == 0.0
+    st2, m = rl_update(st, batch)
+    assert st2.skipped_steps == 1 and st2.step == 1 and float(m["train/update_successful"]) == 0.0
     for k, v in params(st.model).items():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in st.model.parameters())
 
 
-def test_rl_step_with_critic_masks_and_minibatches():
-    from rlcore.objectives import icepop
-
+def test_rl_update_with_critic_masks_and_minibatches():
     st = fresh_state(critic=True)
     c_before = params(st.critic)
-    cfg = step.RLStepConfig(ppo_n_minibatches=2, critic_n_minibatches=2, keep_masks=(icepop.IcePopConfig(),),
-                            mb=microbatch.MicroBatchConfig(max_tokens_per_mb=16))
-    st2, m = step.rl_step(st, make_batch(6), cfg=cfg)
-    assert st2.step == 1 and st2.skipped_steps == 0
-    assert any(k.startswith("ppo_critic/") for k in m) and torch.isfinite(torch.as_tensor(m["ppo_critic/loss"]))
+    loss_fn = ppo_loss_fn(masks=((icepop.keep_mask, icepop.IcePopConfig()),))
+    scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=16))
+    st2, m = rl_update(st, make_batch(6), loss_fn, n_minibatches=2, scfg=scfg)
+    assert st2.step == 1 and st2.skipped_steps == 0 and "icepop/filtered_frac" in m
+    assert "critic/critic/clip_frac" in m and torch.isfinite(torch.as_tensor(m["critic/train/loss"]))
     assert any(not torch.equal(v, c_before[k]) for k, v in params(st.critic).items())
     assert m["perf/tokens_per_s"] > 0 and m["timing/step_s"] > 0
 
 
-def test_sft_step_reduces_nll_and_is_split_invariant():
+def test_sft_loss_fn_reduces_nll_and_is_split_invariant():
     batch = make_batch(7)
     st = fresh_state()
     losses = []
     for _ in range(5):
-        st, m = step.sft_step(st, batch, cfg=step.SFTStepConfig())
+        st, m = step.train_step(st, TokenBatch.from_rollout(batch), step.sft_loss_fn())
         losses.append(float(m["train/loss"]))
     assert losses[-1] < losses[0] and st.step == 5
     ds = []
     for mbc in [microbatch.MicroBatchConfig(), microbatch.MicroBatchConfig(max_tokens_per_mb=12)]:
         s = with_sgd(fresh_state())
         before = params(s.model)
-        step.sft_step(s, batch, cfg=step.SFTStepConfig(mb=mbc))
+        step.train_step(s, TokenBatch.from_rollout(batch), step.sft_loss_fn(), cfg=step.StepConfig(mb=mbc))
         ds.append({k: v - before[k] for k, v in params(s.model).items()})
     assert all(torch.allclose(ds[0][k], ds[1][k], atol=2e-6) for k in ds[0])
 
 
-def test_dpo_and_rm_steps():
-    batch = make_batch(8, n=4)
+def test_dpo_and_rm_loss_fns():
+    batch = TokenBatch.from_rollout(make_batch(8, n=4))
     st = fresh_state(ref=True)
-    st2, m = step.dpo_step(st, batch, cfg=step.PairStepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=24, granularity=2)))
+    pairs = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=24, granularity=2))
+    data = dataclasses.replace(batch, logp_ref=step.ref_logp(st, batch, cfg=pairs))
+    st2, m = step.train_step(st, data, step.dpo_loss_fn(step.dpo_lib.DPOConfig(), n_pairs=2), cfg=pairs)
     # at policy == ref the sigmoid DPO loss is log 2
     assert abs(float(m["train/loss"]) - torch.log(torch.tensor(2.0)).item()) < 1e-4
     assert st2.step == 1
     with pytest.raises(ValueError, match="ref"):
-        step.dpo_step(fresh_state(), batch)
+        step.ref_logp(fresh_state(), batch)
+    with pytest.raises(ValueError, match="logp_ref"):
+        step.train_step(fresh_state(), batch, step.dpo_loss_fn(step.dpo_lib.DPOConfig(), n_pairs=2), cfg=pairs)
     st = fresh_state(critic=True)
-    st2, m = step.rm_step(st, batch)
+    st2, m = step.train_step(st, batch, step.rm_loss_fn(n_pairs=2), cfg=dataclasses.replace(pairs, module="critic"))
     assert abs(float(m["train/loss"]) - torch.log(torch.tensor(2.0)).item()) < 1e-4  # zero-initialised head
-    with pytest.raises(ValueError, match="granularity"):
-        step.PairStepConfig(mb=microbatch.MicroBatchConfig(granularity=1))
 
 
 def test_distillation_term_uses_teacher():
-    from rlcore.objectives import distill
-
     batch = make_batch(9)
     teacher_a = models.frozen_copy(fresh_state(seed=1).model)
     teacher_b = models.frozen_copy(fresh_state(seed=2).model)
-    cfg = step.RLStepConfig(distill_cfg=distill.DistillConfig(rl_weight=0.0, kd_weight=1.0))
+    loss_fn = ppo_loss_fn(distill_cfg=distill.DistillConfig(rl_weight=0.0, kd_weight=1.0))
     deltas = []
     for teacher in (teacher_a, teacher_b):
         st = with_sgd(fresh_state())
         before = params(st.model)
-        st2, m = step.rl_step(st, batch, cfg=cfg, teacher=teacher)
+        st2, m = rl_update(st, batch, loss_fn, teacher=teacher)
         assert any(k.startswith("distill/") for k in m) and st2.skipped_steps == 0
         deltas.append({k: v - before[k] for k, v in params(st.model).items()})
     assert any(not torch.allclose(deltas[0][k], deltas[1][k]) for k in deltas[0])  # the teacher shapes the update
-    with pytest.raises(ValueError, match="teacher"):
-        step.rl_step(fresh_state(), batch, cfg=cfg)
 
 
-@pytest.mark.parametrize("name", ["icepop", "kpop", "m2po", "rejection"])
-def test_every_keep_mask_composes_with_the_step(name):
-    from rlcore.objectives import MASKS
-
-    cfg_cls, _ = MASKS[name]
-    st2, m = step.rl_step(fresh_state(), make_batch(10), cfg=step.RLStepConfig(keep_masks=(cfg_cls(),)))
-    assert st2.step == 1 and float(m["ppo_actor/update_successful"]) == 1.0
-
-
-def test_unknown_keep_mask_and_objective_are_named():
-    with pytest.raises(TypeError, match="keep_masks"):
-        step.rl_step(fresh_state(), make_batch(11), cfg=step.RLStepConfig(keep_masks=(object(),)))
-    with pytest.raises(KeyError, match="objective"):
-        step.rl_step(fresh_state(), make_batch(11), cfg=step.RLStepConfig(objective="nope"))
+@pytest.mark.parametrize("fn,mcfg", [(icepop.keep_mask, icepop.IcePopConfig()), (kpop.keep_mask, kpop.KPopConfig()),
+                                     (m2po.keep_mask, m2po.M2POConfig()), (rejection.keep_mask, rejection.RejectionConfig()),
+                                     (rejection.keep_mask, rejection.RejectionConfig(action="clamp"))])
+def test_every_keep_mask_composes_with_the_step(fn, mcfg):
+    st2, m = rl_update(fresh_state(), make_batch(10), ppo_loss_fn(masks=((fn, mcfg),)))
+    assert st2.step == 1 and float(m["train/update_successful"]) == 1.0
 
 
 def test_init_from_dir_disables_dropout_and_schedules(tmp_path):
@@ -236,7 +289,7 @@ def test_init_from_dir_disables_dropout_and_schedules(tmp_path):
         ts.init_train_state(str(tmp_path / "missing"), ts.OptimConfig())
 
 
-def test_dict_shift_and_typed_shift_agree_and_legacy_loss_fn_names_missing_inputs():
+def test_dict_shift_and_typed_shift_agree_and_missing_inputs_are_named():
     batch = make_batch(24, stale=True)
     d = step.shift_to_predictive(batch)
     tb = step.TokenBatch.from_rollout(batch)
@@ -244,6 +297,5 @@ def test_dict_shift_and_typed_shift_agree_and_legacy_loss_fn_names_missing_input
     assert all(torch.equal(d[k], getattr(tb, k)) for k in ("loss_mask", "versions", "turn_ids"))
     tb = step.with_global_counts(tb)
     assert float(tb.n_tokens) == float(tb.loss_mask.sum()) and float(tb.n_seqs) == float((tb.loss_mask.sum(1) > 0).sum())
-    loss_fn = step.legacy_loss_fn(step.RLStepConfig())
     with pytest.raises(ValueError, match="policy_logp"):
-        loss_fn(tb.logp_behav, tb)
+        step.old_logp(tb, coupled_recompute=True)

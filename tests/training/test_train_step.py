@@ -1,7 +1,9 @@
 """``train_step`` against ``torch.func.grad`` of the same leaves on the same packed tokens (float64, tiny Qwen2, CPU).
 
-Part A uses only the long-standing API (``rl_step`` + ``RLStepConfig`` + the leaves), so it also runs against the
-old step: seq-mean aggregations (issue 13.2), mask weights (13.1) and ``ℓ^old`` for the KL reward (13.3).
+Part A runs a whole RL step the way the experiments write it (``common.rl_update``: forwards, advantages, an
+explicit leaf ``loss_fn``, ``train_step``): seq-mean aggregations (issue 13.2), mask weights (13.1) and ``ℓ^old``
+for the KL reward (13.3). The full objective x mask x agg matrix through the experiment's own loss_fn is
+tests/training/test_composition.py.
 Part B drives the new ``train_step(state, batch, loss_fn)`` directly: micro-batch and DP-split invariance for
 every aggregation mode, the non-finite skip, no mutation of the caller's batch, SFT / DPO / RM / critic loss_fns.
 """
@@ -23,6 +25,7 @@ from rlcore.data import microbatch, packing
 from rlcore.objectives import cispo, dpo, gspo, icepop, kpop, m2po, ppo, rejection, sapo, sft
 from rlcore.training import step
 from rlcore.training import train_state as ts
+from rlcore.types import RolloutBatch
 from tests.training import test_step as common
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,13 +95,13 @@ def grpo_adv(batch, mask):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Part A: rl_step (the old API) against the hand-composed leaves
+# Part A: a whole RL step (common.rl_update + a leaf loss_fn) against the hand-composed leaves
 # ----------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("name", list(OBJECTIVES))
-def test_rl_step_gradient_equals_hand_composed_leaves(name, agg):
+def test_rl_update_gradient_equals_hand_composed_leaves(name, agg):
     """Every agg mode: the step's gradient == func.grad of the leaf on the whole batch with its own default
     denominator (tokens for token_mean, non-empty sequences for seq_mean_*). Old step: seq modes off by n_tok/n_seq."""
     fn, cfg_cls = OBJECTIVES[name]
@@ -108,9 +111,8 @@ def test_rl_step_gradient_equals_hand_composed_leaves(name, agg):
     _, mask, behav, _ = shifted(batch)
     adv = grpo_adv(batch, mask)
     g, _ = hand_grad(st.model, batch, lambda lp, lp0: fn(lp, lp0, behav, adv, mask, cfg=obj_cfg)[0])
-    cfg = step.RLStepConfig(objective=name, objective_cfg=obj_cfg, max_grad_norm=0.0,
-                            mb=microbatch.MicroBatchConfig(max_tokens_per_mb=14))
-    _, delta = run_and_delta(lambda s: step.rl_step(s, batch, cfg=cfg), st)
+    scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=14), max_grad_norm=0.0)
+    _, delta = run_and_delta(lambda s: common.rl_update(s, batch, leaf_loss_fn(fn, obj_cfg), scfg=scfg), st)
     assert_grad_equal(delta, g)
 
 
@@ -132,6 +134,8 @@ MASK_CASES = {
     "seq_mask": rejection.RejectionConfig(level="sequence", lower=0.8, upper=1.25),
     "seq_clamp": rejection.RejectionConfig(level="sequence", action="clamp", lower=0.9, upper=1.1),
 }
+MASK_FNS = {icepop.IcePopConfig: icepop.keep_mask, kpop.KPopConfig: kpop.keep_mask, m2po.M2POConfig: m2po.keep_mask,
+            rejection.RejectionConfig: rejection.keep_mask}
 
 
 def _hand_mask(mcfg, prox, behav, mask):
@@ -141,10 +145,22 @@ def _hand_mask(mcfg, prox, behav, mask):
     if isinstance(mcfg, rejection.RejectionConfig):
         keep, w, _ = rejection.process(prox, behav, mask, cfg=mcfg)
         return keep, w
-    mod = {icepop.IcePopConfig: icepop, kpop.KPopConfig: kpop, m2po.M2POConfig: m2po}[type(mcfg)]
-    keep, factor, _ = mod.keep_mask(prox, behav, mask, cfg=mcfg)
+    keep, factor, _ = MASK_FNS[type(mcfg)](prox, behav, mask, cfg=mcfg)
     assert bool((factor[keep] == 1).all())  # a pure mask keeps the objective's own weight exp(prox - behav)
     return keep, None
+
+
+def masked_loss_fn(fn, obj_cfg, mcfg):
+    """The step side: the mask's ``(keep, factor)`` with the behaviour weight ``exp(prox - behav) * factor``."""
+
+    def loss_fn(logp, mb):
+        keep, extra = mb.loss_mask, {}
+        if mcfg is not None:
+            keep, factor, _ = MASK_FNS[type(mcfg)](mb.logp_prox, mb.logp_behav, mb.loss_mask, cfg=mcfg)
+            extra["weight"] = torch.exp(mb.logp_prox - mb.logp_behav) * factor
+        return fn(logp, mb.logp_prox, mb.logp_behav, mb.adv, keep, cfg=obj_cfg, denom=mb.denom(obj_cfg.agg), **extra)
+
+    return loss_fn
 
 
 @pytest.mark.parametrize(
@@ -170,32 +186,46 @@ def test_mask_weights_reach_the_loss(name, mask_name):
         return fn(lp, lp0, behav, adv, keep, cfg=obj_cfg, denom=denom, **extra)[0]
 
     g, loss_ref = hand_grad(st.model, batch, loss_of)
-    cfg = step.RLStepConfig(objective="ppo" if seq else name, objective_cfg=obj_cfg, max_grad_norm=0.0,
-                            keep_masks=() if mcfg is None else (mcfg,))
-    (_, m), delta = run_and_delta(lambda s: step.rl_step(s, batch, cfg=cfg), st)
-    assert abs(float(m["ppo_actor/loss"]) - loss_ref) <= 1e-6, (float(m["ppo_actor/loss"]), loss_ref)  # f32 metric
+    scfg = step.StepConfig(max_grad_norm=0.0)
+    (_, m), delta = run_and_delta(lambda s: common.rl_update(s, batch, masked_loss_fn(fn, obj_cfg, mcfg), scfg=scfg), st)
+    assert abs(float(m["train/loss"]) - loss_ref) <= 1e-6, (float(m["train/loss"]), loss_ref)  # f32 metric
     assert_grad_equal(delta, g)
 
 
-@pytest.mark.parametrize("objective,obj_cfg", [("sapo", sapo.SAPOConfig()), ("ppo", ppo.PPOConfig(decoupled=False))])
-def test_clamp_where_only_a_mask_can_act_raises(objective, obj_cfg):
-    cfg = step.RLStepConfig(objective=objective, objective_cfg=obj_cfg,
-                            keep_masks=(rejection.RejectionConfig(action="clamp"),))
+@pytest.mark.parametrize("fn,obj_cfg", [(sapo.loss, sapo.SAPOConfig()), (ppo.loss, ppo.PPOConfig(decoupled=False))])
+def test_clamp_where_only_a_mask_can_act_raises(fn, obj_cfg):
+    """An objective without a behaviour weight can only apply a mask: ``rejection.mask_only`` refuses a TIS clamp
+    (its weight would be dropped) with a clear error, raised through train_step."""
+
+    def loss_fn(logp, mb):
+        keep, _ = rejection.mask_only(mb.logp_prox, mb.logp_behav, mb.loss_mask, cfg=rejection.RejectionConfig(action="clamp"))
+        return fn(logp, mb.logp_prox, mb.logp_behav, mb.adv, keep, cfg=obj_cfg, denom=mb.denom(obj_cfg.agg))
+
     with pytest.raises(ValueError, match="action='clamp'"):
-        step.rl_step(common.fresh_state(), common.make_batch(14), cfg=cfg)
+        common.rl_update(common.fresh_state(), common.make_batch(14), loss_fn)
 
 
 def test_kl_reward_uses_recomputed_logp_when_coupled():
     """Issue 13.3, spec §4.1: coupled PPO + recompute => ℓ^old is the recomputed tensor (policy == ref at init,
     so the k1 KL reward is exactly 0 and the ratio exactly 1); decoupled => ℓ^old = behaviour log-probs."""
-    batch = common.make_batch(15)
-    gae = gae_lib.GAEConfig(kl_ctl=0.1)
-    coupled = step.RLStepConfig(prox="recompute", gae=gae, objective_cfg=ppo.PPOConfig(decoupled=False))
-    _, m = step.rl_step(common.fresh_state(ref=True), batch, cfg=coupled)
-    assert float(m["ppo_actor/kl_rewards"]) == 0.0
+    st = common.fresh_state(ref=True)
+    tb = step.TokenBatch.from_rollout(common.make_batch(15))
+    tb = dataclasses.replace(tb, logp_prox=step.policy_logp(st, tb), logp_ref=step.ref_logp(st, tb))
+    acfg = step.AdvantageConfig(gae=gae_lib.GAEConfig(kl_ctl=0.1))
+    old = step.old_logp(tb, coupled_recompute=True)
+    adv = step.compute_batch_advantages(tb, cfg=acfg, logp_old=old, logp_ref=tb.logp_ref)
+    assert float(adv.kl_rewards.abs().max()) == 0.0
+    coupled = ppo.PPOConfig(decoupled=False)
+
+    def loss_fn(logp, mb):  # coupled PPO: the ratio is taken against ℓ^old itself
+        o = step.old_logp(mb, coupled_recompute=True)
+        return ppo.loss(logp, mb.logp_prox, o, mb.adv, mb.loss_mask, cfg=coupled, denom=mb.n_tokens)
+
+    _, m = step.train_step(st, dataclasses.replace(tb, adv=adv.adv), loss_fn)
     assert abs(float(m["ppo/importance_weight"]) - 1.0) < 1e-6 and abs(float(m["ppo/approx_kl"])) < 1e-6
-    _, m = step.rl_step(common.fresh_state(ref=True), batch, cfg=dataclasses.replace(coupled, objective_cfg=None))
-    assert abs(float(m["ppo_actor/kl_rewards"])) > 1e-3  # decoupled: KL of the engine log-probs against ref
+    old = step.old_logp(tb, coupled_recompute=False)
+    adv = step.compute_batch_advantages(tb, cfg=acfg, logp_old=old, logp_ref=tb.logp_ref)
+    assert abs(float(adv.kl_rewards[tb.loss_mask].mean())) > 1e-3  # decoupled: KL of the engine log-probs vs ref
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -296,10 +326,10 @@ def test_train_step_leaves_the_callers_batch_alone_and_skips_non_finite():
     assert all(p.grad is None for p in st.model.parameters())
 
 
-def test_rl_step_leaves_the_callers_dict_alone():
+def test_rl_update_leaves_the_callers_dict_alone():
     batch = common.make_batch(18, stale=True)
     snap = {k: v.clone() for k, v in batch.items()}
-    step.rl_step(common.fresh_state(critic=True), batch, cfg=step.RLStepConfig(ppo_n_minibatches=2))
+    common.rl_update(common.fresh_state(critic=True), batch, n_minibatches=2)
     assert batch.keys() == snap.keys() and all(torch.equal(batch[k], snap[k]) for k in snap)
 
 
@@ -307,7 +337,7 @@ def test_rollout_batch_bridge_and_errors():
     d = common.make_batch(19)
     d["truncated"] = torch.zeros(6, dtype=torch.bool)
     d["group_id"] = torch.arange(6)
-    rb = step.RolloutBatch.from_dict(d)
+    rb = RolloutBatch.from_dict(d)
     back = rb.to_dict()
     assert back.keys() == d.keys() and all(torch.equal(back[k], d[k]) for k in d)
     tb = step.TokenBatch.from_rollout(rb)
@@ -316,9 +346,9 @@ def test_rollout_batch_bridge_and_errors():
     assert sub.num_rows == 2 and sub.input_ids.shape[1] == max(tb.lengths[1], tb.lengths[3])
     assert torch.equal(sub.extras["group_id"], torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="rewards"):
-        step.RolloutBatch.from_dict({**d, "rewards": torch.zeros(3)})
+        RolloutBatch.from_dict({**d, "rewards": torch.zeros(3)})
     with pytest.raises(KeyError, match="loss_mask"):
-        step.RolloutBatch.from_dict({"input_ids": d["input_ids"], "attention_mask": d["attention_mask"]})
+        RolloutBatch.from_dict({"input_ids": d["input_ids"], "attention_mask": d["attention_mask"]})
     with pytest.raises(ValueError, match="n_tokens"):
         tb.denom("token_mean")
 

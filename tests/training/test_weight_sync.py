@@ -52,7 +52,7 @@ class Recorder:
 
 def trained_state():
     st = common.fresh_state()
-    st, _ = step.sft_step(st, common.make_batch(1))
+    st, _ = step.train_step(st, step.TokenBatch.from_rollout(common.make_batch(1)), step.sft_loss_fn())
     return st
 
 
