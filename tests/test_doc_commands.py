@@ -61,3 +61,15 @@ def test_marked_commands_run_as_written(doc: str, tmp_path: Path):
     r = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{doc}: a documented command failed\n--- script\n{script.read_text()}\n" \
                               f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+
+
+def test_readme_install_lines_and_ci_agree():
+    """The README's set-up command, its CPU-only variant and .ci/run install the same torch and run the same tests."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    pins = set(re.findall(r"pip install (?:-q )?torch==([\d.]+)", readme))
+    assert len(pins) == 1, f"README pins torch inconsistently: {pins}"
+    (pin,) = pins
+    assert f"pip install -q torch=={pin}" in ci, ".ci/run must install the torch the README pins"
+    assert f"torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in readme  # the CPU-only line
+    test_cmd = re.search(r"^python -m pytest[^\n`]*", readme, re.M).group(0).strip()
+    assert test_cmd in ci, ".ci/run must run the README's test command verbatim"
