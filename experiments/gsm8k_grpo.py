@@ -247,6 +247,19 @@ def _mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def prepare_minibatch(cfg: Config, mb: TokenBatch) -> tuple[TokenBatch, dict[str, torch.Tensor]]:
+    """Per-minibatch statistics a loss needs before the micro-batch split: M2PO's second moment is a statistic of
+    the whole minibatch (spec §9), so its keep-mask is computed here, once, on (prox, behav) — both fixed before the
+    update — and ``loss_fn`` narrows each micro-batch's mask by it. With interpolated prox (which moves with the
+    current policy) it stays a per-micro-batch statistic inside ``loss_fn``."""
+    if cfg.m2po is None or cfg.prox == "interpolate":
+        return mb, {}
+    behav = step.old_logp(mb, coupled_recompute=cfg.prox == "recompute" and cfg.coupled)
+    prox = mb.logp_prox if cfg.prox == "recompute" else behav
+    keep, _, m = m2po_lib.keep_mask(prox, behav, mb.loss_mask, cfg=cfg.m2po)
+    return dataclasses.replace(mb, extras={**mb.extras, "m2po_keep": keep}), m
+
+
 def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
     """``loss_fn(logp (b t), mb) -> (loss, metrics)`` of the preset ``cfg`` at weight version ``version``.
 
@@ -273,8 +286,11 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
         # M2PO, IcePop and KPop only filter: their weight factor is 1, so the objective keeps its own
         # behaviour weight exp(prox - behav); rejection_lib.process returns the processed weight w' itself.
         if cfg.m2po is not None:
-            keep, _, m = m2po_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.m2po)
-            metrics.update(m)
+            if "m2po_keep" in mb.extras:  # the minibatch's statistic (prepare_minibatch), not this micro-batch's
+                keep = keep & mb.extras["m2po_keep"]
+            else:  # interpolated prox depends on the current logp: only a micro-batch statistic is possible
+                keep, _, m = m2po_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.m2po)
+                metrics.update(m)
         if cfg.rejection is not None:
             keep, w, m = rejection_lib.process(logp_prox, behav, keep, cfg=cfg.rejection)
             weight = w if cfg.weighted else None  # SAPO / coupled PPO take no behaviour weight: mask only
@@ -385,7 +401,9 @@ def main(cfg: Config) -> dict[str, float]:
                 actor, critic = [], []
                 for i, mb in enumerate(mbs):
                     last = dataclasses.replace(step_cfg, schedule=i == len(mbs) - 1)
+                    mb, mb_stats = prepare_minibatch(cfg, mb)  # M2PO: the minibatch's second moment
                     state, m = step.train_step(state, mb, loss_fn, cfg=last)
+                    m = {**m, **mb_stats}
                     actor.append(m)
                     if cfg.critic:  # the critic regresses on the same minibatch's returns
                         ccfg = dataclasses.replace(last, module="critic")

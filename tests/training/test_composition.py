@@ -165,6 +165,7 @@ def check_cell(obj_name: str, mask_name: str, agg: str, *, seed: int = 0, n: int
     n_mbs = len(microbatch.allocate(tb.lengths, scfg.mb))
     assert n_mbs >= min_mbs, "several micro-batches, or the split proves little"
     loss_fn = GSM.make_loss_fn(cfg, version=VERSION)
+    tb, _ = GSM.prepare_minibatch(cfg, tb)  # what the experiment does per minibatch (M2PO's statistic)
     (st2, m), delta = tts.run_and_delta(lambda s: step.train_step(s, tb, loss_fn, cfg=scfg), st)
     assert float(m["train/update_successful"]) == 1.0
     assert abs(float(m["train/loss"]) - loss_ref) <= 1e-6 * max(1.0, abs(loss_ref)), (float(m["train/loss"]), loss_ref)
@@ -200,18 +201,13 @@ def _one_thread():
 CELLS = [(o, mk, a) for o in OBJECTIVES for mk in MASKS for a in AGGS]
 VALID = [c for c in CELLS if not _invalid(c[0], c[1])]
 INVALID = [c for c in CELLS if _invalid(c[0], c[1])]
-ONE_MB = {"budget": 10**6, "min_mbs": 1, "extra_mbs": 0}  # M2PO cells: one micro-batch, see below
 
 
 @pytest.mark.parametrize("obj_name,mask_name,agg", VALID)
 def test_experiment_loss_fn_through_train_step_equals_hand_composed_leaves(obj_name, mask_name, agg, monkeypatch):
-    check_cell(obj_name, mask_name, agg, monkeypatch=monkeypatch, **(ONE_MB if mask_name == "m2po" else {}))
+    check_cell(obj_name, mask_name, agg, monkeypatch=monkeypatch)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "gsm8k_grpo.make_loss_fn calls m2po.keep_mask inside loss_fn, i.e. per micro-batch: the second-moment statistic "
-    "then depends on max_tokens_per_mb (a mechanics knob), while docs/algorithms.md says rlcore computes it on the "
-    "minibatch (and the hand composition does). Strict: this turns red once the experiment computes it per minibatch."))
 def test_m2po_through_several_micro_batches_equals_the_minibatch_statistic(monkeypatch):
     for obj_name in ("ppo", "gspo", "cispo"):
         check_cell(obj_name, "m2po", "token_mean", monkeypatch=monkeypatch)
@@ -235,5 +231,4 @@ def test_the_matrix_covers_every_objective_mask_and_agg():
 @pytest.mark.parametrize("obj_name,mask_name,agg", VALID)
 def test_composition_matrix_larger_batches(obj_name, mask_name, agg, seed, monkeypatch):
     """The same matrix on 16 rows, other seeds, and three more micro-batches than the budget needs."""
-    kw = ONE_MB if mask_name == "m2po" else {"budget": 16, "extra_mbs": 3}
-    check_cell(obj_name, mask_name, agg, seed=seed, n=16, monkeypatch=monkeypatch, **kw)
+    check_cell(obj_name, mask_name, agg, seed=seed, n=16, monkeypatch=monkeypatch, budget=16, extra_mbs=3)
