@@ -83,9 +83,8 @@ def load_checkpoint_policy(hf: torch.nn.Module, path: str) -> int:
         raise FileNotFoundError(
             f"--checkpoint={path!r}: no checkpoint there (expected meta.json or 'latest')"
         )
-    payload = torch.load(ckpt / "train.pt", map_location="cpu", weights_only=False)
     # TrainState.model is a PolicyModel, so its keys carry the wrapper's 'hf.' prefix.
-    models.PolicyModel(hf).load_state_dict(payload["modules"]["model"])
+    models.PolicyModel(hf).load_state_dict(checkpoint.load_module_state_dict(ckpt, "model"))
     return int(json.loads((ckpt / "meta.json").read_text())["step"])
 
 

@@ -2,29 +2,38 @@
 
 A 2-layer, width-64 Qwen2 (~0.1M parameters, one token per character) was warm-started by
 experiments/sft_warmstart.py to ~21% greedy success on 1,000 held-out Countdown prompts
-(``3579:42=`` -> ``7*5+9-3``). Here it trains with the whole library in one process:
+(``3579:42=`` -> ``7*5+9-3``). Here it trains with the whole library, in two processes (one core each):
 
-    RolloutController (staleness eta) -> EngineClient (in-process transport) -> Engine (own thread)
-      -> rlvr episodes, countdown reward -> groups of 8 -> rl_step (decoupled PPO, GRPO advantages)
-      -> publish_weights (pause -> state-dict push -> version + 1 -> resume) -> repeat
+    trainer process: RolloutController (staleness eta) -> EngineClient (HTTP, SGLang protocol)
+                                                                    |
+    engine process (python -m rlcore.serve, rlcore.inference.process): Engine
+      -> rlvr episodes, countdown reward -> groups of 8 -> train_batch (decoupled PPO, GRPO advantages)
+      -> publish_weights (pause -> safetensors file in /dev/shm -> engine loads it -> version + 1 -> resume)
 
-Generation pauses only for the weight push (~10 ms): while ``rl_step`` runs on batch k, the engine is
-already sampling batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects for
-that one step of staleness with the behaviour weight pi_prox / pi_behav.
+Engine and trainer no longer share one GIL: while ``train_batch`` runs on batch k in this process, the engine
+process is already sampling batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects
+for that one step of staleness with the behaviour weight pi_prox / pi_behav. ``--engine thread`` runs the
+engine in a thread of this process instead (the old layout, for debugging: one process, in-process transport).
 
 Run:    python experiments/tiny_cpu.py                      # 10 minutes on 2 CPU cores
 Smoke:  python experiments/tiny_cpu.py --minutes 0.2 --eval-prompts 64
+Replay: python experiments/tiny_cpu.py --record /tmp/rec && python -m rlcore.replay /tmp/rec   # docs/replay.md
+Resume: python experiments/tiny_cpu.py --checkpoint-dir /tmp/ck [--resume]   # nothing lost across a kill -9
 Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within two to
-        four minutes on an idle 2-core CPU and to ~50% at 10 minutes (measured 20.8% -> 49.4%, 2,393 steps,
-        and 20.8% -> 50.5%, 1,968 steps; docs/results.md#cpu-main-job). TensorBoard: ``tensorboard --logdir runs``.
+        four minutes on an idle 2-core CPU and to ~50% at 10 minutes (measured with --engine thread: 20.8% ->
+        49.4%, 2,393 steps, and 20.8% -> 50.5%, 1,968 steps; docs/results.md#cpu-main-job). TensorBoard:
+        ``tensorboard --logdir runs`` (``perf/cores_busy``: average cores kept busy by both processes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import tyro
@@ -36,12 +45,15 @@ from rlcore.advantages import normalize
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
+from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
+from rlcore.inference import process as engine_process
 from rlcore.objectives import ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import metrics, models, step, train_state, weight_sync
+from rlcore.training import checkpoint, metrics, models, record, step, train_state, weight_sync
+from rlcore.types import TokenBatch
 
 ASSET = tiny.COUNTDOWN_TINY_DIR  # package data: rlcore/assets/countdown-tiny
 
@@ -73,10 +85,10 @@ class Config:
     objective: ppo.PPOConfig = ppo.PPOConfig(clip_low=0.2, decoupled=True, agg="token_mean")
     """Decoupled PPO: ratio against the recomputed proximal policy, behaviour weight for staleness."""
     objective_name: str = "ppo"
-    """Key in rlcore.objectives.OBJECTIVES that rl_step calls with ``objective`` as its config; register your
+    """Key in rlcore.objectives.OBJECTIVES that build_loss_fn uses with ``objective`` as its config; register your
     own loss there under a new name to train with it (notebooks/write_your_own_objective.py)."""
     tokens_per_microbatch: int = 512
-    """Packed micro-batch budget of the train step: rl_step packs rows into one stream with a block-causal
+    """Packed micro-batch budget of the train step: train_step packs rows into one stream with a block-causal
     mask, whose cost grows with the square of its length, so short streams are faster on a CPU."""
     eval_prompts: int = 1000
     """Held-out prompts for the greedy success curve."""
@@ -84,14 +96,103 @@ class Config:
     """Seconds between greedy evaluations (each takes well under a second)."""
     log_dir: str = "runs/tiny_cpu"
     """TensorBoard directory."""
+    engine: Literal["process", "thread"] = "process"
+    """process: the engine in its own OS process (HTTP on 127.0.0.1, weights through /dev/shm).
+    thread: the engine in a thread of this process, in-process transport (the old layout, for debugging)."""
     threads: int = 1
-    """torch intra-op threads; the engine thread and the trainer thread share the 2 cores."""
+    """torch intra-op threads of the trainer (and of the engine thread with --engine thread)."""
+    engine_threads: int = 1
+    """torch intra-op threads of the engine process: its share of the cores."""
+    pin_cores: bool = False
+    """--engine process: pin the engine to the last engine_threads CPUs, the trainer to the others.
+    Off by default (os.sched_setaffinity), so that a busy shared machine can balance the load."""
     progress: bool = True
     """Show the tqdm progress bar."""
+    record: str = ""
+    """Record what every train step consumed into this directory, for ``python -m rlcore.replay DIR`` (bit-for-bit
+    re-run without an engine, or another objective on the same samples; docs/replay.md). Empty: no record."""
+    checkpoint_dir: str = ""
+    """Save a recover checkpoint here (weights, Adam, RNG, the prompt cursor and the rollout accounting: groups in
+    flight and buffered); empty: none."""
+    checkpoint_every: int = 1
+    """Rollout batches between checkpoints (with ``checkpoint_dir``)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``checkpoint_dir`` (and cut ``record`` back to it)."""
+
+    def __post_init__(self) -> None:
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("Config.resume needs Config.checkpoint_dir; pass --checkpoint-dir DIR")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"Config.checkpoint_every must be >= 1, got {self.checkpoint_every}")
 
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
                log_dir="/tmp/rlcore_tiny_cpu_smoke")
+
+
+class CoresBusy:
+    """Average cores kept busy since construction: CPU seconds of this process (+ the engine process) / wall."""
+
+    def __init__(self, engine_pid: int | None):
+        self.engine_pid = engine_pid
+        self.t0, self.cpu0 = time.perf_counter(), self._cpu()
+
+    def _cpu(self) -> tuple[float, float]:
+        eng = engine_process.cpu_seconds(self.engine_pid) if self.engine_pid is not None else 0.0
+        return engine_process.cpu_seconds(), eng
+
+    def __call__(self) -> dict[str, float]:
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        (tr, eng), (tr0, eng0) = self._cpu(), self.cpu0
+        return {"perf/cores_busy": (tr - tr0 + eng - eng0) / wall, "perf/cores_busy_trainer": (tr - tr0) / wall,
+                "perf/cores_busy_engine": (eng - eng0) / wall}
+
+
+def open_engine(cfg: Config, policy: torch.nn.Module, stack: contextlib.ExitStack) -> tuple[Any, list, Any, int | None]:
+    """Start the engine in the chosen layout; returns (rollout client, publish targets, PublishConfig, engine pid)."""
+    max_batch = (cfg.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size  # every request of eta+1 batches
+    if cfg.engine == "thread":
+        # The engine gets its own copy of the weights: it samples while the trainer updates its copy, and only
+        # publish_weights moves trained weights across (float32, so behaviour log-probs stay exact).
+        engine = stack.enter_context(engine_lib.Engine(
+            copy.deepcopy(policy),
+            engine_lib.EngineConfig(max_batch=max_batch, max_seq_len=32, device="cpu", dtype="float32", seed=cfg.seed),
+        ))
+        # In-process transport: the client calls the SGLang handlers directly, no HTTP (and no session to close).
+        return (engine_client.EngineClient(engine), [engine],
+                weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place"), None)
+    engine_cpus, trainer_cpus = engine_process.split_cores(cfg.engine_threads) if cfg.pin_cores else ((), ())
+    if trainer_cpus:
+        engine_process.pin_threads(cfg.threads, trainer_cpus)
+    # The engine process loads the same warm-start directory as the trainer, so both start at version 0.
+    ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
+        model=cfg.model_dir, threads=cfg.engine_threads, cpus=engine_cpus, dtype="float32", device="cpu",
+        max_batch=max_batch, max_seq_len=32, seed=cfg.seed,
+    )))
+    # The same client and protocol as for a remote SGLang server: one client for the rollouts, one blocking
+    # client (own loop thread) for the publish's control calls; weights go through a file in /dev/shm. The
+    # rollout client's /generate calls of one event-loop tick share one (batched) HTTP request: per-request
+    # HTTP work would otherwise cost more CPU than generating ~6 tokens with a 0.1M-parameter model.
+    control = stack.enter_context(engine_client.connect(ep.address))
+    return (engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address)), [control],
+            weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place"), ep.pid)
+
+
+class PromptIds(Sequence):
+    """The dataset with each row's prompt token ids added (``input_ids``), tokenized once per prompt.
+
+    The rollout workflow tokenizes the row of every sample otherwise (chat template + tokenizer, ~1 ms), which is
+    8 times per group and, with a 0.1M-parameter model, a third of the rollout thread's CPU time."""
+
+    def __init__(self, dataset: Sequence[dict], tok: Any):
+        self.dataset, self.tok = dataset, tok
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.dataset[i]
+        return row | {"input_ids": workflows.prompt_ids(self.tok, row)}
 
 
 def greedy_success(model: torch.nn.Module, tok, problems: list[countdown.Problem], max_new_tokens: int) -> float:
@@ -111,22 +212,15 @@ def informative(group: dict[str, torch.Tensor]) -> bool:
     return bool((r != r[0]).any())
 
 
-def main(cfg: Config) -> dict[str, float]:
-    # ------------------------------------------------------------------ setup
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    tok = tiny.load_tokenizer(cfg.model_dir)
+def init_state(cfg: Config) -> train_state.TrainState:
+    """The initial train state: the warm-started policy (float32) and a fresh Adam."""
     policy = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
-    heldout = countdown.heldout_set(cfg.eval_prompts)
-    # The engine gets its own copy of the weights: it samples while the trainer updates its copy, and
-    # only publish_weights moves trained weights across (float32, so behaviour log-probs stay exact).
-    engine = engine_lib.Engine(
-        copy.deepcopy(policy),
-        engine_lib.EngineConfig(max_batch=(cfg.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size,
-                                max_seq_len=32, device="cpu", dtype="float32", seed=cfg.seed),
-    )
-    state = train_state.init_train_state(policy, cfg.optim, device="cpu")
-    step_cfg = step.RLStepConfig(
+    return train_state.init_train_state(policy, cfg.optim, device="cpu")
+
+
+def step_config(cfg: Config) -> step.RLStepConfig:
+    """Decoupled PPO on GRPO advantages, the proximal policy recomputed before the update."""
+    return step.RLStepConfig(
         objective=cfg.objective_name,
         objective_cfg=cfg.objective,
         prox="recompute",
@@ -136,7 +230,43 @@ def main(cfg: Config) -> dict[str, float]:
         max_grad_norm=1.0,
         mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
     )
-    publish_cfg = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place")
+
+
+def build_loss_fn(cfg: Config) -> step.LossFn:
+    """The algorithm as a ``loss_fn(logp, mb)``: ``cfg.objective_name`` with ``cfg.objective`` (decoupled PPO)."""
+    return step.legacy_loss_fn(step_config(cfg))
+
+
+def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], loss_fn: step.LossFn,
+                cfg: Config) -> tuple[train_state.TrainState, dict]:
+    """One RL step on a token-own trajectory dict (``b`` rows): proximal recompute -> GRPO advantages ->
+    ``train_step(loss_fn)``. It reads nothing but ``state``, ``batch`` and ``cfg``, so ``rlcore.replay``
+    re-runs it from a record (and an ablation passes another ``loss_fn`` on the same samples)."""
+    rl = step_config(cfg)
+    scfg = step.StepConfig(mb=rl.mb, temperature=rl.temperature, max_grad_norm=rl.max_grad_norm)
+    data = TokenBatch.from_rollout(batch)
+    data = dataclasses.replace(data, logp_prox=step.policy_logp(state, data, cfg=scfg))
+    acfg = step.AdvantageConfig(reward_norm=rl.reward_norm, group_size=rl.group_size)
+    adv = step.compute_batch_advantages(data, cfg=acfg, logp_old=step.old_logp(data, coupled_recompute=False))
+    data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
+    version = state.version
+    state, m = step.train_step(state, data, loss_fn, cfg=scfg)
+    gen = data.loss_mask & (data.versions >= 0)
+    m["version_stats/staleness_max"] = torch.where(gen, version - data.versions, 0).max().float()
+    return state, m
+
+
+def main(cfg: Config) -> dict[str, float]:
+    # ------------------------------------------------------------------ setup
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    tok = tiny.load_tokenizer(cfg.model_dir)
+    state = init_state(cfg)
+    policy = models.hf_module(state.model)
+    heldout = countdown.heldout_set(cfg.eval_prompts)
+    # The recorder hashes the initial weights and stores the config; with resume it checks both and keeps the record.
+    recorder = record.Recorder(cfg.record, config=cfg, experiment=__file__, state=state, resume=cfg.resume)
+    loss_fn = build_loss_fn(cfg)
     episode = workflows.rlvr(
         tok, countdown_reward.reward_fn,
         workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
@@ -147,20 +277,26 @@ def main(cfg: Config) -> dict[str, float]:
     rollout_cfg = rollout.RolloutConfig(
         batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=cfg.max_staleness,
     )
-    loader = PromptLoader(countdown.CountdownDataset(200_000, seed=cfg.seed), seed=cfg.seed)
+    loader = PromptLoader(PromptIds(countdown.CountdownDataset(200_000, seed=cfg.seed), tok), seed=cfg.seed)
 
     hist: list[tuple[float, int, float]] = []
     out: dict[str, float] = {}
-    # In-process transport: the client calls the SGLang handlers directly, no HTTP (and no session to
-    # close); pointing it at "http://127.0.0.1:PORT" of rlcore.serve or SGLang changes nothing else.
-    client = engine_client.EngineClient(engine)
-    with (
-        engine,
-        rollout.RolloutController(client, episode, loader, rollout_cfg) as ctl,
-        metrics.MetricsLogger(metrics.LoggerConfig(log_dir=cfg.log_dir)) as logger,
-    ):
+    with contextlib.ExitStack() as stack:
+        client, targets, publish_cfg, engine_pid = open_engine(cfg, policy, stack)
+        ctl = stack.enter_context(rollout.RolloutController(client, episode, loader, rollout_cfg))
+        logger = stack.enter_context(metrics.MetricsLogger(metrics.LoggerConfig(log_dir=cfg.log_dir)))
+        if cfg.resume:
+            # Before the first prepare_batch: weights, Adam, RNG; then the prompt cursor and the rollout accounting
+            # (groups finished but not consumed come back as they were, prompts in flight are re-issued under the
+            # restored version); the record is cut back to this checkpoint; the engine gets the restored weights.
+            state, saved = checkpoint.restore(cfg.checkpoint_dir, state)
+            ctl.load_state_dict(saved["rollout"])
+            recorder.load_state_dict(saved.get("record"))
+            state = weight_sync.publish_weights(dataclasses.replace(state, version=state.version - 1), targets,
+                                                cfg=publish_cfg, rollout=ctl)
         t0 = time.perf_counter()
-        hist.append((0.0, 0, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
+        cores = CoresBusy(engine_pid)
+        hist.append((0.0, state.step, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
         next_eval = cfg.eval_every_s
         bar = tqdm(total=round(cfg.minutes * 60), unit="s", disable=not cfg.progress,
@@ -171,18 +307,23 @@ def main(cfg: Config) -> dict[str, float]:
             t_wait = time.perf_counter()
             groups = ctl.prepare_batch()
             roll = dict(ctl.last_metrics) | {"time/wait_rollout_s": time.perf_counter() - t_wait}
-            groups = [g for g in groups if informative(g)]
+            kept = [informative(g) for g in groups]
+            groups = [g for g, k in zip(groups, kept) if k]
             roll["rollout/informative_groups"] = float(len(groups))
             # advantages -> decoupled PPO update -> weights to the engine (version + 1). The version moves on
             # even in the (rare) step with nothing to learn, or the staleness gate would stall generation.
-            m = {}
-            if groups:
-                state, m = step.rl_step(state, trajectory.concat(groups), cfg=step_cfg)
+            # The recorder (a pass-through without --record) stores the batch, version and RNG, then runs the step.
+            state, m = recorder.step(train_batch, state, trajectory.concat(groups) if groups else None, loss_fn, cfg,
+                                     prompts=ctl.last_batch_indices, kept=kept)
             t_pub = time.perf_counter()
-            state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
+            state = weight_sync.publish_weights(state, targets, cfg=publish_cfg, rollout=ctl)
             roll["time/publish_s"] = time.perf_counter() - t_pub
+            if cfg.checkpoint_dir and ctl.batches % cfg.checkpoint_every == 0:
+                # after the publish: the snapshot's version is the trainer's, and nothing newer is in flight
+                checkpoint.save(cfg.checkpoint_dir, state,
+                                extra={"rollout": ctl.state_dict(), "record": recorder.state_dict()})
             elapsed = time.perf_counter() - t0
-            m = {k: float(v) for k, v in m.items()} | roll | {"time/elapsed_s": elapsed}
+            m = {k: float(v) for k, v in m.items()} | roll | cores() | {"time/elapsed_s": elapsed}
             if elapsed >= next_eval:
                 next_eval += cfg.eval_every_s
                 hist.append((elapsed, state.step, greedy_success(models.hf_module(state.model), tok, heldout,
@@ -197,7 +338,8 @@ def main(cfg: Config) -> dict[str, float]:
                 f"train {m.get('perf/tokens_per_s', 0):.0f} tok/s wait {roll['time/wait_rollout_s']:.2f}s "
                 f"greedy {hist[-1][2]:.3f}"
             )
-            out = {k: m[k] for k in ("rollout/reward", "version_stats/staleness_max") if k in m}
+            out = {k: m[k] for k in ("rollout/reward", "version_stats/staleness_max", "perf/cores_busy",
+                                     "perf/cores_busy_trainer", "perf/cores_busy_engine") if k in m}
         bar.close()
         # ------------------------------------------------------------------ final eval
         elapsed = time.perf_counter() - t0
@@ -205,6 +347,9 @@ def main(cfg: Config) -> dict[str, float]:
             hist.append((elapsed, state.step, greedy_success(models.hf_module(state.model), tok, heldout,
                                                              cfg.max_new_tokens)))
             logger.log(state.step, {"eval/greedy_success": hist[-1][2]})
+        if cfg.checkpoint_dir and ctl.batches % cfg.checkpoint_every:
+            checkpoint.save(cfg.checkpoint_dir, state, extra={"rollout": ctl.state_dict(), "record": recorder.state_dict()})
+    digest = recorder.close(state)
     last = [s for _, _, s in hist[-3:]]  # evaluations are noisy (±1.5-2 points on 1,000 prompts)
     out |= {
         "steps": float(state.step),
@@ -216,6 +361,8 @@ def main(cfg: Config) -> dict[str, float]:
     print(" ".join(f"{k}={v:.4g}" for k, v in out.items()), flush=True)
     for t, s, g in hist:
         print(f"  t={t:6.0f}s step={s:5d} greedy={g:.3f}")
+    if digest:
+        print(f"record: {cfg.record} final weights sha256 {digest}", flush=True)
     return out
 
 

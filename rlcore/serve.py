@@ -53,6 +53,18 @@ class ServeConfig:
     tool_parser: str = "hermes"
     """Tool-call format parsed out of /v1/chat/completions replies when the request has tools: a name in
     rlcore.inference.tool_parsers.PARSERS (hermes = qwen: <tool_call>{json}</tool_call>; none)."""
+    threads: int = 0
+    """torch intra-op threads of this process (inter-op: 1); 0 keeps torch's default."""
+    cpus: tuple[int, ...] = ()
+    """Pin this process to these CPUs (``os.sched_setaffinity``); empty leaves it to the OS."""
+    parent_pid: int = 0
+    """Exit when this process dies (set by ``rlcore.inference.process``); 0 disables the watch."""
+    lifetime_fd: int = -1
+    """Read end of the parent's lifetime pipe: EOF means the parent is gone (with ``--parent-pid``)."""
+    pdeathsig: bool = False
+    """Also ask Linux for SIGTERM when the parent's spawning thread exits (with ``--parent-pid``)."""
+    shm_root: str = ""
+    """Where the parent publishes weight files; the dead parent's files are deleted (empty: /dev/shm)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -61,6 +73,9 @@ class ServeConfig:
 
         if self.tool_parser not in PARSERS:
             raise ValueError(f"--tool-parser must be one of {sorted(PARSERS)}, got {self.tool_parser!r}")
+
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {self.threads}")
 
 
 def build_app(engine: Engine, cfg: ServeConfig) -> web.Application:
@@ -78,6 +93,15 @@ def main(cfg: ServeConfig) -> None:
     """Load the model, bind ``cfg.host:cfg.port`` and serve until interrupted."""
     import asyncio
     import socket
+
+    from rlcore.inference import process
+
+    if cfg.parent_pid:  # first, so that a parent killed during start-up takes this process with it
+        process.die_with_parent(cfg.parent_pid, cfg.lifetime_fd, pdeathsig=cfg.pdeathsig, shm_root=cfg.shm_root)
+    if cfg.threads or cfg.cpus:
+        import torch
+
+        process.set_child_threads(cfg.threads or torch.get_num_threads(), cfg.cpus)
 
     from aiohttp import web
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -153,15 +154,22 @@ def test_sft_warmstart_smoke(tmp_path):
 
 
 def test_tiny_cpu_main_job_smoke():
-    """The README's main job composes engine, client, controller, rl_step and publish_weights end to end."""
+    """The README's main job composes engine, client, controller, rl_step and publish_weights end to end, with
+    the engine in its own process (its CPU time is counted) and the weights handed over through /dev/shm."""
+    from rlcore.inference import process
+
     spec = importlib.util.spec_from_file_location("tiny_cpu", ROOT / "experiments" / "tiny_cpu.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["tiny_cpu"] = mod
     spec.loader.exec_module(mod)
+    assert mod.SMOKE.engine == "process"
     out = mod.main(mod.SMOKE)
     assert out["steps"] >= 1
     assert out["version_stats/staleness_max"] <= mod.SMOKE.max_staleness
     assert 0.0 <= out["greedy_success_end"] <= 1.0 and 0.0 <= out["rollout/reward"] <= 1.0
+    assert out["perf/cores_busy_engine"] > 0 and out["perf/cores_busy_trainer"] > 0
+    assert out["perf/cores_busy"] == pytest.approx(out["perf/cores_busy_engine"] + out["perf/cores_busy_trainer"])
+    assert not list(process.default_shm_root().glob(f"{process.SHM_WEIGHTS_PREFIX}{os.getpid()}-*"))
 
 
 def test_sft_warmstart_worked_format_learns_the_box(tmp_path):

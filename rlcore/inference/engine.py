@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from rlcore.inference import architectures
 from rlcore.inference.attention import install_grouped_attention
 from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward, SlotCache
@@ -116,6 +117,23 @@ class EngineConfig:
             )
 
 
+MEMORY_TAGS = ("weights", "kv_cache")
+"""What ``release_memory_occupation`` can hand back (SGLang's tags)."""
+
+
+def memory_tags(tags: Iterable[str] | None) -> frozenset[str]:
+    """Validate memory tags; None or empty means all of ``MEMORY_TAGS`` (SGLang's default)."""
+    if tags is None:
+        return frozenset(MEMORY_TAGS)
+    if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+        raise EngineError(f"tags must be a list of strings from {list(MEMORY_TAGS)}")
+    got = frozenset(tags)
+    bad = sorted(got - set(MEMORY_TAGS))
+    if bad:
+        raise EngineError(f"tags {bad} are unknown; use any of {list(MEMORY_TAGS)} (or omit tags for all)")
+    return got or frozenset(MEMORY_TAGS)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The engine
 
@@ -181,6 +199,7 @@ class Engine:
             else int(mcfg.vocab_size)
         )
 
+        self.adapters = architectures.adapt(self.model)  # refuses what the slot cache cannot serve
         self.grouped_attention = cfg.grouped_decode_attention and install_grouped_attention(self.model)
         self._fwd = ModelForward(self.model, self.max_seq_len)
         self._cache = SlotCache(cfg.max_batch, self.max_seq_len)
@@ -305,6 +324,11 @@ class Engine:
     def version(self) -> int:
         """Weight version of the weights currently loaded (tags every token generated with them)."""
         return self._s.version
+
+    @property
+    def released(self) -> frozenset[str]:
+        """Memory tags currently released (nothing is scheduled while any is)."""
+        return self._s.released
 
     @property
     def paused(self) -> PauseMode | None:
@@ -508,6 +532,21 @@ class Engine:
         """True when idle (nothing to flush: no prefix cache is kept); False while requests are in flight."""
         return self._call(lambda: not (self._s.running or self._s.waiting))
 
+    def release_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
+        """Free the KV cache and/or move the weights to host memory (``tags`` from ``MEMORY_TAGS``; default all)
+        for a colocated trainer; generation waits until ``resume_memory_occupation``. See
+        ``Scheduler.release_memory``."""
+        return self._call(lambda t=memory_tags(tags): self._s.release_memory(t))
+
+    def resume_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
+        """Undo ``release_memory_occupation`` for ``tags`` (default all); generation continues when none is left."""
+        return self._call(lambda t=memory_tags(tags): self._s.resume_memory(t))
+
+    def prompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
+        """Log-probs of ``input_ids[start + 1:]`` given their prefixes under the loaded weights (raw, no
+        temperature); runs on the loop thread between two steps (``Scheduler.prompt_logprobs``)."""
+        return self._call(lambda: self._s.prompt_logprobs(list(input_ids), int(start)))
+
     # -- awaitable control (the same commands; no thread is held while the loop gets to them) ------------------
 
     async def apause(self, mode: PauseMode = "abort") -> int:
@@ -532,6 +571,21 @@ class Engine:
     async def aflush_cache(self) -> bool:
         """Awaitable ``flush_cache``."""
         return await asyncio.wrap_future(self._command(lambda: not (self._s.running or self._s.waiting)))
+
+    async def arelease_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
+        """Awaitable ``release_memory_occupation``."""
+        t = memory_tags(tags)
+        return await asyncio.wrap_future(self._command(lambda: self._s.release_memory(t)))
+
+    async def aresume_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
+        """Awaitable ``resume_memory_occupation``."""
+        t = memory_tags(tags)
+        return await asyncio.wrap_future(self._command(lambda: self._s.resume_memory(t)))
+
+    async def aprompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
+        """Awaitable ``prompt_logprobs``."""
+        ids = list(input_ids)
+        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_logprobs(ids, int(start))))
 
     async def arun_control(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run blocking control work ``fn(*args)`` on the engine's own bounded thread pool and await it.

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
+from rlcore.inference.architectures import uses_row_positions
+
 
 class SlotCache(DynamicCache):
     """Per-slot static KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer, allocated on first use.
@@ -113,6 +115,8 @@ class ModelForward:
         else:
             self.types["full_attention"] = None
         self.max_seq_len = max_seq_len
+        self.row_positions = uses_row_positions(model)
+        """Padding of a right-padded prefill takes its row's last position (per-row LongRoPE reads the max)."""
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.head: nn.Module | None = head if isinstance(head, nn.Module) else None
 
@@ -139,6 +143,16 @@ class ModelForward:
         logits = self.model(**kwargs).logits
         return logits[:, -1]
 
+    def prompt_logprobs(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Teacher-forced ``log_softmax`` of the prompt ``ids (L,)`` at each token ``j > start`` given ``ids[:j]``;
+        returns ``(L - 1 - start,)`` float32. A plain forward (no cache), keeping only the logits it needs."""
+        n = ids.shape[0] - 1 - start
+        kwargs: dict[str, Any] = {"input_ids": ids[None], "use_cache": False}
+        if self.keep_kw is not None:
+            kwargs[self.keep_kw] = n + 1
+        logits = self.model(**kwargs).logits[0, -(n + 1) : -1].float()  # (n v): predicts ids[start+1:]
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[start + 1 :, None])[:, 0]
+
     def prefill_right(self, ids: torch.Tensor, last: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         """Right-padded prefill: row ``i`` of ``ids (k L)`` is real at columns ``[0, last[i]]``.
 
@@ -150,6 +164,8 @@ class ModelForward:
         """
         k, length = ids.shape
         pos = torch.arange(length, device=ids.device)[None].expand(k, length)
+        if self.row_positions:  # padding (after each row's end, never attended) must not look like a longer row
+            pos = torch.minimum(pos, last[:, None])
         hit: list[bool] = []
         owner = threading.get_ident()  # leave calls from other threads (a trainer sharing the module) alone
 

@@ -244,6 +244,20 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
         if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
             raise BadRequest("sampling_params.stop must be a non-empty string or a list of non-empty strings")
         kw["stop"] = tuple(stops)
+    for key in CONSTRAINED_DECODING:
+        if sp.get(key) is not None:
+            raise BadRequest(
+                f"sampling_params.{key}: constrained decoding (regex / json_schema / ebnf / structural_tag) is not "
+                "supported by the embedded engine; drop the field and validate the output yourself, or serve with "
+                "a real SGLang server"
+            )
+    if sp.get("min_p") not in (None, 0, 0.0):
+        raise BadRequest("sampling_params.min_p is not supported by the embedded engine; send 0 (off) or top_p")
+    if sp.get("logit_bias"):
+        raise BadRequest("sampling_params.logit_bias is not supported by the embedded engine; omit it")
+    for key in ("skip_special_tokens", "spaces_between_special_tokens"):
+        if sp.get(key) is not None and not isinstance(sp[key], bool):
+            raise BadRequest(f"sampling_params.{key} must be true or false")
     if sp.get("stop_regex"):
         raise BadRequest(
             "sampling_params.stop_regex is not supported by the embedded engine; use stop (plain strings)"
@@ -270,6 +284,9 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
 
 
 _INT64_MAX = (1 << 63) - 1
+
+CONSTRAINED_DECODING = ("regex", "json_schema", "ebnf", "structural_tag")
+"""SGLang's grammar-constrained ``sampling_params``: refused (400) by the embedded engine, never ignored."""
 
 
 def parse_n(sp: Any) -> int:

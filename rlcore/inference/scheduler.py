@@ -104,6 +104,8 @@ class Scheduler:
         self.static_mode = static_mode
         """``graph`` (CUDA graphs), ``eager-static`` (the same fixed shapes, eagerly) or None (plain eager)."""
         self.paused: PauseMode | None = None
+        self.released: frozenset[str] = frozenset()
+        """Memory handed back for colocated training (``"weights"``, ``"kv_cache"``): nothing runs until resumed."""
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []  # index == slot
         self.by_rid: dict[str, _Request] = {}
@@ -128,8 +130,9 @@ class Scheduler:
             self.waiting.append(r)
 
     def step(self) -> bool:
-        """One iteration unless paused: requeue stale KV, maybe admit, decode; True when a decode step ran."""
-        if self.paused is not None:
+        """One iteration unless paused or released: requeue stale KV, maybe admit, decode; True when a decode step
+        ran."""
+        if self.paused is not None or self.released:
             return False
         # KV computed under old weights is recomputed before the row decodes again.
         stale = [r for r in self.running if r.epoch != self.epoch]
@@ -220,6 +223,58 @@ class Scheduler:
 
     def do_continue(self) -> None:
         self.paused = None
+
+    def release_memory(self, tags: frozenset[str]) -> list[str]:
+        """Hand memory back for colocated training (SGLang's ``/release_memory_occupation``); returns the tags.
+
+        ``kv_cache`` frees every slot's KV buffers (reallocated on the next prefill) and the CUDA graphs that
+        point into them; ``weights`` moves every parameter and buffer to host memory, keeping the tensor objects
+        (so staged loads and tied weights still find them); on a CPU engine it has nothing to move. Nothing is
+        scheduled until ``resume_memory`` has brought back every released tag; requests queue meanwhile. Refused
+        while a request holds a KV slot (pause with mode ``abort`` or ``retract`` first).
+        """
+        from rlcore.inference.protocol import EngineError
+
+        if self.running:
+            raise EngineError(
+                f"{len(self.running)} requests hold KV slots; call pause_generation with mode 'abort' or "
+                "'retract' before release_memory_occupation"
+            )
+        if "kv_cache" in tags:
+            self.cache.k.clear()
+            self.cache.v.clear()
+            self.graphs.graphs.clear()
+            self.graphs.static.clear()
+            self.graphs.pool = None
+            self.dirty = True
+        if "weights" in tags and self.device.type != "cpu":
+            _move_tensors(self.fwd.model, torch.device("cpu"))
+            self.graphs.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.released = self.released | tags
+        return sorted(tags)
+
+    def resume_memory(self, tags: frozenset[str]) -> list[str]:
+        """Bring back released memory (SGLang's ``/resume_memory_occupation``); generation restarts once no tag
+        is released any more. The KV buffers come back lazily, on the next prefill."""
+        if "weights" in tags and "weights" in self.released and self.device.type != "cpu":
+            _move_tensors(self.fwd.model, self.device)
+        self.released = self.released - tags
+        return sorted(tags)
+
+    def prompt_logprobs(self, ids: list[int], start: int) -> list[float]:
+        """``log p(ids[j] | ids[:j])`` for ``j`` in ``(start, len(ids))`` under the loaded weights (raw
+        log-softmax, no temperature: SGLang's ``input_token_logprobs``). One teacher-forced forward of the prompt
+        without the KV store; keeps ``len(ids) - start`` positions of logits."""
+        from rlcore.inference.protocol import EngineError
+
+        if "weights" in self.released:
+            raise EngineError("the weights are released (release_memory_occupation); resume them first")
+        n = len(ids) - 1 - start
+        if n <= 0:
+            return []
+        return self.fwd.prompt_logprobs(torch.tensor(ids, device=self.device), start).tolist()
 
     def isolate(self, e: BaseException) -> None:
         """A forward (prefill or decode) raised: fail its request when it ran alone, else retry each alone.
@@ -487,3 +542,12 @@ class Scheduler:
             self.hook_errors += 1
             if self.hook_errors <= 3:
                 traceback.print_exc()
+
+
+def _move_tensors(model: torch.nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of ``model`` to ``device`` in place of its data (the objects stay)."""
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            t.data = t.data.to(device)

@@ -26,41 +26,24 @@ from typing import Any
 
 from aiohttp import web
 
-from rlcore.inference import openai_api
+from rlcore.inference import control, openai_api
+from rlcore.inference.control import RETRY_AFTER_S, _err, error_status
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
 from rlcore.inference.protocol import (
     BadRequest,
     SamplingParams,
-    json_float,
     json_ids,
     json_int,
-    json_version,
     parallel_sampling,
     parse_n,
     parse_sampling_params,
 )
 from rlcore.inference.sse import next_stream_items
 
-RETRY_AFTER_S = 1
-"""``Retry-After`` of a 503 (queue full, control workers busy)."""
-GROUP_TIMEOUT_S = 60.0
-"""Default ``timeout_s`` of ``/init_weights_update_group``: a rendezvous that has not completed by then fails."""
 CLIENT_MAX_SIZE = 32 << 20
 """Largest request body ``make_app`` accepts by default (bytes); larger ones get a 413."""
 _THREAD_JSON_BYTES = 1 << 20
 """Bodies larger than this are parsed off the event loop."""
-
-
-def _err(status: int, message: str) -> tuple[int, dict]:
-    if status == 503:
-        return status, {"error": {"message": message, "retry_after_s": RETRY_AFTER_S}}
-    return status, {"error": {"message": message}}
-
-
-def error_status(out: GenerateOutput) -> int | None:
-    """The HTTP status of a request the engine failed (SGLang's ``finish_reason.status_code``), else None."""
-    code = out.finish_reason.get("status_code") if isinstance(out.finish_reason, dict) else None
-    return int(code) if isinstance(code, int) and code >= 400 else None
 
 
 def _engine_error(out: GenerateOutput) -> tuple[int, dict]:
@@ -74,12 +57,14 @@ def _engine_error(out: GenerateOutput) -> tuple[int, dict]:
                   "error": {"message": msg}}
 
 
-def response_text(engine: Engine, out: GenerateOutput, no_stop_trim: bool = False) -> str | None:
+def response_text(
+    engine: Engine, out: GenerateOutput, no_stop_trim: bool = False, skip_special_tokens: bool = False
+) -> str | None:
     """Decoded output (None without a tokenizer). After a stop-string match the text ends before the match, or
     right after it with ``no_stop_trim`` (SGLang's detokenizer rule); the token ids are never trimmed."""
     if engine.tokenizer is None:
         return None
-    text = engine.tokenizer.decode(out.output_ids, skip_special_tokens=False)
+    text = engine.tokenizer.decode(out.output_ids, skip_special_tokens=skip_special_tokens)
     matched = out.finish_reason.get("matched")
     if out.finish_reason.get("type") == "stop" and isinstance(matched, str):
         pos = text.find(matched)
@@ -88,48 +73,84 @@ def response_text(engine: Engine, out: GenerateOutput, no_stop_trim: bool = Fals
     return text
 
 
+@dataclasses.dataclass(frozen=True)
+class TextOptions:
+    """How a /generate answer renders text (SGLang's request fields); the token ids are never affected."""
+
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = False
+    """``sampling_params.skip_special_tokens``: SGLang's default for a request is True; ours for direct
+    callers of ``generate_response`` is False (text keeps special tokens, as ``SamplingParams.to_sglang`` asks)."""
+    text_in_logprobs: bool = False
+    """``return_text_in_logprobs``: fill the third element of each log-prob triple with the token's text."""
+
+
+def _triples(engine: Engine, lps: list, ids: list[int], with_text: bool) -> list[list]:
+    """SGLang's ``[logprob, token_id, text | None]`` triples."""
+    if with_text and engine.tokenizer is not None:
+        texts = engine.tokenizer.batch_decode([[t] for t in ids])
+        return [[lp, t, x] for lp, t, x in zip(lps, ids, texts)]
+    return [[lp, t, None] for lp, t in zip(lps, ids)]
+
+
 def generate_response(
-    engine: Engine, out: GenerateOutput, return_logprob: bool, no_stop_trim: bool = False
+    engine: Engine,
+    out: GenerateOutput,
+    return_logprob: bool,
+    no_stop_trim: bool = False,
+    *,
+    opts: TextOptions | None = None,
+    input_logprobs: tuple[list, list[int]] | None = None,
 ) -> dict:
-    """SGLang's /generate response body for one finished request."""
+    """SGLang's /generate response body for one finished request.
+
+    With ``return_logprob``, ``meta_info`` carries ``input_token_logprobs`` (``input_logprobs``: the values, first
+    None, and the prompt ids from ``logprob_start_len`` on) and ``output_token_logprobs``, as SGLang's.
+    """
+    opts = opts or TextOptions(no_stop_trim=no_stop_trim)
     meta: dict[str, Any] = {
         "id": out.rid,
         "finish_reason": out.finish_reason,
         "prompt_tokens": len(out.input_ids),
-        "completion_tokens": len(out.output_ids),
-        "cached_tokens": 0,
         "weight_version": str(out.weight_version),
-        "output_token_versions": list(out.output_versions),
-        "e2e_latency": out.latency,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)]
+        vals, ids = input_logprobs if input_logprobs is not None else ([None], out.input_ids[-1:])
+        meta["input_token_logprobs"] = _triples(engine, vals, ids, opts.text_in_logprobs)
+        meta["output_token_logprobs"] = _triples(engine, out.output_logprobs, out.output_ids, opts.text_in_logprobs)
+    meta.update({
+        "completion_tokens": len(out.output_ids),
+        "cached_tokens": 0,
+        "output_token_versions": list(out.output_versions),
+        "e2e_latency": out.latency,
+    })
     body: dict[str, Any] = {"output_ids": list(out.output_ids), "meta_info": meta}
-    text = response_text(engine, out, no_stop_trim)
+    text = response_text(engine, out, opts.no_stop_trim, opts.skip_special_tokens)
     if text is not None:
-        body["text"] = text
+        body = {"text": text, **body}
     return body
 
 
 def _partial_response(
-    engine: Engine, rid: str, prompt_len: int, toks: list[tuple[int, float, int]], return_logprob: bool
+    engine: Engine, rid: str, prompt: list[int], toks: list[tuple[int, float, int]], return_logprob: bool,
+    opts: TextOptions, input_logprobs: tuple[list, list[int]] | None,
 ) -> dict:
     """A streaming chunk of a running request: cumulative ``text`` / ``output_ids`` (SGLang's default)."""
     ids = [t for t, _, _ in toks]
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": None,
-        "prompt_tokens": prompt_len,
-        "completion_tokens": len(ids),
-        "cached_tokens": 0,
+        "prompt_tokens": len(prompt),
         "weight_version": str(engine.version),
-        "output_token_versions": [v for _, _, v in toks],
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for t, lp, _ in toks]
+        vals, in_ids = input_logprobs if input_logprobs is not None else ([None], prompt[-1:])
+        meta["input_token_logprobs"] = _triples(engine, vals, in_ids, opts.text_in_logprobs)
+        meta["output_token_logprobs"] = _triples(engine, [lp for _, lp, _ in toks], ids, opts.text_in_logprobs)
+    meta.update({"completion_tokens": len(ids), "cached_tokens": 0, "output_token_versions": [v for _, _, v in toks]})
     body: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
     if engine.tokenizer is not None:
-        body["text"] = engine.tokenizer.decode(ids, skip_special_tokens=False)
+        body = {"text": engine.tokenizer.decode(ids, skip_special_tokens=opts.skip_special_tokens), **body}
     return body
 
 
@@ -143,7 +164,24 @@ class _Plan:
     batched: bool
     """Answer with a list (batched input, or ``n > 1``)."""
     return_logprob: bool
-    no_stop_trim: bool
+    opts: TextOptions
+    logprob_starts: list[int | None]
+    """Per engine request: ``logprob_start_len`` when prompt log-probs beyond the last token are asked for."""
+
+    async def input_logprobs(self, engine: Engine) -> list[tuple[list, list[int]] | None]:
+        """``(values, ids)`` of ``input_token_logprobs`` per engine request (None: SGLang's default window, the
+        last prompt token only). Computed once per distinct (prompt, start)."""
+        done: dict[tuple[int, int], tuple[list, list[int]]] = {}
+        out: list[tuple[list, list[int]] | None] = []
+        for x, start in zip(self.prompts, self.logprob_starts):
+            if start is None:
+                out.append(None)
+                continue
+            key = (id(x), start)
+            if key not in done:
+                done[key] = ([None, *await engine.aprompt_logprobs(x, start)], x[start:])
+            out.append(done[key])
+        return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -157,14 +195,28 @@ def _max_token_chars(tok: Any) -> int | None:
 
 async def _plan(engine: Engine, p: dict) -> _Plan:
     """Parse and validate a /generate payload (raises ``BadRequest`` / ``EngineError``); nothing is queued."""
-    if p.get("image_data"):
-        raise BadRequest("image_data is not supported by the embedded engine (text-only models)")
+    for key, why in UNSUPPORTED_FIELDS.items():
+        if p.get(key) not in (None, False, [], {}, 0, ""):
+            raise BadRequest(f"{key} is not supported by the embedded engine: {why}")
     if p.get("stream") is not None and not isinstance(p["stream"], bool):
         raise BadRequest("stream must be true or false")
     raw_sp = p.get("sampling_params")
+    if isinstance(raw_sp, list):
+        raise BadRequest("sampling_params must be one JSON object (per-prompt lists are not supported); "
+                         "send one request per distinct setting")
     sp = parse_sampling_params(raw_sp)
     n = parse_n(raw_sp)
-    return_logprob = bool(p.get("return_logprob", False))
+    return_logprob = p.get("return_logprob", False)
+    if return_logprob is None:
+        return_logprob = False
+    if not isinstance(return_logprob, bool):
+        raise BadRequest("return_logprob must be true or false (one value for the whole batch)")
+    for key in ("return_text_in_logprobs",):
+        if p.get(key) is not None and not isinstance(p[key], bool):
+            raise BadRequest(f"{key} must be true or false")
+    skip = raw_sp.get("skip_special_tokens") if isinstance(raw_sp, dict) else None
+    opts = TextOptions(no_stop_trim=sp.no_stop_trim, skip_special_tokens=True if skip is None else skip,
+                       text_in_logprobs=bool(p.get("return_text_in_logprobs")))
     if p.get("input_ids") is not None:
         raw = p["input_ids"]
         batched = isinstance(raw, list) and bool(raw) and isinstance(raw[0], list)
@@ -202,6 +254,7 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         raise BadRequest("rid must be a string, or for batched input a list with one string per prompt")
     if not all(r is None or isinstance(r, str) for r in base):
         raise BadRequest("rid must be a string (or a list of strings)")
+    starts = _logprob_starts(p.get("logprob_start_len"), prompts) if return_logprob else [None] * len(prompts)
     # Validate all before queuing any, so a bad batch runs nothing (max_new_tokens clamped to each prompt's room).
     checked = [engine.check(x, sp) for x in prompts]
     total = len(prompts) * n
@@ -222,8 +275,47 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         rids=rids,
         batched=batched or n > 1,
         return_logprob=return_logprob,
-        no_stop_trim=sp.no_stop_trim,
+        opts=opts,
+        logprob_starts=[st for st in starts for _ in range(n)],
     )
+
+
+UNSUPPORTED_FIELDS = {
+    "image_data": "text-only models; send text or input_ids",
+    "video_data": "text-only models; send text or input_ids",
+    "audio_data": "text-only models; send text or input_ids",
+    "input_embeds": "send text or input_ids",
+    "lora_path": "LoRA adapters are not served (merge the adapter and use /update_weights_from_disk)",
+    "lora_id": "LoRA adapters are not served (merge the adapter and use /update_weights_from_disk)",
+    "top_logprobs_num": "top-k log-probs are not returned; send 0 (output_token_logprobs holds the sampled token's)",
+    "token_ids_logprob": "log-probs of chosen token ids are not returned; use logprob_start_len on the full text",
+    "return_hidden_states": "hidden states are not returned",
+    "return_routed_experts": "MoE routing is not exposed",
+    "return_entropy": "entropies are not returned",
+    "custom_logit_processor": "custom logit processors do not run in the embedded engine",
+    "session_params": "sessions are not kept; send the whole prompt",
+    "bootstrap_host": "prefill/decode disaggregation is not available",
+    "bootstrap_room": "prefill/decode disaggregation is not available",
+}
+"""Top-level /generate fields the embedded engine refuses (400 naming the field) rather than ignores."""
+
+
+def _logprob_starts(raw: Any, prompts: list[list[int]]) -> list[int | None]:
+    """``logprob_start_len`` per prompt: None for SGLang's default (-1: the last prompt token only), else the
+    first prompt position reported in ``input_token_logprobs`` (which then covers ``prompt[start:]``)."""
+    vals = raw if isinstance(raw, list) else [raw] * len(prompts)
+    if len(vals) != len(prompts):
+        raise BadRequest(f"logprob_start_len: a list needs one entry per prompt ({len(prompts)}), got {len(vals)}")
+    out: list[int | None] = []
+    for x, v in zip(prompts, vals):
+        if v is None or v == -1:
+            out.append(None)
+            continue
+        v = json_int(v, "logprob_start_len", -1)
+        if v >= len(x):
+            raise BadRequest(f"logprob_start_len ({v}) must be < the prompt's {len(x)} tokens (-1 for the default)")
+        out.append(v if v < len(x) - 1 else None)
+    return out
 
 
 async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
@@ -236,12 +328,15 @@ async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
             "pass on_token= to Engine.submit",
         )
     plan = await _plan(engine, p)
+    # prompt log-probs first: under the weights the request starts with (the scoring case has 0-1 new tokens)
+    ins = await plan.input_logprobs(engine) if plan.return_logprob else [None] * len(plan.prompts)
     futs = [engine.submit(x, s, r) for x, s, r in zip(plan.prompts, plan.params, plan.rids)]
     outs = [await asyncio.wrap_future(f) for f in futs]
     failed = [o for o in outs if error_status(o) is not None]
     if failed:  # SGLang answers a request its engine failed with the error status, never 200 + "abort"
         return _engine_error(failed[0])
-    bodies = [generate_response(engine, o, plan.return_logprob, plan.no_stop_trim) for o in outs]
+    bodies = [generate_response(engine, o, plan.return_logprob, opts=plan.opts, input_logprobs=i)
+              for o, i in zip(outs, ins)]
     return 200, (bodies if plan.batched else bodies[0])
 
 
@@ -256,6 +351,7 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
     """
     try:
         plan = await _plan(engine, p)
+        ins = await plan.input_logprobs(engine) if plan.return_logprob else [None] * len(plan.prompts)
     except (BadRequest, EngineError) as e:
         status, body = _err(503 if isinstance(e, EngineBusy) else 400, str(e))
         return _json(body, status)
@@ -299,10 +395,11 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
                     if error_status(out) is not None:  # SGLang streams an engine failure as an error event
                         body = {"error": _engine_error(out)[1]["error"] | {"code": error_status(out)}}
                     else:
-                        body = generate_response(engine, out, plan.return_logprob, plan.no_stop_trim)
+                        body = generate_response(engine, out, plan.return_logprob, opts=plan.opts,
+                                                 input_logprobs=ins[k])
                 else:
-                    n_prompt = len(plan.prompts[k])
-                    body = _partial_response(engine, rids[k], n_prompt, toks[k], plan.return_logprob)
+                    body = _partial_response(engine, rids[k], plan.prompts[k], toks[k], plan.return_logprob,
+                                             plan.opts, ins[k])
                 if plan.batched:
                     body["index"] = k
                 await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
@@ -320,230 +417,29 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
     return resp
 
 
-def _ok(message: str, **extra: Any) -> tuple[int, dict]:
-    return 200, {"success": True, "status": "ok", "message": message, **extra}
-
-
-def _timeout(p: dict, default: float | None) -> float | None:
-    t = p.get("timeout_s", default)
-    if t is None:
-        return None
-    t = json_float(t, "timeout_s")
-    if t <= 0:
-        raise BadRequest("timeout_s must be > 0 (seconds)")
-    return t
-
-
-async def _control(engine: Engine, fn, *args: Any, timeout_s: float | None) -> Any:
-    """Blocking control work on the engine's bounded pool; a timeout becomes a clear error, not a hang."""
-    try:
-        return await engine.arun_control(fn, *args, timeout_s=timeout_s)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"did not complete within timeout_s={timeout_s}") from None
-
-
-async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
-    path = p.get("model_path")
-    if not isinstance(path, str) or not path:
-        return _err(400, "model_path must be the path of an HF safetensors directory")
-    if p.get("load_format") not in (None, "auto", "safetensors"):
-        return _err(400, "load_format must be 'auto' or 'safetensors'")
-    version = json_version(p.get("weight_version"), "weight_version")
-    timeout_s = _timeout(p, None)
-    n = await engine.aabort() if p.get("abort_all_requests", False) else 0
-    try:
-        await _control(engine, engine.update_weights_from_disk, path, version, timeout_s=timeout_s)
-    except EngineBusy:
-        raise
-    except (EngineError, OSError, TimeoutError) as e:  # nothing was loaded: the weights and version are unchanged
-        return 400, {
-            "success": False,
-            "message": f"update_weights_from_disk failed (weights unchanged, version {engine.version}): {e}",
-            "num_paused_requests": 0,
-        }
-    return 200, {
-        "success": True,
-        "message": f"loaded {path} as version {engine.version}",
-        "num_paused_requests": n,
-    }
-
-
-async def _init_group(engine: Engine, p: dict) -> tuple[int, dict]:
-    addr = p.get("master_address")
-    if not isinstance(addr, str) or not addr:
-        return _err(400, "master_address must be a host name or IP string")
-    port = p.get("master_port")
-    if isinstance(port, str) and port.isdigit():
-        port = int(port)
-    port = json_int(port, "master_port", 1)
-    if port > 65535:
-        return _err(400, f"master_port must be <= 65535, got {port}")
-    rank_offset = json_int(p.get("rank_offset"), "rank_offset", 1)
-    world_size = json_int(p.get("world_size"), "world_size", 2)
-    if rank_offset >= world_size:
-        return _err(400, f"rank_offset ({rank_offset}) must be < world_size ({world_size})")
-    backend = p.get("backend", "nccl")
-    if backend not in ("nccl", "gloo"):
-        return _err(400, "backend must be 'nccl' or 'gloo'")
-    if p.get("pp_rank") not in (None, 0):
-        return _err(400, "pp_rank must be 0: the embedded engine has no pipeline stages")
-    group = p.get("group_name", "update_weight_group")
-    if not isinstance(group, str):
-        return _err(400, "group_name must be a string")
-    timeout_s = _timeout(p, GROUP_TIMEOUT_S)
-    args = (addr, port, rank_offset, world_size, backend, group, timeout_s)
-    try:  # the rendezvous itself times out after timeout_s; the extra second covers thread start-up
-        await _control(engine, engine.init_weights_update_group, *args, timeout_s=timeout_s + 1.0)
-    except EngineBusy:
-        raise
-    except EngineError as e:
-        return 400, {"success": False, "message": str(e)}
-    except Exception as e:  # rendezvous failures are the caller's to retry
-        return 500, {
-            "success": False,
-            "message": f"init_weights_update_group failed: {type(e).__name__}: {e}",
-        }
-    return _ok(f"joined {group} as rank {rank_offset} of {world_size}")
-
-
-async def _update_distributed(engine: Engine, p: dict) -> tuple[int, dict]:
-    names, dtypes, shapes = p.get("names"), p.get("dtypes"), p.get("shapes")
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return _err(400, "names must be a list of HF parameter names")
-    if (
-        not isinstance(dtypes, list)
-        or len(dtypes) != len(names)
-        or not all(isinstance(d, str) for d in dtypes)
-    ):
-        return _err(400, "dtypes must be a list of dtype strings, one per name")
-    if (
-        not isinstance(shapes, list)
-        or len(shapes) != len(names)
-        or not all(isinstance(s, list) for s in shapes)
-    ):
-        return _err(400, "shapes must be a list of int lists, one per name")
-    shapes = [[json_int(d, "shapes[][]", 0) for d in s] for s in shapes]
-    group = p.get("group_name", "update_weight_group")
-    version = json_version(p.get("weight_version"), "weight_version")
-    timeout_s = _timeout(p, None)
-    if p.get("abort_all_requests", False):
-        await engine.aabort()
-    args = (names, dtypes, shapes, group, version)
-    try:
-        await _control(engine, engine.update_weights_from_distributed, *args, timeout_s=timeout_s)
-    except EngineBusy:
-        raise
-    except EngineError as e:
-        return 400, {"success": False, "message": str(e)}
-    return _ok(f"received {len(names)} tensors; version {engine.version}")
-
-
-async def _destroy_group(engine: Engine, p: dict) -> tuple[int, dict]:
-    group = p.get("group_name", "update_weight_group")
-    if not isinstance(group, str):
-        return _err(400, "group_name must be a string")
-    await _control(engine, engine.destroy_weights_update_group, group, timeout_s=_timeout(p, 60.0))
-    return _ok(f"destroyed {group}")
-
-
-async def _pause(engine: Engine, p: dict) -> tuple[int, dict]:
-    mode = p.get("mode", "abort") or "abort"
-    if mode not in ("abort", "retract", "in_place"):
-        return _err(400, "mode must be 'abort', 'retract' or 'in_place'")
-    n = await engine.apause(mode)
-    return _ok(f"paused ({mode}); {n} requests affected")
-
-
-async def _continue(engine: Engine, p: dict) -> tuple[int, dict]:
-    await engine.acontinue_generation()
-    return _ok("generation continues")
-
-
-async def _abort(engine: Engine, p: dict) -> tuple[int, dict]:
-    if p.get("abort_all"):
-        await engine.aabort()
-        return 200, {}
-    rid = p.get("rid")
-    if not isinstance(rid, str):
-        return _err(400, "send rid (string) or abort_all: true")
-    await engine.aabort(rid)
-    return 200, {}
-
-
-async def _flush(engine: Engine, p: dict) -> tuple[int, dict]:
-    if await engine.aflush_cache():
-        return 200, {"success": True, "message": "cache flushed"}
-    return _err(400, "requests are running; flush_cache needs an idle engine")
-
-
-async def _set_version(engine: Engine, p: dict) -> tuple[int, dict]:
-    v = json_version(p.get("new_version"), "new_version")
-    if v is None:
-        return _err(400, "new_version is required (an integer)")
-    if p.get("abort_all_requests", False):
-        await engine.aabort()
-    await engine.aset_version(v)
-    return _ok(f"version set to {v}", new_version=str(v))
-
-
-HEALTH_TIMEOUT_S = 20.0
-
-
-async def _health_generate(engine: Engine, p: dict) -> tuple[int, dict]:
-    """One greedy token through the real generation path: 200 when it comes back, 503 when the engine fails it,
-    times out, or cannot queue it (SGLang's rule: the server is healthy only if generation works)."""
-    if not engine.alive:
-        return _err(503, "engine loop is not running")
-    if engine.paused is not None:
-        return 200, {"status": "paused"}
-    try:
-        fut = engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0))
-        out = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=HEALTH_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        return _err(503, f"no generation progress in {HEALTH_TIMEOUT_S:g} s")
-    except EngineError as e:
-        return _err(503, f"generation is not possible: {e}")
-    if error_status(out) is not None:
-        return _err(503, f"generation failed: {out.finish_reason.get('message')}")
-    return 200, {}
-
-
-async def _health(engine: Engine, p: dict) -> tuple[int, dict]:
-    return (200, {}) if engine.alive else _err(503, "engine loop is not running")
-
-
-async def _get_model_info(engine: Engine, p: dict) -> tuple[int, dict]:
-    return 200, {
-        "model_path": engine.model_path,
-        "tokenizer_path": engine.tokenizer_path,
-        "is_generation": True,
-        "preferred_sampling_params": None,
-        "weight_version": str(engine.version),
-        "max_seq_len": engine.max_seq_len,
-        "max_batch": engine.cfg.max_batch,
-    }
-
-
-async def _models(engine: Engine, p: dict) -> tuple[int, dict]:
-    name = engine.model_path or "rlcore-engine"
-    return 200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "rlcore", "root": name}]}
-
 
 ROUTES: dict[str, Any] = {
     "generate": _generate,
-    "health": _health,
-    "health_generate": _health_generate,
-    "get_model_info": _get_model_info,
-    "v1/models": _models,
-    "pause_generation": _pause,
-    "continue_generation": _continue,
-    "abort_request": _abort,
-    "flush_cache": _flush,
-    "update_weights_from_disk": _update_from_disk,
-    "init_weights_update_group": _init_group,
-    "update_weights_from_distributed": _update_distributed,
-    "destroy_weights_update_group": _destroy_group,
-    "update_weight_version": _set_version,
+    "health": control._health,
+    "health_generate": control._health_generate,
+    "get_model_info": control._get_model_info,
+    "get_server_info": control._server_info,
+    "server_info": control._server_info,
+    "get_weight_version": control._weight_version,
+    "v1/models": control._models,
+    "pause_generation": control._pause,
+    "continue_generation": control._continue,
+    "abort_request": control._abort,
+    "flush_cache": control._flush,
+    "update_weights_from_disk": control._update_from_disk,
+    "init_weights_update_group": control._init_group,
+    "update_weights_from_distributed": control._update_distributed,
+    "destroy_weights_update_group": control._destroy_group,
+    "update_weight_version": control._set_version,
+    "release_memory_occupation": control._release_memory,
+    "resume_memory_occupation": control._resume_memory,
+    "load_lora_adapter": control._lora,
+    "unload_lora_adapter": control._lora,
 }
 """Endpoint name -> ``async handler(engine, payload) -> (status, json body)``; extend here."""
 
@@ -581,7 +477,8 @@ class InProcessServer:
 ENGINE_KEY = web.AppKey("engine", Engine)
 """Where ``make_app`` stores the engine on the application."""
 
-GET_ROUTES = ("health", "health_generate", "get_model_info", "v1/models", "flush_cache")
+GET_ROUTES = ("health", "health_generate", "get_model_info", "get_server_info", "server_info", "get_weight_version",
+              "v1/models", "flush_cache", "release_memory_occupation", "resume_memory_occupation")
 POST_ROUTES = (
     "generate",
     "pause_generation",
@@ -595,6 +492,10 @@ POST_ROUTES = (
     "update_weight_version",
     "get_model_info",
     "health_generate",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "load_lora_adapter",
+    "unload_lora_adapter",
 )
 OPENAI_ROUTES = ("v1/completions", "v1/chat/completions")
 """OpenAI-compatible POST endpoints, answered by ``rlcore.inference.openai_api``."""

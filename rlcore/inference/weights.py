@@ -27,6 +27,11 @@ def init_custom_process_group(
     Rendezvous on ``init_method`` (``tcp://host:port``; rank 0 hosts the store), prefix the store with
     ``group_name`` and build the backend. Both the trainer (rank 0) and every engine must build their side
     with this same recipe, concurrently. Returns the group handle for ``torch.distributed.broadcast``.
+
+    Ranks > 0 (the engines) join exactly as SGLang's ``init_custom_process_group`` does, through
+    ``torch.distributed.rendezvous``: their store client checks in with the master (``wait_for_workers``), so a
+    trainer whose rank 0 comes from a standard rendezvous (AReaL's, SGLang's tests) sees every rank join. Every
+    step is bounded by ``timeout_s``.
     """
     import datetime
     from urllib.parse import urlparse
@@ -38,10 +43,16 @@ def init_custom_process_group(
     url = urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise ValueError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
-    # A TCPStore built here rather than through c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
-    # rendezvous makes every rank a client of the agent's store, so rank 0 would never host this group's store.
-    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    if rank == 0:
+        # Rank 0 builds its TCPStore directly rather than through rendezvous: under torchrun
+        # (TORCHELASTIC_USE_AGENT_STORE) rendezvous makes every rank a client of the agent's store, so rank 0
+        # would never host this group's store. It does not wait for the others to check in (an engine of an
+        # older rlcore never did); the backend's own handshake below waits for every rank.
+        store = dist.TCPStore(url.hostname, url.port, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+    else:
+        store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
     opt_name = (
         "backend_options"

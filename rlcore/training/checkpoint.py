@@ -5,15 +5,27 @@ Layout under ``root``::
     root/
       latest                    # text file naming the newest complete checkpoint dir (atomic os.replace)
       step_00000012/
-        train.pt                # full (unsharded) state dicts of every trainable module/optimizer/scheduler
-        meta.json               # step, version, skipped_steps, torch version, wall time
+        dcp/                    # torch.distributed.checkpoint: .metadata + one __{rank}_0.distcp per rank
+        meta.json               # step, version, skipped_steps, layout, world size, module/optimizer names, ...
+        scheds.pt               # LR-scheduler state dicts (identical on every rank)
         extra.pt                # caller state: dataloader position, rollout controller, counters, ...
         rng/rank{r}.pt          # python / numpy / torch CPU / CUDA RNG of every rank
+        COMPLETE                # the marker written after every file above was flushed
+
+The weights and optimizer state are a DCP checkpoint: every rank writes its own shard of the FSDP2 model and
+optimizer (``get_state_dict``-style sharded state dicts, nothing gathered to rank 0), and ``restore`` reads
+whatever pieces the current layout needs, so a checkpoint written by N ranks loads on M ranks. With
+``CheckpointConfig(async_save=True)`` the shards are written by ``dcp.async_save`` in a background thread;
+``save`` returns once the state is staged in CPU memory, and the commit below runs after the save's future
+completed (:func:`wait` blocks until then; the next ``save``/``restore`` waits first). Checkpoints in the
+older ``train.pt`` layout (full state dicts written by rank 0) still restore.
 
 Invariants (what may happen while saving; a SIGKILL may land between any two file operations):
 - A checkpoint directory is written as ``.tmp-step_N``, flushed, marked ``COMPLETE`` and only then renamed
   to ``step_N``; ``latest`` is switched afterwards with ``os.replace``. A ``step_N`` directory is therefore
-  always complete: it is never written or deleted in place.
+  always complete: it is never written or deleted in place. With async saves the marker, the renames and
+  ``latest`` wait for the DCP future of the coordinator rank, which completes only after every rank's shard
+  and the DCP ``.metadata`` were written.
 - Re-saving an existing step renames the live ``step_N`` aside to ``.old-step_N`` before the new one is
   renamed in, and deletes the old copy only after ``latest`` moved; pruning (``keep``) renames a directory
   to ``.del-step_M`` before deleting it. So at every instant some complete copy exists (``step_N``,
@@ -21,9 +33,8 @@ Invariants (what may happen while saving; a SIGKILL may land between any two fil
 - ``latest``/``restore`` use the directory ``latest`` names when it is complete; otherwise (a crash between
   the renames) they fall back to the newest complete copy and log a warning naming both directories.
   The next successful ``save`` removes stray ``.tmp-*``/``.old-*``/``.del-*`` directories.
-- Every rank must call ``save``/``restore`` (collectives gather FSDP2-sharded tensors); only rank 0
-  writes the shared files, each rank writes its own RNG file.
-- Weights are saved in full (unsharded, CPU) form, so a checkpoint restores onto any world size.
+- Every rank must call ``save``/``restore``/``wait`` (DCP plans collectively); rank 0 writes the shared
+  files (meta, schedulers, extra) and commits, each rank writes its own shard and RNG file.
 """
 
 from __future__ import annotations
@@ -34,7 +45,9 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,16 +60,37 @@ S = TypeVar("S")
 log = logging.getLogger(__name__)
 
 _MARKER = "COMPLETE"  # written last into a temporary directory, after every file was flushed
+_DCP = "dcp"  # the torch.distributed.checkpoint sub-directory (model + optimizer shards)
+_LEGACY = "train.pt"  # the pre-DCP layout: full state dicts of every module/optimizer/scheduler, written by rank 0
 
 _SKIP_FIELDS = ("ref", "teacher")  # frozen models are rebuilt from their path, not checkpointed
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """How :func:`save` writes the model/optimizer shards."""
+
+    async_save: bool = False
+    """Write the DCP shards in a background thread (``dcp.async_save``): ``save`` returns once the state is
+    staged in CPU memory and training goes on; the directory is renamed in and ``latest`` moved only after
+    every rank's shard is on disk. Call :func:`wait` (every rank) before exiting or destroying the process
+    group; the next ``save``/``restore`` waits by itself. Off: ``save`` returns after the commit."""
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist() else 1
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _dist():
         dist.barrier()
 
 
@@ -111,6 +145,15 @@ def _fsync_dir(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def _layout(path: Path) -> str:
+    """``"dcp"`` (this module's layout), ``"train.pt"`` (the pre-DCP one) or ``"unknown"``."""
+    if (path / _DCP).is_dir():
+        return "dcp"
+    if (path / _LEGACY).is_file():
+        return "train.pt"
+    return "unknown"
+
+
 def _is_complete(path: Path) -> bool:
     """Every file a restore needs is there (and a temporary copy was marked ``COMPLETE`` after its fsync)."""
     if not path.is_dir():
@@ -118,9 +161,18 @@ def _is_complete(path: Path) -> bool:
     if path.name.startswith(".tmp-") and not (path / _MARKER).exists():
         return False
     rng = path / "rng"
-    return all((path / f).is_file() for f in ("meta.json", "train.pt", "extra.pt")) and rng.is_dir() and any(
-        rng.iterdir()
-    )
+    if not (all((path / f).is_file() for f in ("meta.json", "extra.pt")) and rng.is_dir()):
+        return False
+    layout = _layout(path)
+    if layout == "train.pt":
+        return any(rng.iterdir())
+    if layout != "dcp" or not (path / _DCP / ".metadata").is_file() or not (path / "scheds.pt").is_file():
+        return False
+    try:
+        world = int(json.loads((path / "meta.json").read_text())["world_size"])
+    except (OSError, ValueError, KeyError):
+        return False
+    return all((rng / f"rank{r}.pt").is_file() for r in range(world))
 
 
 def _candidates(root: Path) -> list[Path]:
@@ -175,109 +227,309 @@ def latest(root: str | os.PathLike) -> Path | None:
     return found[0]
 
 
-def save(root: str | os.PathLike, state: Any, *, extra: dict[str, Any] | None = None, keep: int = 2) -> Path:
-    """Write a checkpoint of ``state`` (and caller ``extra`` state) atomically; returns its directory.
+# ----------------------------------------------------------------------------------------------------------
+# Sharded state dicts (DCP)
+# ----------------------------------------------------------------------------------------------------------
 
-    Collective: call on every rank. ``keep`` most recent checkpoints are retained.
-    """
+
+def _sharded_state(
+    modules: dict[str, nn.Module], optims: dict[str, tuple[str, torch.optim.Optimizer]]
+) -> dict[str, dict[str, Any]]:
+    """``{"modules": {name: model sd}, "optims": {name: optim sd}}`` with this rank's shards (DTensors under
+    FSDP2, plain tensors otherwise), keyed by parameter FQN; the tensors alias the live parameters and
+    optimizer state, so ``dcp.load`` into it loads in place."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
+    opts = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    return {
+        "modules": {k: get_model_state_dict(m, options=opts) for k, m in modules.items()},
+        "optims": {k: get_optimizer_state_dict(modules[o], opt, options=opts) for k, (o, opt) in optims.items()},
+    }
+
+
+class _Pending:
+    """An asynchronous save in flight: this rank's DCP future and, on rank 0, the thread that commits."""
+
+    def __init__(self, future: Future, name: str) -> None:
+        self.future = future
+        self.name = name
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+
+_pending: _Pending | None = None
+_async_pg: Any = None  # a gloo group of its own: DCP's background collectives must not interleave with training's
+
+
+def _async_group() -> Any:
+    global _async_pg
+    if _async_pg is None and _dist():
+        _async_pg = dist.new_group(backend="gloo")
+    return _async_pg
+
+
+def wait() -> Path | None:
+    """Block until the pending asynchronous save (if any) is committed; returns its directory.
+
+    Collective: call on every rank (before exiting or ``destroy_process_group`` when ``async_save`` is on).
+    Re-raises the save's error, in which case nothing was committed and ``latest`` names the previous one.
+    """
+    global _pending
+    p, _pending = _pending, None
+    if p is None:
+        return None
+    err: BaseException | None = None
+    try:
+        p.future.result()
+    except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks were released
+        err = e
+    if p.thread is not None:
+        p.thread.join()
+        err = err or p.error
+    _barrier()
+    if err is not None:
+        raise RuntimeError(f"asynchronous checkpoint save of {p.name} failed; nothing was committed") from err
+    return Path(p.name)
+
+
+def _commit(root: Path, name: str, keep: int) -> None:
+    """Rank 0, once every shard is on disk: fsync, mark, rename in (old copy aside), move ``latest``, prune."""
+    tmp = root / f".tmp-{name}"
+    _fsync_dir(tmp)
+    _write_synced(tmp / _MARKER, name)
+    final = root / name
+    aside = root / f".old-{name}"
+    if final.exists():  # re-saving the same step: keep the old copy until `latest` moved
+        if aside.exists():  # left by an earlier crash; `final` is complete, so this copy is redundant
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    ptr_tmp = root / ".latest.tmp"
+    _write_synced(ptr_tmp, name)
+    os.replace(ptr_tmp, root / "latest")
+    _fsync_path(root)
+    ckpts = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    for old in ckpts[: max(len(ckpts) - keep, 0)]:
+        if old.name != name:
+            doomed = root / f".del-{old.name}"
+            os.rename(old, doomed)  # never leave a half-deleted step_* behind
+            shutil.rmtree(doomed, ignore_errors=True)
+    for pattern in (".tmp-*", ".old-*", ".del-*"):
+        for stray in root.glob(pattern):
+            shutil.rmtree(stray, ignore_errors=True)
+
+
+def save(
+    root: str | os.PathLike,
+    state: Any,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep: int = 2,
+    cfg: CheckpointConfig = CheckpointConfig(),
+) -> Path:
+    """Write a checkpoint of ``state`` (and caller ``extra`` state) atomically; returns its directory.
+
+    Collective: call on every rank. Each rank writes its own shard of every trainable module and optimizer
+    (DCP); rank 0 writes schedulers, counters and ``extra``; every rank its RNG. ``keep`` most recent
+    checkpoints are retained. With ``cfg.async_save`` the returned directory appears once the background
+    write finished and was committed (see :func:`wait`).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if keep < 1:
+        raise ValueError(f"save: keep must be >= 1 (checkpoints to retain), got {keep}")
+    wait()  # at most one save in flight; its commit must not race this one's
     root = Path(root)
     rank = _rank()
     step = int(state.step)
     name = f"step_{step:08d}"
     tmp = root / f".tmp-{name}"
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     modules, optims, scheds = _components(state)
-    payload = {
-        "modules": {k: get_model_state_dict(m, options=opts) for k, m in modules.items()},
-        "optims": {k: get_optimizer_state_dict(modules[o], opt, options=opts) for k, (o, opt) in optims.items()},
-        "scheds": {k: s.state_dict() for k, s in scheds.items()},
-    }
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / "rng").mkdir(parents=True)
-        torch.save(payload, tmp / "train.pt")
+        torch.save({k: s.state_dict() for k, s in scheds.items()}, tmp / "scheds.pt")
         torch.save(extra or {}, tmp / "extra.pt")
         meta = {
             "step": step,
             "version": int(getattr(state, "version", 0)),
             "skipped_steps": int(getattr(state, "skipped_steps", 0)),
+            "layout": "dcp",
+            "modules": sorted(modules),
+            "optims": sorted(optims),
             "torch": torch.__version__,
             "time": time.time(),
-            "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+            "world_size": _world(),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _barrier()
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    _barrier()
+    sd = _sharded_state(modules, optims)
+    writer = dcp.FileSystemWriter(tmp / _DCP, single_file_per_rank=True, sync_files=True)
+    if not cfg.async_save:
+        dcp.save(sd, storage_writer=writer, no_dist=not _dist())
+        _barrier()
+        if rank == 0:
+            _commit(root, name, keep)
+        _barrier()
+        return root / name
+
+    global _pending
+    out = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(), no_dist=not _dist())
+    future = out.upload_completion if hasattr(out, "upload_completion") else out
+    pending = _Pending(future, str(root / name))
     if rank == 0:
-        _fsync_dir(tmp)
-        _write_synced(tmp / _MARKER, name)
-        final = root / name
-        aside = root / f".old-{name}"
-        if final.exists():  # re-saving the same step: keep the old copy until `latest` moved
-            if aside.exists():  # left by an earlier crash; `final` is complete, so this copy is redundant
-                shutil.rmtree(aside)
-            os.rename(final, aside)
-        os.rename(tmp, final)
-        ptr_tmp = root / ".latest.tmp"
-        _write_synced(ptr_tmp, name)
-        os.replace(ptr_tmp, root / "latest")
-        _fsync_path(root)
-        ckpts = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
-        for old in ckpts[: max(len(ckpts) - keep, 0)]:
-            if old.name != name:
-                doomed = root / f".del-{old.name}"
-                os.rename(old, doomed)  # never leave a half-deleted step_* behind
-                shutil.rmtree(doomed, ignore_errors=True)
-        for pattern in (".tmp-*", ".old-*", ".del-*"):
-            for stray in root.glob(pattern):
-                shutil.rmtree(stray, ignore_errors=True)
-    _barrier()
+        # The coordinator's future completes after every rank reported its shard written and .metadata was
+        # written, so committing then (and only then) keeps the atomic-rename protocol.
+        def commit() -> None:
+            try:
+                future.result()
+                _commit(root, name, keep)
+            except BaseException as e:  # noqa: BLE001 - handed to wait()
+                pending.error = e
+                log.error("checkpoint: asynchronous save of %s failed, not committed: %r", name, e)
+
+        pending.thread = threading.Thread(target=commit, name=f"checkpoint-commit-{name}")  # not daemon: exit waits
+        pending.thread.start()
+    _pending = pending
     return root / name
 
 
-def restore(path: str | os.PathLike, state: S) -> tuple[S, dict[str, Any]]:
-    """Load a checkpoint (a checkpoint dir, or a root with ``latest``) into ``state``'s objects in place.
+# ----------------------------------------------------------------------------------------------------------
+# Restore
+# ----------------------------------------------------------------------------------------------------------
 
-    Returns ``(state with step/version/skipped_steps restored, extra)``. Collective: call on every rank.
-    RNG states are restored last, so the next random draw equals the one the saved run would have made.
-    """
+
+def _resolve(path: Path) -> Path:
+    if (path / "meta.json").exists():
+        return path
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint under '{path}' (expected '{path}/latest')")
+    return found
+
+
+def _check_names(path: Path, saved: list[str], modules: dict[str, nn.Module]) -> None:
+    if set(saved) != set(modules):
+        raise ValueError(
+            f"checkpoint {path} holds modules {sorted(saved)} but the TrainState has trainable modules "
+            f"{sorted(modules)}; build the TrainState with the same policy/critic fields as the saved run"
+        )
+
+
+def _restore_legacy(path: Path, modules: dict, optims: dict, scheds: dict) -> None:
+    """The ``train.pt`` layout: full (unsharded) state dicts, loaded on every rank."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    path = Path(path)
-    if not (path / "meta.json").exists():
-        found = latest(path)
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint under '{path}' (expected '{path}/latest')")
-        path = found
-    meta = json.loads((path / "meta.json").read_text())
-    payload = torch.load(path / "train.pt", map_location="cpu", weights_only=False)
+    payload = torch.load(path / _LEGACY, map_location="cpu", weights_only=False)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    modules, optims, scheds = _components(state)
-    missing = set(modules) ^ set(payload["modules"])
-    if missing:
-        raise ValueError(f"checkpoint modules {sorted(payload['modules'])} do not match TrainState {sorted(modules)}")
+    _check_names(path, list(payload["modules"]), modules)
     for k, m in modules.items():
         set_model_state_dict(m, payload["modules"][k], options=opts)
     for k, (owner, opt) in optims.items():
         set_optimizer_state_dict(modules[owner], opt, payload["optims"][k], options=opts)
     for k, s in scheds.items():
         s.load_state_dict(payload["scheds"][k])
+
+
+def _restore_dcp(path: Path, meta: dict, modules: dict, optims: dict, scheds: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    _check_names(path, meta["modules"], modules)
+    if set(meta["optims"]) != set(optims):
+        raise ValueError(
+            f"checkpoint {path} holds optimizers {meta['optims']} but the TrainState has {sorted(optims)}"
+        )
+    for _, opt in optims.values():
+        if not opt.state:  # let get_optimizer_state_dict allocate the moments to load into (it skips if grads exist)
+            opt.zero_grad(set_to_none=True)
+    sd = _sharded_state(modules, optims)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path / _DCP), no_dist=not _dist())
+    opts = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    for k, m in modules.items():
+        set_model_state_dict(m, sd["modules"][k], options=opts)
+    for k, (owner, opt) in optims.items():
+        set_optimizer_state_dict(modules[owner], opt, sd["optims"][k], options=opts)
+    saved_scheds = torch.load(path / "scheds.pt", map_location="cpu", weights_only=False)
+    for k, s in scheds.items():
+        s.load_state_dict(saved_scheds[k])
+
+
+def restore(path: str | os.PathLike, state: S) -> tuple[S, dict[str, Any]]:
+    """Load a checkpoint (a checkpoint dir, or a root with ``latest``) into ``state``'s objects in place.
+
+    Returns ``(state with step/version/skipped_steps restored, extra)``. Collective: call on every rank.
+    The world size may differ from the one that saved (DCP reshards); ranks without a saved RNG stream then
+    keep their own and log a warning. RNG states are restored last, so the next random draw equals the one
+    the saved run would have made.
+    """
+    wait()
+    path = _resolve(Path(path))
+    meta = json.loads((path / "meta.json").read_text())
+    modules, optims, scheds = _components(state)
+    layout = _layout(path)
+    if layout == "dcp":
+        _restore_dcp(path, meta, modules, optims, scheds)
+    elif layout == "train.pt":
+        _restore_legacy(path, modules, optims, scheds)
+    else:
+        raise ValueError(
+            f"checkpoint {path} has neither a '{_DCP}/' directory (DCP layout) nor '{_LEGACY}' (the older layout); "
+            f"point restore at a directory written by rlcore.training.checkpoint.save"
+        )
     extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
     rng_file = path / "rng" / f"rank{_rank()}.pt"
-    if not rng_file.exists():
-        raise FileNotFoundError(f"{rng_file} missing: checkpoint was written with a different world size")
-    _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    if rng_file.exists():
+        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    else:
+        log.warning(
+            "checkpoint: %s has no RNG state for rank %d (saved by %s ranks, restored on %d); this rank keeps "
+            "its current RNG streams",
+            path, _rank(), meta.get("world_size", "?"), _world(),
+        )
     updates = {k: meta[k] for k in ("step", "version", "skipped_steps") if hasattr(state, k)}
     return dataclasses.replace(state, **updates), extra
+
+
+def load_module_state_dict(path: str | os.PathLike, name: str = "model") -> dict[str, torch.Tensor]:
+    """Full (unsharded, CPU) state dict of one checkpointed module, e.g. the policy for evaluation.
+
+    ``path``: a checkpoint directory or a root with ``latest``; either layout. Needs no process group and
+    reads only that module's tensors. Keys are the module's own FQNs (a ``PolicyModel`` carries ``hf.``).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = _resolve(Path(path))
+    if _layout(path) == "train.pt":
+        modules = torch.load(path / _LEGACY, map_location="cpu", weights_only=False)["modules"]
+        if name not in modules:
+            raise KeyError(f"checkpoint {path} holds modules {sorted(modules)}, not '{name}'")
+        return modules[name]
+    reader = dcp.FileSystemReader(path / _DCP)
+    prefix = f"modules.{name}."
+    md = reader.read_metadata().state_dict_metadata
+    out = {
+        k[len(prefix):]: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
+    if not out:
+        saved = sorted({k.split(".")[1] for k in md if k.startswith("modules.")})
+        raise KeyError(f"checkpoint {path} holds modules {saved}, not '{name}'")
+    dcp.load({"modules": {name: out}}, storage_reader=reader, no_dist=True)
+    return out

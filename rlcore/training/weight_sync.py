@@ -4,9 +4,10 @@
 
 1. ``rollout.pause()`` (if a rollout controller is given): no new generation segment starts;
 2. pause generation on every engine (``abort`` mode: in-flight requests return their partial output);
-3. barrier over train ranks; 4. push the weights (in-process state dict, HF directory on disk, or
-   torch.distributed broadcast in buckets of ``weight_chunked_mem_mb``); every push call returns only
-   after the engine acknowledged the load;
+3. barrier over train ranks; 4. push the weights (in-process state dict, HF directory on disk, one
+   safetensors file in ``/dev/shm`` for an engine process on this host, or torch.distributed broadcast
+   in buckets of ``weight_chunked_mem_mb``); every push call returns only after the engine acknowledged
+   the load;
 5. barrier; continue generation on every engine; barrier;
 6. only now ``version + 1`` is set on the engines' clients and the rollout controller;
 7. ``rollout.resume()``: interrupted requests resubmit under the new version label.
@@ -54,14 +55,17 @@ from rlcore.training.train_state import TrainState
 class PublishConfig:
     """How weights travel to the engines."""
 
-    mode: Literal["state_dict", "disk", "distributed"] = "state_dict"
-    """In-process copy, HF safetensors directory, or torch.distributed broadcast."""
+    mode: Literal["state_dict", "disk", "shm", "distributed"] = "state_dict"
+    """In-process copy, HF safetensors directory, one safetensors file in shared memory (an engine process on
+    this host, :mod:`rlcore.inference.process`), or torch.distributed broadcast."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the published tensors (fp32 masters are cast on rank 0)."""
     disk_root: str = ""
     """Directory for ``weight_update_v<version>`` dirs in disk mode (empty: a temp dir)."""
     keep_disk_copy: bool = False
     """Keep the published directory after every engine loaded it (default: delete it)."""
+    shm_root: str = ""
+    """Directory for shm mode's ``rlcore-weights-<pid>-v<version>.safetensors`` (empty: ``/dev/shm``)."""
     weight_chunked_mem_mb: float = 1024.0
     """Bucket size of the distributed broadcast in MiB (one tensor larger than this is its own bucket)."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
@@ -348,6 +352,47 @@ def _broadcast_weights(state: TrainState, group: BroadcastGroup, version: int, c
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Shared memory (mode="shm")
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _publish_shm(state: TrainState, targets: Sequence[Any], version: int, dtype: torch.dtype, cfg: PublishConfig) -> None:
+    """One safetensors file in RAM-backed ``/dev/shm``, loaded by every engine through ``/update_weights_from_disk``.
+
+    No Python objects are pickled: the tensors' bytes go to a tmpfs file (written under a ``.tmp`` name, then
+    renamed, so an engine never opens a partial file) and the engine copies them into its parameters on its
+    scheduler thread, between two forward passes, while generation is paused (``publish_weights`` paused it).
+    The file is deleted once every engine acknowledged it (or the load failed), so only the version being
+    loaded ever exists; files left by a trainer that was killed mid-publish are swept here (and by the engine
+    process of :mod:`rlcore.inference.process`, which deletes its dead parent's files).
+    """
+    from safetensors.torch import save_file
+
+    from rlcore.inference import process
+
+    sd = full_state_dict(state.model, dtype)  # a collective when sharded: every rank gathers
+    if _rank() != 0:
+        return
+    root = Path(cfg.shm_root) if cfg.shm_root else process.default_shm_root()
+    root.mkdir(parents=True, exist_ok=True)
+    process.remove_orphan_shm_weights(root)
+    path = process.shm_weights_file(root, os.getpid(), version)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp))
+        os.replace(tmp, path)
+        for t in targets:
+            if _is_engine(t):  # in-process: the load runs on the scheduler thread, nothing is aborted
+                t.update_weights_from_disk(str(path), version)
+            else:  # an in_place pause holds requests in their slots: keep them (re-prefilled on continue)
+                keep = cfg.pause_mode != "abort"
+                _wait(t.update_weights_from_disk(str(path), version, abort_all_requests=not keep), cfg.timeout_s)
+    finally:
+        tmp.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # publish_weights
 # ----------------------------------------------------------------------------------------------------------
 
@@ -363,7 +408,7 @@ def publish_weights(
 
     Args:
       state: the train state after its optimizer step(s).
-      targets: engines / blocking clients (state_dict, disk) or one :class:`BroadcastGroup` (distributed).
+      targets: engines (state_dict, disk, shm) / blocking clients (disk, shm) or one :class:`BroadcastGroup` (distributed).
       cfg: transport settings.
       rollout: optional rollout controller with ``pause()``, ``resume()`` and ``set_version(v)``.
 
@@ -389,6 +434,8 @@ def publish_weights(
             if main:
                 for t in targets:
                     t.update_weights_from_state_dict(sd, version)
+        elif cfg.mode == "shm":
+            _publish_shm(state, targets, version, dtype, cfg)
         elif cfg.mode == "disk":
             root = Path(cfg.disk_root) if cfg.disk_root else Path(tempfile.gettempdir()) / "rlcore_weights"
             path = root / f"weight_update_v{version}"

@@ -105,3 +105,61 @@ def test_engine_and_trainer_agree_with_transformers(name):
     for s, g in zip(sampled, got):
         n = len(s.output_ids)
         torch.testing.assert_close(torch.tensor(s.output_logprobs), g[-n:].detach(), atol=1e-4, rtol=0)
+
+
+# ---- architectures the engine adapts at load (issue 17 item 6): batched greedy == HF, log-probs within 2e-5 ------
+
+NO_IDS = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+ADAPTED = {
+    # LongRoPE: factors far apart, original length 16; the long prompt alone crosses it
+    "phi3-longrope": lambda: transformers.Phi3Config(
+        **{**COMMON, "max_position_embeddings": 128}, original_max_position_embeddings=16,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0, 16.0, 32.0, 64.0]}),
+    "bloom": lambda: transformers.BloomConfig(vocab_size=V, n_layer=2, hidden_size=32, n_head=4, **NO_IDS),
+    "falcon-alibi": lambda: transformers.FalconConfig(
+        vocab_size=V, num_hidden_layers=2, hidden_size=32, num_attention_heads=4, alibi=True,
+        new_decoder_architecture=False, multi_query=True, **NO_IDS),
+}
+
+
+@torch.no_grad()
+def _hf_logprobs(model, ids: list[int], n_out: int) -> list[float]:
+    """Teacher-forced log-softmax of the last ``n_out`` tokens of ``ids``, the sequence alone."""
+    lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -n_out - 1 : -1].float(), -1)
+    return lp.gather(-1, torch.tensor(ids[-n_out:])[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTED))
+def test_adapted_architectures_batched_equal_each_sequence_alone(name):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ADAPTED[name]()).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(3.0)
+    # one long prompt next to short ones: batch-wide decisions (LongRoPE) and mask shapes (ALiBi) both show
+    prompts = [[1, 2, 3, 4, 5], [(i * 7) % 60 + 1 for i in range(20)], [7, 8, 9]]
+    ref = [model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                          pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    with Engine(model, EngineConfig(max_batch=4, max_seq_len=64, device="cpu", dtype="float32")) as eng:
+        eng.pause("in_place")  # admit all together: one batched prefill, then batched decode
+        g = [eng.submit(p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts]
+        s = [eng.submit(p, SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=3)) for p in prompts]
+        eng.continue_generation()
+        greedy, sampled = [f.result(60) for f in g], [f.result(60) for f in s]
+    assert all(o.finish_reason["type"] == "length" for o in greedy + sampled), [o.finish_reason for o in greedy]
+    assert [o.output_ids for o in greedy] == ref, name
+    for o in sampled:
+        want = _hf_logprobs(model, o.input_ids + o.output_ids, len(o.output_ids))
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), torch.tensor(want), atol=2e-5, rtol=0)
+
+
+def test_hybrid_conv_architecture_is_refused_at_load_naming_it():
+    cls = getattr(transformers, "Lfm2Config", None)
+    if cls is None:
+        pytest.skip("transformers has no Lfm2Config")
+    cfg = cls(vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=96, layer_types=["conv", "full_attention"], **NO_IDS)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    from rlcore.inference.engine import EngineError
+
+    with pytest.raises(EngineError, match=r"Lfm2ForCausalLM.*'conv'.*not supported"):
+        Engine(model, EngineConfig(max_batch=2, max_seq_len=64, device="cpu"))

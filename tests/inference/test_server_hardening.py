@@ -268,7 +268,7 @@ def test_control_endpoints_answer_while_group_inits_hang_on_a_closed_port():
         statuses = sorted(r[0] for r in results)
         busy = [r for r in results if r[0] == 503]
         assert len(busy) >= 7 - eng.cfg.control_workers and all(r[2].get("Retry-After") for r in busy)
-        failed = [r for r in results if r[0] == 500]
+        failed = [r for r in results if r[0] == 400 and r[1]["success"] is False]  # SGLang's failure status
         assert failed and statuses.count(200) == 0
         assert total_s < 10, f"group init failures took {total_s:.1f} s (timeout_s=3)"
 

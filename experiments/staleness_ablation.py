@@ -1,0 +1,491 @@
+"""Staleness ablation (issue 20): does decoupled PPO hold learning as the rollout is allowed to lag?
+
+One CELL is a short asynchronous GRPO run of the CPU main job's task (Countdown, the 0.1M-parameter warm-started
+model in rlcore.tiny.COUNTDOWN_TINY_DIR, embedded engine in its own thread, torch at 1 thread: a cell fits ONE
+core) for one (eta, objective, seed):
+
+    rollout (RolloutController, max staleness eta) -> rewards (countdown, inside the rlvr episode)
+      -> GRPO advantages -> loss_fn (leaves) -> ppo_n_minibatches x train_step -> publish_weights -> repeat
+
+Objectives (the knob of AReaL's staleness table, Fu et al. 2025, https://arxiv.org/abs/2505.24298):
+  naive      coupled PPO: ratio pi_theta / pi_behav against the engine's log-probs, no proximal policy, w = 1
+  recompute  decoupled PPO: ratio pi_theta / pi_prox, pi_prox recomputed by a no-grad forward before the
+             update, times the behaviour weight w = pi_prox / pi_behav (spec algorithms.md §5.1, §7)
+  loglinear  decoupled PPO with pi_prox interpolated between pi_behav and pi_theta by version (spec §5.2)
+Each training step takes ppo_n_minibatches = 4 optimizer steps (AReaL's library default, spec §15.4), so from the
+second minibatch on pi_theta has moved away from pi_prox and the clip can bind; with one minibatch it never does.
+
+Per cell it records the held-out greedy success curve (vs training seconds and consumed samples) and, per step,
+the MECHANISM: clip-binding fraction (ratio against the objective's anchor outside [1-eps, 1+eps_h] on the side
+its advantage binds; per minibatch too), the behaviour-weight distribution pi_prox/pi_behav on trained tokens
+(mean, p10/p50/p90/p99, max) with its ESS = (sum w)^2 / (n sum w^2), the token staleness histogram, and the
+engine-vs-trainer mismatch at staleness 0 (rlcore.diagnostics.offpolicy_metrics on the first, pre-update
+forward of the step). One JSON per cell. Evaluation pauses rollout and training and is not counted.
+
+The sweep driver (--sweep) runs cells as parallel processes pinned one per core, collects every cell JSON into
+one results file and plots final greedy success mean +- spread vs eta per objective (equal wall-clock, and equal
+consumed samples read off the curves at a common sample count) plus the mechanism metrics vs eta.
+
+Run (the full sweep, 7 eta x 3 objectives x 3 seeds = 63 cells, 16 cores: 4 waves of ~2.2 min, ~9 min in all):
+    python experiments/staleness_ablation.py --sweep --jobs 16 --seeds 0 1 2 --budget-s 110 \\
+        --out-dir runs/staleness_ablation/full
+One cell:   python experiments/staleness_ablation.py --eta 4 --objective recompute --seed 0 --budget-s 110 --out cell.json
+Smoke:      python experiments/staleness_ablation.py --sweep --jobs 2 --etas 0 2 --objectives naive recompute \\
+                --seeds 0 --budget-s 8 --prompts-per-step 8 --group-size 4 --eval-prompts 64 --out-dir /tmp/sa
+Redraw:     python experiments/staleness_ablation.py --plot runs/staleness_ablation/full/results.json
+Expect: docs/results.md#staleness-ablation-issue-20 (the numbers of the full sweep, with this command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlcore import diagnostics, tiny
+from rlcore.advantages import normalize
+from rlcore.advantages import prox as prox_lib
+from rlcore.data import countdown, microbatch, trajectory
+from rlcore.data.loader import PromptLoader
+from rlcore.inference import client as engine_client
+from rlcore.inference import engine as engine_lib
+from rlcore.objectives import ppo
+from rlcore.rollout import controller as rollout
+from rlcore.rollout import workflows
+from rlcore.rollout.rewards import countdown as countdown_reward
+from rlcore.training import models, step, train_state, weight_sync
+from rlcore.types import TokenBatch
+
+OBJECTIVES = ("naive", "recompute", "loglinear")
+ETAS = (0, 1, 2, 4, 8, 16, -1)  # -1 = unbounded
+ETA_INF = 10**6  # "unbounded" for the controller: the engine's KV slots are sized by max_concurrent, not eta
+SCHEMA = "rlcore.staleness_ablation.cell/1"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One cell of the ablation: async GRPO on Countdown with one objective at one maximum staleness."""
+
+    eta: int = 1
+    """Maximum staleness (rollout max_head_offpolicyness); 0 = synchronous, -1 = unbounded."""
+    objective: str = "recompute"
+    """naive (ratio against pi_behav, no prox) | recompute (decoupled, recomputed pi_prox) | loglinear (decoupled,
+    version-interpolated pi_prox)."""
+    seed: int = 0
+    """Seeds the prompt order, the engine's sampling and torch."""
+    budget_s: float = 110.0
+    """Training wall-clock budget in seconds (evaluations excluded); the run stops at the first step after it."""
+    budget_samples: int = 0
+    """Stop after this many consumed samples (rows) as well; 0 = no sample budget."""
+    ppo_n_minibatches: int = 4
+    """Optimizer steps per training step (AReaL's library default 4, spec §15.4); >= 2 so the clip can bind."""
+    prompts_per_step: int = 32
+    """B: prompt groups per training step."""
+    group_size: int = 8
+    """G: samples per prompt (GRPO group)."""
+    max_new_tokens: int = 9
+    """Answer budget: 4 digits + 3 operators + eos fit in 8."""
+    temperature: float = 1.0
+    """Sampling temperature (the train step uses the same one)."""
+    lr: float = 5e-4
+    """Adam learning rate (the CPU main job's)."""
+    clip_low: float = 0.2
+    """PPO clip eps: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = 0.2
+    """PPO clip eps_h (equal to clip_low: the symmetric clip)."""
+    tokens_per_microbatch: int = 512
+    """Packed micro-batch budget of train_step (short streams are faster on a CPU)."""
+    eval_prompts: int = 1000
+    """Held-out prompts of the greedy success curve."""
+    eval_every_s: float = 15.0
+    """Training seconds between greedy evaluations."""
+    threads: int = 1
+    """torch intra-op threads (the engine thread and the trainer thread share them)."""
+    model_dir: str = str(tiny.COUNTDOWN_TINY_DIR)
+    """HF model + tokenizer directory (made by experiments/sft_warmstart.py)."""
+    out: str = ""
+    """Path of the cell's JSON ('' = do not write)."""
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"Config.objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.eta < -1:
+            raise ValueError(f"Config.eta must be >= 0 or -1 (unbounded), got {self.eta}")
+        if self.ppo_n_minibatches < 1 or self.ppo_n_minibatches > self.prompts_per_step * self.group_size:
+            raise ValueError(f"Config.ppo_n_minibatches must be in [1, B*G], got {self.ppo_n_minibatches}")
+        if not self.budget_s > 0:
+            raise ValueError(f"Config.budget_s must be > 0 seconds, got {self.budget_s}")
+
+    @property
+    def max_staleness(self) -> int:
+        """eta as the controller's integer bound."""
+        return ETA_INF if self.eta < 0 else self.eta
+
+
+SMOKE = Config(eta=2, budget_s=6.0, prompts_per_step=8, group_size=4, eval_prompts=64, eval_every_s=3.0)
+
+
+def eta_label(eta: int) -> str:
+    return "inf" if eta < 0 else str(eta)
+
+
+def greedy_success(model: torch.nn.Module, tok, problems: list[countdown.Problem], max_new_tokens: int) -> float:
+    """Fraction of held-out problems whose greedy answer is correct."""
+    prompts = torch.tensor([tok(countdown.format_prompt(p.numbers, p.target)).input_ids for p in problems])
+    tokens, _, lengths = tiny.generate(model, prompts, max_new_tokens=max_new_tokens,
+                                       stop_ids=(tok.eos_token_id, tok.pad_token_id), pad_id=tok.pad_token_id)
+    texts = tiny.decode_rows(tok, tokens, lengths)
+    return sum(countdown_reward.reward(t, p.numbers, p.target) for t, p in zip(texts, problems)) / len(problems)
+
+
+def informative(group: dict[str, torch.Tensor]) -> bool:
+    """Keep a group only if its rewards differ: an all-equal group has zero GRPO advantage everywhere."""
+    r = group["rewards"]
+    return bool((r != r[0]).any())
+
+
+def weight_stats(w: torch.Tensor) -> dict[str, float]:
+    """Distribution of behaviour weights ``w (n,)`` (trained tokens only) and ESS = (sum w)^2 / (n sum w^2)."""
+    w = w.double()
+    if w.numel() == 0:
+        return {}
+    q = torch.quantile(w, torch.tensor([0.1, 0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    ess = float(w.sum() ** 2 / (w.numel() * (w * w).sum()).clamp(min=1e-300))
+    return {"mean": float(w.mean()), "p10": q[0], "p50": q[1], "p90": q[2], "p99": q[3], "max": float(w.max()),
+            "ess": ess, "n": int(w.numel())}
+
+
+def make_loss_fn(objective: str, ppo_cfg: ppo.PPOConfig, *, version: int, record: list | None = None):
+    """``loss_fn(logp (b t), mb) -> (loss, metrics)`` of one objective, composed from the leaves.
+
+    ``record`` (a list) collects the applied behaviour weights ``pi_prox / pi_behav`` of every micro-batch's trained
+    tokens (detached, 1-D) for the mechanism metrics; naive PPO applies none.
+    """
+    coupled = dataclasses.replace(ppo_cfg, decoupled=False)
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict]:
+        denom = mb.denom(ppo_cfg.agg)
+        if objective == "naive":  # the trust region sits on whatever weights sampled the token
+            return ppo.loss(logp, mb.logp_behav, mb.logp_behav, mb.adv, mb.loss_mask, cfg=coupled, denom=denom)
+        if objective == "recompute":
+            logp_prox, m = mb.logp_prox, {}
+        else:  # loglinear: no extra forward, pi_prox from pi_behav and the current (detached) pi_theta by version
+            logp_prox, m = prox_lib.prox_logp(logp, mb.logp_behav, mb.versions, mb.loss_mask,
+                                              current_version=version, cfg=prox_lib.ProxConfig(method="loglinear"))
+        if record is not None:
+            record.append(torch.exp(logp_prox - mb.logp_behav).detach()[mb.loss_mask].cpu())
+        loss, m2 = ppo.loss(logp, logp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=ppo_cfg, denom=denom)
+        return loss, {**m, **m2}
+
+    return loss_fn
+
+
+def main(cfg: Config) -> dict[str, Any]:
+    # ------------------------------------------------------------------ setup
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    tok = tiny.load_tokenizer(cfg.model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
+    heldout = countdown.heldout_set(cfg.eval_prompts)
+    B, G = cfg.prompts_per_step, cfg.group_size
+    # At most B groups in flight (max_concurrent = B), so B*G KV slots suffice for any eta, unbounded included;
+    # eta only decides how many finished groups may wait ahead of the trainer.
+    engine = engine_lib.Engine(copy.deepcopy(policy), engine_lib.EngineConfig(
+        max_batch=B * G, max_seq_len=32, device="cpu", dtype="float32", seed=cfg.seed))
+    state = train_state.init_train_state(policy, train_state.OptimConfig(lr=cfg.lr, weight_decay=0.0), device="cpu")
+    step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
+                               temperature=cfg.temperature, max_grad_norm=1.0)
+    adv_cfg = step.AdvantageConfig(reward_norm=normalize.GRPO, group_size=G)
+    ppo_cfg = ppo.PPOConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg="token_mean")
+    publish_cfg = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place")
+    episode = workflows.rlvr(tok, countdown_reward.reward_fn,
+                             workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature))
+    # every finished group is accepted (the trainer drops all-equal ones), so accepted = v * B stays exact
+    rollout_cfg = rollout.RolloutConfig(batch_size=B, group_size=G, max_staleness=cfg.max_staleness, max_concurrent=B)
+    loader = PromptLoader(countdown.CountdownDataset(200_000, seed=cfg.seed), seed=cfg.seed)
+
+    curve: list[dict[str, float]] = []
+    steps: list[dict[str, Any]] = []
+    train_s, samples = 0.0, 0
+    t_wall = time.perf_counter()
+    with engine, rollout.RolloutController(engine_client.EngineClient(engine), episode, loader, rollout_cfg) as ctl:
+
+        def evaluate() -> None:  # rollout and training stand still meanwhile; the budget clock does not run
+            ctl.pause()
+            engine.pause("in_place")
+            g = greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)
+            curve.append({"t": train_s, "samples": samples, "step": state.step, "greedy": g})
+            print(f"  t={train_s:6.1f}s samples={samples:7d} step={state.step:5d} greedy={g:.3f}", flush=True)
+            engine.continue_generation()
+            ctl.resume()
+
+        evaluate()
+        next_eval, t0 = cfg.eval_every_s, time.perf_counter()
+        # ------------------------------------------------------------------ loop
+        while train_s < cfg.budget_s and not (cfg.budget_samples and samples >= cfg.budget_samples):
+            # --- rollout (bounded staleness) + rewards: B finished groups, rewards scored inside the episode
+            groups = ctl.prepare_batch()
+            roll = dict(ctl.last_metrics)
+            samples += sum(int(g["rewards"].numel()) for g in groups)
+            groups = [g for g in groups if informative(g)]
+            rec: dict[str, Any] = {"step": state.step, "version": state.version, "informative_groups": len(groups),
+                                   "reward": roll.get("rollout/reward", 0.0),
+                                   "staleness_head_max": roll.get("rollout/staleness_head_max", 0.0)}
+            if groups:
+                batch = TokenBatch.from_rollout(trajectory.concat(groups))
+                mask = batch.loss_mask
+                stale = torch.where(mask & (batch.versions >= 0), state.version - batch.versions, 0)
+                hist = torch.bincount(stale[mask].long())
+                rec["staleness_hist"] = {str(s): int(n) for s, n in enumerate(hist.tolist()) if n}
+                rec["staleness_max"] = int(stale[mask].max()) if mask.any() else 0
+                # --- proximal log-probs (recompute only: the one extra forward of that objective)
+                if cfg.objective == "recompute":
+                    batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
+                # --- advantages: GRPO group z-score on the whole batch, before minibatching
+                adv = step.compute_batch_advantages(batch, cfg=adv_cfg, logp_old=step.old_logp(batch, coupled_recompute=False))
+                batch = dataclasses.replace(batch, adv=adv.adv.float())
+                # --- loss_fn from the leaves, then ppo_n_minibatches optimizer steps (the LR schedule steps once)
+                weights: list[torch.Tensor] = []
+                loss_fn = make_loss_fn(cfg.objective, ppo_cfg, version=state.version, record=weights)
+                mbs = step.minibatches(batch, min(cfg.ppo_n_minibatches, batch.num_rows))
+                probe: list[tuple[torch.Tensor, ...]] = []  # trained tokens of the step's first (pre-update) forward
+
+                def probed(logp: torch.Tensor, mb: TokenBatch, inner=loss_fn, probe=probe, version=state.version):
+                    m = mb.loss_mask
+                    probe.append((logp.detach()[m], mb.logp_behav[m], (version - mb.versions)[m]))
+                    return inner(logp, mb)
+
+                clip_mb, loss_mb = [], []
+                for i, mbatch in enumerate(mbs):
+                    state, m = step.train_step(state, mbatch, probed if i == 0 else loss_fn,
+                                               cfg=dataclasses.replace(step_cfg, schedule=i == len(mbs) - 1))
+                    clip_mb.append(float(m["ppo/clip_frac"]))
+                    loss_mb.append(float(m["train/loss"]))
+                    rec["approx_kl_last"] = float(m["ppo/approx_kl"])
+                # engine vs trainer on the minibatch-0 tokens at weights V (staleness 0: numerics only)
+                lp, lb, st = (torch.cat(x)[None] for x in zip(*probe))
+                first = diagnostics.offpolicy_metrics(lp, lb, torch.ones_like(lp, dtype=torch.bool), staleness=st)
+                if cfg.objective == "naive":  # diagnostic only: naive PPO applies no weight (w = 1)
+                    weights = [torch.exp(lp - lb)[0]]
+                rec |= {"loss": loss_mb, "clip_frac_mb": clip_mb, "clip_frac": sum(clip_mb) / len(clip_mb),
+                        "behav_weight": weight_stats(torch.cat(weights)) if weights else {},
+                        "behav_weight_applied": cfg.objective != "naive",
+                        "mismatch_stale0": float(first["offpolicy/stale_0/abs_diff_mean"]),
+                        "mismatch_stale0_frac": float(first["offpolicy/stale_0/frac_tokens"]),
+                        "mismatch_all": float(first["offpolicy/abs_diff_mean"])}
+                state = dataclasses.replace(state, step=state.step - len(mbs) + 1)  # one training step
+            # --- publish: pause -> push weights -> version + 1 -> resume (the version moves on even without data)
+            state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
+            train_s = time.perf_counter() - t0
+            rec |= {"t": train_s, "samples": samples}
+            steps.append(rec)
+            if train_s >= next_eval:
+                next_eval += cfg.eval_every_s
+                t_eval = time.perf_counter()
+                evaluate()
+                t0 += time.perf_counter() - t_eval
+        if curve[-1]["step"] != state.step:
+            evaluate()
+    # ------------------------------------------------------------------ summary
+    last = [c["greedy"] for c in curve[-2:]]  # evaluations are noisy (about +-1.5 points on 1,000 prompts)
+    final = {"greedy_start": curve[0]["greedy"], "greedy_end": sum(last) / len(last), "steps": state.step,
+             "samples": samples, "train_s": train_s, "wall_s": time.perf_counter() - t_wall,
+             "staleness_max": max((s.get("staleness_max", 0) for s in steps), default=0)}
+    out = {"schema": SCHEMA, "eta": eta_label(cfg.eta), "objective": cfg.objective, "seed": cfg.seed,
+           "config": dataclasses.asdict(cfg), "versions": {"torch": torch.__version__, "python": platform.python_version()},
+           "curve": curve, "steps": steps, "final": final}
+    if cfg.out:
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.out).write_text(json.dumps(out))
+    print(f"eta={eta_label(cfg.eta)} objective={cfg.objective} seed={cfg.seed} " +
+          " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- sweep driver
+
+
+def grid(base: Config, pairs: list[tuple[str, int]], seeds: list[int], out_dir: Path) -> list[Config]:
+    """One Config per (objective, eta) pair and seed, each writing ``out_dir/cell_<objective>_eta<eta>_s<seed>.json``."""
+    return [dataclasses.replace(base, objective=o, eta=e, seed=s, out=str(out_dir / f"cell_{o}_eta{eta_label(e)}_s{s}.json"))
+            for s in seeds for o, e in pairs]
+
+
+def run_sweep(cells: list[Config], *, jobs: int, out_dir: Path) -> Path:
+    """Run every cell as its own process pinned to one core; write ``results.json`` and the figure to ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = cells[0]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    jobs = max(1, min(jobs, len(cores), len(cells)))
+    env = os.environ | {"OMP_NUM_THREADS": str(base.threads), "MKL_NUM_THREADS": str(base.threads)}
+    pending, running, t0 = list(cells), {}, time.perf_counter()
+    free = cores[:jobs]
+    print(f"{len(cells)} cells, {jobs} parallel, budget {base.budget_s:g} s each -> {out_dir}", flush=True)
+    while pending or running:
+        while pending and free:
+            c, core = pending.pop(0), free.pop(0)
+            log = open(Path(c.out).with_suffix(".log"), "w")
+            p = subprocess.Popen([sys.executable, __file__, "--cell", json.dumps(dataclasses.asdict(c))],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+            if hasattr(os, "sched_setaffinity"):
+                try:  # set before the child imports torch, so every thread it starts inherits the one core
+                    os.sched_setaffinity(p.pid, {core})
+                except OSError:
+                    pass
+            running[p] = (c, core, log)
+        time.sleep(0.2)
+        for p in [p for p in running if p.poll() is not None]:
+            c, core, log = running.pop(p)
+            log.close()
+            free.append(core)
+            status = "ok" if p.returncode == 0 else f"FAILED rc={p.returncode} (see {Path(c.out).with_suffix('.log')})"
+            print(f"[{time.perf_counter() - t0:6.0f}s] {c.objective} eta={eta_label(c.eta)} seed={c.seed}: {status}",
+                  flush=True)
+    results = collect(out_dir, [Path(c.out) for c in cells])
+    plot(results, out_dir / "staleness_ablation.png")
+    return out_dir / "results.json"
+
+
+def curve_at(curve: list[dict], key: str, x: float) -> float:
+    """Greedy success at ``x`` of ``key`` ('t' or 'samples'), linear between evaluations (last value past the end)."""
+    pts = [(c[key], c["greedy"]) for c in curve]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def collect(out_dir: Path, paths: list[Path]) -> dict[str, Any]:
+    """Read the cell JSONs into one results file with per-(objective, eta) summaries over seeds."""
+    cells = [json.loads(p.read_text()) for p in paths if p.exists()]
+    missing = [str(p) for p in paths if not p.exists()]
+    s_common = min((c["final"]["samples"] for c in cells), default=0)  # equal-samples view: all cells reach it
+    summary = []
+    for obj in dict.fromkeys(c["objective"] for c in cells):
+        for eta in dict.fromkeys(c["eta"] for c in cells):
+            cs = [c for c in cells if c["objective"] == obj and c["eta"] == eta]
+            if not cs:
+                continue
+            steps = [s for c in cs for s in c["steps"] if "clip_frac" in s]
+            bw = [s["behav_weight"] for s in steps if s["behav_weight"]]
+            summary.append({
+                "objective": obj, "eta": eta, "seeds": [c["seed"] for c in cs],
+                "greedy_end": [c["final"]["greedy_end"] for c in cs],
+                "greedy_at_samples": [curve_at(c["curve"], "samples", s_common) for c in cs],
+                "steps": [c["final"]["steps"] for c in cs], "samples": [c["final"]["samples"] for c in cs],
+                "staleness_max": max(c["final"]["staleness_max"] for c in cs),
+                "staleness_mean": _mean([sum(int(k) * n for k, n in s["staleness_hist"].items())
+                                         / max(sum(s["staleness_hist"].values()), 1) for s in steps]),
+                "clip_frac": _mean([s["clip_frac"] for s in steps]),
+                "clip_frac_mb": [_mean([s["clip_frac_mb"][i] for s in steps if len(s["clip_frac_mb"]) > i])
+                                 for i in range(max((len(s["clip_frac_mb"]) for s in steps), default=0))],
+                "ess": _mean([b["ess"] for b in bw]), "weight_p99": _mean([b["p99"] for b in bw]),
+                "weight_max": max((b["max"] for b in bw), default=float("nan")),
+                "weight_p10": _mean([b["p10"] for b in bw]),
+                "mismatch_stale0": _mean([s["mismatch_stale0"] for s in steps if s["mismatch_stale0_frac"] > 0]),
+            })
+    results = {"schema": "rlcore.staleness_ablation.results/1", "samples_common": s_common, "missing": missing,
+               "summary": summary, "cells": cells}
+    (out_dir / "results.json").write_text(json.dumps(results))
+    for r in summary:
+        print(f"{r['objective']:>9} eta={r['eta']:>3}: greedy_end {_mean(r['greedy_end']):.3f} "
+              f"(n={len(r['seeds'])}) @samples {_mean(r['greedy_at_samples']):.3f} clip {r['clip_frac']:.3f} "
+              f"ess {r['ess']:.3f} w_p99 {r['weight_p99']:.3f} stale_max {r['staleness_max']}", flush=True)
+    return results
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    """Final greedy success (mean, min-max band over seeds) vs eta per objective, both views, and the mechanism."""
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's (e.g. a notebook's) backend alone
+
+    summary = results["summary"]
+    etas = sorted(dict.fromkeys(r["eta"] for r in summary), key=lambda e: math.inf if e == "inf" else int(e))
+    x = {e: i for i, e in enumerate(etas)}
+    panels = [("greedy_end", "greedy success, equal wall-clock"),
+              ("greedy_at_samples", f"greedy success at {results['samples_common']:,} samples"),
+              ("clip_frac", "clip-binding fraction"), ("ess", "ESS of pi_prox/pi_behav"),
+              ("weight_p99", "p99 of pi_prox/pi_behav"), ("mismatch_stale0", "|logp - logp_behav|, staleness 0"),
+              ("staleness_mean", "mean token staleness"), ("steps", "training steps")]
+    fig = Figure(figsize=(18, 7))
+    axes = fig.subplots(2, 4)
+    for ax, (key, title) in zip(axes.flat, panels):
+        for obj, marker in zip(dict.fromkeys(r["objective"] for r in summary), "osd^"):
+            rows = sorted((r for r in summary if r["objective"] == obj), key=lambda r: x[r["eta"]])
+            xs = [x[r["eta"]] for r in rows]
+            vals = [r[key] if isinstance(r[key], list) else [r[key]] for r in rows]
+            ax.plot(xs, [_mean(v) for v in vals], marker=marker, label=obj)
+            if any(len(v) > 1 for v in vals):
+                ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15)
+        ax.set_xticks(range(len(etas)), ["∞" if e == "inf" else e for e in etas])
+        ax.set_xlabel("max staleness eta")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    n_seeds = max((len(r["seeds"]) for r in summary), default=0)
+    fig.suptitle(f"staleness ablation, CPU main job (up to {n_seeds} seeds per cell; band = min-max over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _pair(text: str) -> tuple[str, int]:
+    """``OBJECTIVE:ETA`` of ``--cells`` (eta -1 = unbounded)."""
+    obj, _, eta = text.partition(":")
+    if obj not in OBJECTIVES or not eta.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"--cells wants OBJECTIVE:ETA with OBJECTIVE in {OBJECTIVES}, e.g. naive:0 "
+                                         f"or loglinear:-1, got {text!r}")
+    return obj, int(eta)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        kind = {"int": int, "float": float, "str": str}[str(f.type)]
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f"(default {f.default})")
+    p.add_argument("--sweep", action="store_true", help="run the grid of cells as parallel processes")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel cells, one core each")
+    p.add_argument("--etas", type=int, nargs="+", default=list(ETAS), help="-1 = unbounded")
+    p.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--cells", nargs="+", type=_pair, default=[], metavar="OBJECTIVE:ETA",
+                   help="explicit (objective, eta) pairs instead of the --objectives x --etas grid, e.g. naive:0")
+    p.add_argument("--out-dir", default="runs/staleness_ablation/sweep", help="sweep output directory")
+    p.add_argument("--plot", default="", help="redraw the figure from a results.json and exit")
+    p.add_argument("--cell", default="", help=argparse.SUPPRESS)  # the sweep's child processes: Config as JSON
+    return p
+
+
+if __name__ == "__main__":
+    args = _parser().parse_args()
+    if args.cell:
+        main(Config(**json.loads(args.cell)))
+    elif args.plot:
+        print(plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_name("staleness_ablation.png")))
+    else:
+        base = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+        if args.sweep:
+            pairs = args.cells or [(o, e) for e in args.etas for o in args.objectives]
+            cells = grid(base, pairs, args.seeds, Path(args.out_dir))  # Config validates every pair
+            print(run_sweep(cells, jobs=args.jobs, out_dir=Path(args.out_dir)))
+        else:
+            main(base)

@@ -1,0 +1,324 @@
+"""SGLang's control and information endpoints over an ``Engine``: weights, the update group, pause / continue /
+abort, memory release for colocated training, health, model and server info, and the refusals (LoRA).
+
+Each handler is ``async (engine, payload) -> (status, json body)``; ``server.ROUTES`` maps endpoint names to them.
+Blocking work (disk loads, group rendezvous, broadcast receives) runs on the engine's bounded control pool
+(``Engine.arun_control``) with the request's ``timeout_s``; pause / continue / abort / memory commands are awaited
+on the engine's loop without a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
+from rlcore.inference.protocol import BadRequest, SamplingParams, json_float, json_int, json_version
+
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503 (queue full, control workers busy)."""
+GROUP_TIMEOUT_S = 60.0
+"""Default ``timeout_s`` of ``/init_weights_update_group``: a rendezvous that has not completed by then fails."""
+
+
+def _err(status: int, message: str) -> tuple[int, dict]:
+    if status == 503:
+        return status, {"error": {"message": message, "retry_after_s": RETRY_AFTER_S}}
+    return status, {"error": {"message": message}}
+
+
+def error_status(out: GenerateOutput) -> int | None:
+    """The HTTP status of a request the engine failed (SGLang's ``finish_reason.status_code``), else None."""
+    code = out.finish_reason.get("status_code") if isinstance(out.finish_reason, dict) else None
+    return int(code) if isinstance(code, int) and code >= 400 else None
+
+
+
+def _ok(message: str, **extra: Any) -> tuple[int, dict]:
+    return 200, {"success": True, "status": "ok", "message": message, **extra}
+
+
+def _timeout(p: dict, default: float | None) -> float | None:
+    t = p.get("timeout_s", default)
+    if t is None:
+        return None
+    t = json_float(t, "timeout_s")
+    if t <= 0:
+        raise BadRequest("timeout_s must be > 0 (seconds)")
+    return t
+
+
+async def _control(engine: Engine, fn, *args: Any, timeout_s: float | None) -> Any:
+    """Blocking control work on the engine's bounded pool; a timeout becomes a clear error, not a hang."""
+    try:
+        return await engine.arun_control(fn, *args, timeout_s=timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"did not complete within timeout_s={timeout_s}") from None
+
+
+async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
+    path = p.get("model_path")
+    if not isinstance(path, str) or not path:
+        return _err(400, "model_path must be the path of an HF safetensors directory")
+    if p.get("load_format") not in (None, "auto", "safetensors"):
+        return _err(400, "load_format must be 'auto' or 'safetensors'")
+    version = json_version(p.get("weight_version"), "weight_version")
+    timeout_s = _timeout(p, None)
+    n = await engine.aabort() if p.get("abort_all_requests", False) else 0
+    try:
+        await _control(engine, engine.update_weights_from_disk, path, version, timeout_s=timeout_s)
+    except EngineBusy:
+        raise
+    except (EngineError, OSError, TimeoutError) as e:  # nothing was loaded: the weights and version are unchanged
+        return 400, {
+            "success": False,
+            "message": f"update_weights_from_disk failed (weights unchanged, version {engine.version}): {e}",
+            "num_paused_requests": 0,
+        }
+    return 200, {
+        "success": True,
+        "message": f"loaded {path} as version {engine.version}",
+        "num_paused_requests": n,
+    }
+
+
+async def _init_group(engine: Engine, p: dict) -> tuple[int, dict]:
+    addr = p.get("master_address")
+    if not isinstance(addr, str) or not addr:
+        return _err(400, "master_address must be a host name or IP string")
+    port = p.get("master_port")
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    port = json_int(port, "master_port", 1)
+    if port > 65535:
+        return _err(400, f"master_port must be <= 65535, got {port}")
+    rank_offset = json_int(p.get("rank_offset"), "rank_offset", 1)
+    world_size = json_int(p.get("world_size"), "world_size", 2)
+    if rank_offset >= world_size:
+        return _err(400, f"rank_offset ({rank_offset}) must be < world_size ({world_size})")
+    backend = p.get("backend", "nccl")
+    if backend not in ("nccl", "gloo"):
+        return _err(400, "backend must be 'nccl' or 'gloo'")
+    if p.get("pp_rank") not in (None, 0):
+        return _err(400, "pp_rank must be 0: the embedded engine has no pipeline stages")
+    group = p.get("group_name", "update_weight_group")
+    if not isinstance(group, str):
+        return _err(400, "group_name must be a string")
+    timeout_s = _timeout(p, GROUP_TIMEOUT_S)
+    args = (addr, port, rank_offset, world_size, backend, group, timeout_s)
+    try:  # the rendezvous itself times out after timeout_s; the extra second covers thread start-up
+        await _control(engine, engine.init_weights_update_group, *args, timeout_s=timeout_s + 1.0)
+    except EngineBusy:
+        raise
+    except EngineError as e:
+        return 400, {"success": False, "message": str(e)}
+    except Exception as e:  # a failed rendezvous (timeout, refused, closed): SGLang answers 400 + success false
+        return 400, {
+            "success": False,
+            "message": f"init_weights_update_group failed: {type(e).__name__}: {e}",
+        }
+    return _ok(f"joined {group} as rank {rank_offset} of {world_size}")
+
+
+async def _update_distributed(engine: Engine, p: dict) -> tuple[int, dict]:
+    names, dtypes, shapes = p.get("names"), p.get("dtypes"), p.get("shapes")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return _err(400, "names must be a list of HF parameter names")
+    if (
+        not isinstance(dtypes, list)
+        or len(dtypes) != len(names)
+        or not all(isinstance(d, str) for d in dtypes)
+    ):
+        return _err(400, "dtypes must be a list of dtype strings, one per name")
+    if (
+        not isinstance(shapes, list)
+        or len(shapes) != len(names)
+        or not all(isinstance(s, list) for s in shapes)
+    ):
+        return _err(400, "shapes must be a list of int lists, one per name")
+    shapes = [[json_int(d, "shapes[][]", 0) for d in s] for s in shapes]
+    group = p.get("group_name", "update_weight_group")
+    version = json_version(p.get("weight_version"), "weight_version")
+    timeout_s = _timeout(p, None)
+    if p.get("abort_all_requests", False):
+        await engine.aabort()
+    args = (names, dtypes, shapes, group, version)
+    try:
+        await _control(engine, engine.update_weights_from_distributed, *args, timeout_s=timeout_s)
+    except EngineBusy:
+        raise
+    except EngineError as e:
+        return 400, {"success": False, "message": str(e)}
+    return _ok(f"received {len(names)} tensors; version {engine.version}")
+
+
+async def _destroy_group(engine: Engine, p: dict) -> tuple[int, dict]:
+    group = p.get("group_name", "update_weight_group")
+    if not isinstance(group, str):
+        return _err(400, "group_name must be a string")
+    try:
+        await _control(engine, engine.destroy_weights_update_group, group, timeout_s=_timeout(p, 60.0))
+    except EngineBusy:
+        raise
+    except EngineError as e:  # SGLang: 400 {"success": false, "message"} (e.g. the group does not exist)
+        return 400, {"success": False, "message": str(e)}
+    return _ok(f"destroyed {group}")
+
+
+async def _pause(engine: Engine, p: dict) -> tuple[int, dict]:
+    mode = p.get("mode", "abort") or "abort"
+    if mode not in ("abort", "retract", "in_place"):
+        return _err(400, "mode must be 'abort', 'retract' or 'in_place'")
+    n = await engine.apause(mode)
+    return _ok(f"paused ({mode}); {n} requests affected")
+
+
+async def _continue(engine: Engine, p: dict) -> tuple[int, dict]:
+    await engine.acontinue_generation()
+    return _ok("generation continues")
+
+
+async def _abort(engine: Engine, p: dict) -> tuple[int, dict]:
+    if p.get("abort_all"):
+        await engine.aabort()
+        return 200, {}
+    rid = p.get("rid")
+    if not isinstance(rid, str):
+        return _err(400, "send rid (string) or abort_all: true")
+    await engine.aabort(rid)
+    return 200, {}
+
+
+async def _flush(engine: Engine, p: dict) -> tuple[int, dict]:
+    if await engine.aflush_cache():
+        return 200, {"success": True, "message": "cache flushed"}
+    return _err(400, "requests are running; flush_cache needs an idle engine")
+
+
+async def _set_version(engine: Engine, p: dict) -> tuple[int, dict]:
+    v = json_version(p.get("new_version"), "new_version")
+    if v is None:
+        return _err(400, "new_version is required (an integer)")
+    if p.get("abort_all_requests", False):
+        await engine.aabort()
+    await engine.aset_version(v)
+    return _ok(f"version set to {v}", new_version=str(v))
+
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+async def _health_generate(engine: Engine, p: dict) -> tuple[int, dict]:
+    """One greedy token through the real generation path: 200 when it comes back, 503 when the engine fails it,
+    times out, or cannot queue it (SGLang's rule: the server is healthy only if generation works)."""
+    if not engine.alive:
+        return _err(503, "engine loop is not running")
+    if engine.paused is not None:
+        return 200, {"status": "paused"}
+    if engine.released:
+        return 200, {"status": "memory released"}
+    try:
+        fut = engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0))
+        out = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return _err(503, f"no generation progress in {HEALTH_TIMEOUT_S:g} s")
+    except EngineError as e:
+        return _err(503, f"generation is not possible: {e}")
+    if error_status(out) is not None:
+        return _err(503, f"generation failed: {out.finish_reason.get('message')}")
+    return 200, {}
+
+
+async def _health(engine: Engine, p: dict) -> tuple[int, dict]:
+    return (200, {}) if engine.alive else _err(503, "engine loop is not running")
+
+
+async def _get_model_info(engine: Engine, p: dict) -> tuple[int, dict]:
+    return 200, {
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": str(engine.version),
+        "max_seq_len": engine.max_seq_len,
+        "max_batch": engine.cfg.max_batch,
+    }
+
+
+async def _models(engine: Engine, p: dict) -> tuple[int, dict]:
+    name = engine.model_path or "rlcore-engine"
+    return 200, {"object": "list", "data": [{"id": name, "object": "model", "created": _STARTED, "owned_by": "rlcore",
+                                             "root": name}]}
+
+
+_STARTED = int(time.time())
+"""``created`` of the served model (OpenAI's ``Model`` requires it): when this module was loaded."""
+
+
+async def _weight_version(engine: Engine, p: dict) -> tuple[int, dict]:
+    return 200, {"weight_version": str(engine.version)}
+
+
+async def _server_info(engine: Engine, p: dict) -> tuple[int, dict]:
+    """SGLang's ``/get_server_info`` (also ``/server_info``): the server arguments that apply to the embedded
+    engine, its scheduler limits, one ``internal_states`` entry and the version string."""
+    from rlcore import __version__
+
+    cfg = engine.cfg
+    return 200, {
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.tokenizer_path,
+        "skip_tokenizer_init": engine.tokenizer is None,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "context_length": engine.max_seq_len,
+        "max_running_requests": cfg.max_batch,
+        "max_total_num_tokens": cfg.max_batch * engine.max_seq_len,
+        "max_prefill_tokens": cfg.max_prefill_tokens,
+        "max_req_input_len": engine.max_seq_len - 1,
+        "random_seed": cfg.seed,
+        "disable_radix_cache": True,
+        "disable_cuda_graph": not cfg.cuda_graph,
+        "enable_lora": False,
+        "tp_size": 1, "pp_size": 1, "dp_size": 1,
+        "weight_version": str(engine.version),
+        "internal_states": [{
+            "num_running_reqs": engine.num_running,
+            "num_waiting_reqs": engine.num_waiting,
+            "paused": engine.paused,
+            "memory_released": sorted(engine.released),
+        }],
+        "version": f"rlcore-{__version__}",
+        "engine": "rlcore",
+    }
+
+
+def _tags(p: dict) -> list[str] | None:
+    tags = p.get("tags")
+    if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+        raise BadRequest('tags must be a list of strings: ["weights"], ["kv_cache"] or both (omit for both)')
+    return tags
+
+
+async def _release_memory(engine: Engine, p: dict) -> tuple[int, dict]:
+    tags = await engine.arelease_memory_occupation(_tags(p))
+    return _ok(f"released {tags}; generation waits for resume_memory_occupation", tags=tags)
+
+
+async def _resume_memory(engine: Engine, p: dict) -> tuple[int, dict]:
+    tags = await engine.aresume_memory_occupation(_tags(p))
+    left = sorted(engine.released)
+    return _ok(f"resumed {tags}" + (f"; still released: {left}" if left else ""), tags=tags)
+
+
+LORA_UNSUPPORTED = (
+    "LoRA adapters are not supported by the embedded engine (rlcore.serve); merge the adapter into the weights "
+    "and load them with /update_weights_from_disk, or serve LoRA with a real SGLang server (--enable-lora)"
+)
+
+
+async def _lora(engine: Engine, p: dict) -> tuple[int, dict]:
+    """``/load_lora_adapter`` and ``/unload_lora_adapter``: refused (400), in SGLang's ``LoRAUpdateOutput`` shape."""
+    return 400, {"success": False, "error_message": LORA_UNSUPPORTED, "loaded_adapters": {},
+                 "error": {"message": LORA_UNSUPPORTED}}
