@@ -142,9 +142,14 @@ class Monitor:
 
     def __call__(self, step: int, logp: Tensor, batch: TokenBatch, *, version: int) -> dict[str, float]:
         """Metrics of this step's first forward ``logp`` ``(b t)`` on ``batch`` at trainer weight ``version``."""
-        m = step_metrics(logp, batch, version=version, cfg=self.cfg.diagnostics)
+        return self.check(step, step_metrics(logp, batch, version=version, cfg=self.cfg.diagnostics))
+
+    def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """The warning part alone, on metrics a step already computed with :func:`step_metrics` (a pure train
+        function returns them; the experiment's loop owns this stateful monitor). Returns the ``offpolicy/*``
+        floats of ``metrics`` plus ``offpolicy/warning``."""
+        m = {k: float(v) for k, v in metrics.items() if k.startswith("offpolicy/")}
         msg = mismatch_warning(m, self.cfg.warn_threshold)
-        out = {k: float(v) for k, v in m.items()} | {"offpolicy/warning": float(msg is not None)}
         if msg is not None:
             self.fired += 1
             if not self.warnings or step - self.warnings[-1][0] >= self.cfg.warn_every:
@@ -152,7 +157,6 @@ class Monitor:
                 self.warnings.append((step, text))
                 LOG.info(text)  # for applications that route logging; the text itself goes to ``log``
                 (self.log or _print)(text)
-        return out
-
+        return m | {"offpolicy/warning": float(msg is not None)}
 
 __all__ = ["OffPolicyConfig", "FirstForward", "Monitor", "first_forward", "staleness", "step_metrics"]
