@@ -14,12 +14,17 @@ The few lines an experiment writes (experiments/tiny_cpu.py, experiments/gpu_lea
 
     monitor = offpolicy.Monitor(cfg.offpolicy)                           # once, at setup
     ...
+    version = state.version                                             # before train_step
     if batch.logp_prox is not None:                                     # decoupled: the recompute forward
-        m.update(monitor(state.step, batch.logp_prox, batch, version=version))
-    else:                                                               # coupled: train_step's first forward
-        loss_fn = seen = offpolicy.first_forward(loss_fn)
         state, m = step.train_step(state, batch, loss_fn, cfg=step_cfg)
-        m.update(monitor(state.step, *seen.logp_and_batch(), version=version))
+        m |= monitor(state.step, batch.logp_prox, batch, version=version)
+    else:                                                               # coupled: train_step's first forward
+        seen = offpolicy.first_forward(loss_fn)
+        state, m = step.train_step(state, batch, seen, cfg=step_cfg)
+        m |= monitor(state.step, *seen.logp_and_batch(), version=version)
+
+A pure train function (tiny_cpu's replayable ``train_batch``) returns :func:`step_metrics` instead, and the loop
+calls ``monitor.check(step, metrics)`` for the warning. docs/offpolicy.md lists the keys.
 
 Every call returns ``offpolicy/*`` floats (keys in ``rlcore.diagnostics``) plus ``offpolicy/warning`` (1.0 when
 the staleness-0 mismatch exceeds the threshold, else 0.0) for TensorBoard; the warning text goes to ``log``
