@@ -11,14 +11,21 @@ and stopped on purpose once greedy success on a dev set reaches ``sft_stop_at``,
 Stage 2 (RL, one run per entry of ``runs``, each on its own GPU when there are several): the whole library in
 one process per run, as in the CPU main job (experiments/tiny_cpu.py) but on a GPU:
 
-    RolloutController (staleness eta) -> EngineClient (in-process) -> Engine (bf16, CUDA graphs, own thread)
-      -> rlvr episodes, boxed countdown reward -> groups of G -> rl_step -> publish_weights (bf16 copy) -> ...
+    rollout (RolloutController, staleness eta -> EngineClient -> Engine: bf16, CUDA graphs, own thread)
+      -> rewards (boxed countdown reward, GRPO group z-score) -> advantages (gae.compute_advantages, gamma = 1)
+      -> loss_fn (ppo.loss, built by make_loss_fn) -> step.train_step -> publish_weights (bf16 copy) -> ...
 
 Runs are ``"grpo:ETA"`` (GRPO: PPO clip against the behaviour log-probs the engine returned, i.e. the coupled
 objective, as a synchronous implementation would compute it) or ``"dppo:ETA"`` (decoupled PPO: proximal
-log-probs recomputed by the trainer, behaviour weight pi_prox / pi_behav for the staleness). Every run gets the
-same wall-clock budget; greedy success on ``eval_prompts`` held-out problems is measured every
-``eval_every_s`` seconds with generation and training paused, and the evaluation time is not counted.
+log-probs recomputed by the trainer, behaviour weight pi_prox / pi_behav for the staleness). Another objective
+is another function: ``rl_run(cfg, spec, device, loss_fn=my_loss_fn)``. Every run gets the same wall-clock
+budget; greedy success on ``eval_prompts`` held-out problems is measured every ``eval_every_s`` seconds with
+generation and training paused, and the evaluation time is not counted.
+
+Every step also logs the train-vs-engine mismatch ``offpolicy/*`` (rlcore.training.offpolicy) on its first,
+pre-update forward: the proximal recompute for dppo, train_step's own forward for grpo. A bf16 engine against
+the float32 trainer shows here; a warning names the likely cause if staleness-0 tokens disagree by more than
+``--offpolicy.warn-threshold`` nats.
 
 Run (2 x H200, ~9 min):  python experiments/gpu_learning_run.py --out-dir $OUT/learn
 Smoke (CPU, ~30 s):      python experiments/gpu_learning_run.py --smoke
@@ -46,16 +53,19 @@ import tyro
 from transformers import AutoModelForCausalLM
 
 from rlcore import tiny
+from rlcore.advantages import gae as gae_lib
 from rlcore.advantages import normalize
+from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
 from rlcore.inference import engine as engine_lib
-from rlcore.objectives import ppo
+from rlcore.objectives import entropy, ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import metrics, models, step, train_state, weight_sync
+from rlcore.training import metrics, models, offpolicy, step, train_state, weight_sync
+from rlcore.types import TokenBatch
 
 HERE = Path(__file__).resolve().parent
 
@@ -129,6 +139,9 @@ class Config:
     """PPO clip epsilon (both sides)."""
     temperature: float = 1.0
     """Sampling temperature (and the train step's)."""
+    train_temperature: float | None = None
+    """Training softmax temperature when it must differ from ``temperature`` (a deliberate mismatch, to see the
+    off-policy warning fire); None: the sampling temperature."""
     tokens_per_microbatch: int = 32768
     """Packed tokens per micro-batch of the train step."""
     eval_prompts: int = 1000
@@ -137,6 +150,8 @@ class Config:
     """Training seconds between evaluations."""
     log_dir: str = ""
     """TensorBoard directory (default: ``out_dir/tb``)."""
+    offpolicy: offpolicy.OffPolicyConfig = offpolicy.OffPolicyConfig()
+    """Train-vs-engine mismatch diagnostics of every step and the staleness-0 warning threshold."""
 
 
 SMOKE = dict(
@@ -191,8 +206,29 @@ def informative(group: dict[str, torch.Tensor]) -> bool:
     return bool((r != r[0]).any())
 
 
-def rl_run(cfg: Config, spec: str, device: str) -> dict:
-    """Train from ``out_dir/sft`` with one objective and staleness bound; returns (and writes) the curve."""
+def make_loss_fn(cfg: Config, *, decoupled: bool) -> step.LossFn:
+    """``loss_fn(logp (b t), mb) -> (loss, metrics)``: clipped PPO, global token mean.
+
+    decoupled (dppo): the ratio against the recomputed proximal log-probs ``mb.logp_prox``, times the detached
+    behaviour weight pi_prox / pi_behav. coupled (grpo): the ratio against the engine's ``mb.logp_behav`` itself.
+    """
+    obj = ppo.PPOConfig(clip_low=cfg.clip, clip_high=cfg.clip, decoupled=decoupled, agg="token_mean")
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp_prox = mb.logp_prox if decoupled else mb.logp_behav
+        loss, m = ppo.loss(logp, logp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=obj, denom=mb.denom(obj.agg))
+        m["ppo_actor/entropy"] = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
+        return loss, m
+
+    return loss_fn
+
+
+def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None = None) -> dict:
+    """Train from ``out_dir/sft`` with one objective and staleness bound; returns (and writes) the curve.
+
+    ``loss_fn`` replaces the objective of ``spec`` (``make_loss_fn``); the proximal recompute still follows the
+    spec (``dppo`` recomputes ``mb.logp_prox``, ``grpo`` does not).
+    """
     name, eta = parse_run(spec)
     mod = _sft_module()
     cuda = device.startswith("cuda")
@@ -202,6 +238,7 @@ def rl_run(cfg: Config, spec: str, device: str) -> dict:
     else:
         torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
+    # --- setup: SFT model, engine (its own bf16 copy), train state, rollout ---
     sft_dir = Path(cfg.out_dir) / "sft"
     tok = tiny.load_tokenizer(sft_dir)
     policy = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
@@ -216,17 +253,13 @@ def rl_run(cfg: Config, spec: str, device: str) -> dict:
     )
     state = train_state.init_train_state(policy, train_state.OptimConfig(lr=cfg.lr, weight_decay=0.0), device=device)
     decoupled = name == "dppo"
-    step_cfg = step.RLStepConfig(
-        objective="ppo",
-        objective_cfg=ppo.PPOConfig(clip_low=cfg.clip, clip_high=cfg.clip, decoupled=decoupled, agg="token_mean"),
-        prox="recompute" if decoupled else "behav",
-        temperature=cfg.temperature,
-        reward_norm=dataclasses.replace(normalize.GRPO, group_size=G),
-        group_size=G,
-        max_grad_norm=1.0,
+    step_cfg = step.StepConfig(
         mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
         pad_to_multiple=128 if cuda else None,
+        temperature=cfg.temperature if cfg.train_temperature is None else cfg.train_temperature,
+        max_grad_norm=1.0,
     )
+    reward_norm = dataclasses.replace(normalize.GRPO, group_size=G)
     publish_cfg = weight_sync.PublishConfig(
         mode="state_dict", dtype="bfloat16" if cuda else "float32", pause_mode="in_place"
     )
@@ -237,6 +270,7 @@ def rl_run(cfg: Config, spec: str, device: str) -> dict:
     rollout_cfg = rollout.RolloutConfig(batch_size=B, group_size=G, max_staleness=eta)
     loader = PromptLoader(countdown.CountdownDataset(1_000_000, seed=cfg.seed, cfg=cfg.task), seed=cfg.seed)
     log_dir = Path(cfg.log_dir or Path(cfg.out_dir) / "tb") / f"{name}_eta{eta}"
+    monitor = offpolicy.Monitor(cfg.offpolicy, log=lambda text: print(f"[{spec}] {text}", flush=True))
 
     def evaluate() -> float:
         return mod.greedy_success(models.hf_module(state.model), tok, heldout, cfg.task, "worked")
@@ -254,13 +288,34 @@ def rl_run(cfg: Config, spec: str, device: str) -> dict:
         train_s, t_mark, next_eval = 0.0, time.perf_counter(), cfg.eval_every_s
         rewards: list[float] = []
         while train_s < cfg.minutes * 60:
+            # --- rollout: B groups of G, every token tagged with the weight version that sampled it ---
             groups = ctl.prepare_batch()
             roll = dict(ctl.last_metrics)
             rewards.append(float(roll.get("rollout/reward", math.nan)))
-            batch = [g for g in groups if informative(g)]
+            kept = [g for g in groups if informative(g)]
             m: dict = {}
-            if batch:
-                state, m = step.rl_step(state, trajectory.concat(batch), cfg=step_cfg)
+            if kept:
+                batch = TokenBatch.from_rollout(trajectory.concat(kept))  # the single predictive shift
+                version = state.version
+                # dppo: the proximal log-probs, a no-grad forward before the update (also the diagnostics' forward)
+                if decoupled:
+                    batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
+                # --- rewards: the verifier's {0, 1} -> GRPO z-score within each group of G ---
+                mask = batch.loss_mask
+                reward = shaping_lib.shape_rewards(batch.rewards, cfg=shaping_lib.ShapingConfig(),
+                                                   reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
+                # --- advantages: gamma = lambda = 1, no critic: every token of a row gets its group-normalised reward
+                adv = gae_lib.compute_advantages(reward, mask, batch.attention_mask.sum(1),
+                                                 torch.zeros_like(mask[:, 0]), cfg=gae_lib.GAEConfig())
+                batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
+                # --- loss_fn -> train_step (one optimizer step); grpo reads its first forward back for diagnostics
+                step_loss = make_loss_fn(cfg, decoupled=decoupled) if loss_fn is None else loss_fn
+                seen = None if decoupled else offpolicy.first_forward(step_loss)
+                state, m = step.train_step(state, batch, seen or step_loss, cfg=step_cfg)
+                first_logp, first_batch = (batch.logp_prox, batch) if seen is None else seen.logp_and_batch()
+                m = {k.replace("train/", "ppo_actor/"): v for k, v in m.items()}
+                m |= monitor(state.step, first_logp, first_batch, version=version)
+            # --- publish: the engine serves version + 1 (also after a step with nothing to learn) ---
             state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
             samples += B * G
             gen_tokens += sum(int(g["loss_mask"].sum()) for g in groups)
@@ -283,8 +338,10 @@ def rl_run(cfg: Config, spec: str, device: str) -> dict:
                 partial = {"run": spec, "objective": name, "eta": eta, "partial": True, "curve": curve}
                 run_file(cfg.out_dir, spec).with_suffix(".partial.json").write_text(json.dumps(partial) + "\n")
                 print(f"[{spec}] t={train_s:6.1f}s step {state.step:4d} greedy {g:.3f} "
-                      f"reward {curve[-1]['reward']:.3f} stale {roll.get('version_stats/staleness_max', 0):.0f}",
-                      flush=True)
+                      f"reward {curve[-1]['reward']:.3f} stale {roll.get('version_stats/staleness_max', 0):.0f} "
+                      f"|dlogp| s0 {m.get('offpolicy/stale_0/abs_diff_mean', math.nan):.2g} "
+                      f"all {m.get('offpolicy/abs_diff_mean', math.nan):.2g} "
+                      f"oob {m.get('offpolicy/out_of_band_frac', math.nan):.2%}", flush=True)
                 t_mark = time.perf_counter()
             logger.log(state.step, m)
     tail = [c["greedy"] for c in curve[-2:]]
@@ -295,6 +352,7 @@ def rl_run(cfg: Config, spec: str, device: str) -> dict:
         "samples_per_s": samples / max(train_s, 1e-9), "gen_tokens_per_s": gen_tokens / max(train_s, 1e-9),
         "greedy_start": curve[0]["greedy"], "greedy_end": sum(tail) / len(tail),
         "greedy_best": max(c["greedy"] for c in curve), "curve": curve,
+        "offpolicy_warnings": monitor.fired,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "task")},
     }
     result["greedy_gain"] = result["greedy_end"] - result["greedy_start"]

@@ -7,13 +7,21 @@ experiments/sft_warmstart.py to ~21% greedy success on 1,000 held-out Countdown 
     trainer process: RolloutController (staleness eta) -> EngineClient (HTTP, SGLang protocol)
                                                                     |
     engine process (python -m rlcore.serve, rlcore.inference.process): Engine
-      -> rlvr episodes, countdown reward -> groups of 8 -> train_batch (decoupled PPO, GRPO advantages)
-      -> publish_weights (pause -> safetensors file in /dev/shm -> engine loads it -> version + 1 -> resume)
+      -> rlvr episodes, countdown reward -> groups of 8 -> train_batch: proximal recompute -> rewards (GRPO
+         group z-score) -> advantages (gae.compute_advantages) -> loss_fn (build_loss_fn: decoupled ppo.loss)
+         -> step.train_step -> publish_weights (pause -> safetensors file in /dev/shm -> engine loads it ->
+         version + 1 -> resume)
 
 Engine and trainer no longer share one GIL: while ``train_batch`` runs on batch k in this process, the engine
 process is already sampling batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects
 for that one step of staleness with the behaviour weight pi_prox / pi_behav. ``--engine thread`` runs the
 engine in a thread of this process instead (the old layout, for debugging: one process, in-process transport).
+
+The objective is a function: ``--objective`` picks PPO, GSPO or CISPO (and their settings) for
+``build_loss_fn``; from Python, ``main(cfg, loss_fn=my_loss_fn)`` trains any ``loss_fn(logp, mb)``
+(notebooks/write_your_own_objective.py). Every step logs the train-vs-engine mismatch ``offpolicy/*`` of the
+proximal recompute (the step's first, pre-update forward; rlcore.training.offpolicy) by staleness and position,
+and warns when tokens of the current version disagree (e.g. ``--train-temperature 0.7`` against sampling at 1).
 
 Run:    python experiments/tiny_cpu.py                      # 10 minutes on 2 CPU cores
 Smoke:  python experiments/tiny_cpu.py --minutes 0.2 --eval-prompts 64
@@ -41,18 +49,20 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from rlcore import tiny
+from rlcore.advantages import gae as gae_lib
 from rlcore.advantages import normalize
+from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
 from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
 from rlcore.inference import process as engine_process
-from rlcore.objectives import ppo
+from rlcore.objectives import cispo, entropy, gspo, ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import checkpoint, metrics, models, record, step, train_state, weight_sync
+from rlcore.training import checkpoint, metrics, models, offpolicy, record, step, train_state, weight_sync
 from rlcore.types import TokenBatch
 
 ASSET = tiny.COUNTDOWN_TINY_DIR  # package data: rlcore/assets/countdown-tiny
@@ -80,13 +90,18 @@ class Config:
     """Answer budget: 4 digits + 3 operators + eos fit in 8."""
     temperature: float = 1.0
     """Sampling temperature (the train step uses the same one)."""
+    train_temperature: float | None = None
+    """Training softmax temperature when it must differ from ``temperature`` (a deliberate mismatch: the
+    off-policy warning fires); None: the sampling temperature."""
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=5e-4, weight_decay=0.0)
     """Adam at 5e-4 was stable; 2e-3 collapsed within 30 s in calibration."""
-    objective: ppo.PPOConfig = ppo.PPOConfig(clip_low=0.2, decoupled=True, agg="token_mean")
-    """Decoupled PPO: ratio against the recomputed proximal policy, behaviour weight for staleness."""
-    objective_name: str = "ppo"
-    """Key in rlcore.objectives.OBJECTIVES that build_loss_fn uses with ``objective`` as its config; register your
-    own loss there under a new name to train with it (notebooks/write_your_own_objective.py)."""
+    objective: ppo.PPOConfig | gspo.GSPOConfig | cispo.CISPOConfig = ppo.PPOConfig(
+        clip_low=0.2, decoupled=True, agg="token_mean")
+    """Surrogate of ``build_loss_fn``: decoupled PPO (ratio against the recomputed proximal policy, behaviour weight
+    for staleness), GSPO (sequence ratio) or CISPO (clipped IS weight); the type picks the leaf. Any other loss:
+    ``main(cfg, loss_fn=...)``."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip of the train step (0: off)."""
     tokens_per_microbatch: int = 512
     """Packed micro-batch budget of the train step: train_step packs rows into one stream with a block-causal
     mask, whose cost grows with the square of its length, so short streams are faster on a CPU."""
@@ -108,6 +123,8 @@ class Config:
     Off by default (os.sched_setaffinity), so that a busy shared machine can balance the load."""
     progress: bool = True
     """Show the tqdm progress bar."""
+    offpolicy: offpolicy.OffPolicyConfig = offpolicy.OffPolicyConfig()
+    """Train-vs-engine mismatch diagnostics of every step and the staleness-0 warning threshold."""
     record: str = ""
     """Record what every train step consumed into this directory, for ``python -m rlcore.replay DIR`` (bit-for-bit
     re-run without an engine, or another objective on the same samples; docs/replay.md). Empty: no record."""
@@ -218,45 +235,67 @@ def init_state(cfg: Config) -> train_state.TrainState:
     return train_state.init_train_state(policy, cfg.optim, device="cpu")
 
 
-def step_config(cfg: Config) -> step.RLStepConfig:
-    """Decoupled PPO on GRPO advantages, the proximal policy recomputed before the update."""
-    return step.RLStepConfig(
-        objective=cfg.objective_name,
-        objective_cfg=cfg.objective,
-        prox="recompute",
-        temperature=cfg.temperature,
-        reward_norm=dataclasses.replace(normalize.GRPO, group_size=cfg.group_size),
-        group_size=cfg.group_size,
-        max_grad_norm=1.0,
-        mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
-    )
+def step_config(cfg: Config) -> step.StepConfig:
+    """Mechanics of the train step: token budget per micro-batch, the training temperature, the clip."""
+    t = cfg.temperature if cfg.train_temperature is None else cfg.train_temperature
+    return step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
+                           temperature=t, max_grad_norm=cfg.max_grad_norm)
 
 
 def build_loss_fn(cfg: Config) -> step.LossFn:
-    """The algorithm as a ``loss_fn(logp, mb)``: ``cfg.objective_name`` with ``cfg.objective`` (decoupled PPO)."""
-    return step.legacy_loss_fn(step_config(cfg))
+    """The algorithm as a ``loss_fn(logp (b t), mb) -> (loss, metrics)``: the surrogate ``cfg.objective`` on the
+    recomputed proximal log-probs, global token mean (``mb.denom``). ``ℓ^old`` follows spec §4.1: the engine's
+    log-probs for a decoupled objective (behaviour weight pi_prox / pi_behav), the recomputed ones for a coupled one."""
+    obj = cfg.objective
+
+    def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        behav = step.old_logp(mb, coupled_recompute=not obj.decoupled)
+        args = (logp, mb.logp_prox, behav, mb.adv, mb.loss_mask)
+        if isinstance(obj, gspo.GSPOConfig):
+            loss, m = gspo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
+        elif isinstance(obj, cispo.CISPOConfig):
+            loss, m = cispo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
+        else:
+            loss, m = ppo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
+        m["ppo_actor/entropy"] = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
+        return loss, m
+
+    return loss_fn
 
 
 def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], loss_fn: step.LossFn,
                 cfg: Config) -> tuple[train_state.TrainState, dict]:
-    """One RL step on a token-own trajectory dict (``b`` rows): proximal recompute -> GRPO advantages ->
+    """One RL step on a token-own trajectory dict (``b`` rows): proximal recompute -> rewards -> advantages ->
     ``train_step(loss_fn)``. It reads nothing but ``state``, ``batch`` and ``cfg``, so ``rlcore.replay``
     re-runs it from a record (and an ablation passes another ``loss_fn`` on the same samples)."""
-    rl = step_config(cfg)
-    scfg = step.StepConfig(mb=rl.mb, temperature=rl.temperature, max_grad_norm=rl.max_grad_norm)
-    data = TokenBatch.from_rollout(batch)
-    data = dataclasses.replace(data, logp_prox=step.policy_logp(state, data, cfg=scfg))
-    acfg = step.AdvantageConfig(reward_norm=rl.reward_norm, group_size=rl.group_size)
-    adv = step.compute_batch_advantages(data, cfg=acfg, logp_old=step.old_logp(data, coupled_recompute=False))
-    data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
+    scfg = step_config(cfg)
+    data = TokenBatch.from_rollout(batch)  # the single predictive shift
     version = state.version
+    # proximal log-probs: a no-grad forward of the weights about to be updated (the first, pre-update forward)
+    data = dataclasses.replace(data, logp_prox=step.policy_logp(state, data, cfg=scfg))
+    # rewards: the verifier's {0, 1} -> z-score within each group of G samples of one prompt (GRPO)
+    mask = data.loss_mask
+    reward_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
+    reward = shaping_lib.shape_rewards(data.rewards.float(), cfg=shaping_lib.ShapingConfig(), gen_len=mask.sum(1),
+                                       reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
+    # advantages: gamma = lambda = 1 and no critic, so every sampled token gets its row's normalised reward
+    truncated = torch.zeros_like(mask[:, 0]) if data.truncated is None else data.truncated.bool()
+    adv = gae_lib.compute_advantages(reward, mask, data.attention_mask.sum(1), truncated, cfg=gae_lib.GAEConfig(),
+                                     turn_ids=data.turn_ids)
+    data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
+    # loss_fn -> train_step: one optimizer step over all micro-batches
     state, m = step.train_step(state, data, loss_fn, cfg=scfg)
-    gen = data.loss_mask & (data.versions >= 0)
-    m["version_stats/staleness_max"] = torch.where(gen, version - data.versions, 0).max().float()
+    # off-policy diagnostics of the recompute forward against the engine's log-probs, by staleness
+    m |= offpolicy.step_metrics(data.logp_prox, data, version=version, cfg=cfg.offpolicy.diagnostics)
+    gen, stale = mask & (data.versions >= 0), (version - data.versions).float()
+    m["version_stats/staleness_max"] = torch.where(gen, stale, 0.0).max()
+    m["version_stats/staleness_mean"] = torch.where(gen, stale, 0.0).sum() / gen.sum().clamp(min=1)
+    m["ppo_actor/n_tokens"] = data.attention_mask.sum().float()
     return state, m
 
 
-def main(cfg: Config) -> dict[str, float]:
+def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]:
+    """Train for ``cfg.minutes``; ``loss_fn`` (default ``build_loss_fn(cfg)``) is the loss ``train_step`` applies."""
     # ------------------------------------------------------------------ setup
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -266,7 +305,10 @@ def main(cfg: Config) -> dict[str, float]:
     heldout = countdown.heldout_set(cfg.eval_prompts)
     # The recorder hashes the initial weights and stores the config; with resume it checks both and keeps the record.
     recorder = record.Recorder(cfg.record, config=cfg, experiment=__file__, state=state, resume=cfg.resume)
-    loss_fn = build_loss_fn(cfg)
+    if loss_fn is not None and cfg.record:
+        print(f"note: a custom loss_fn is not in the record; replay it with rlcore.replay.replay({cfg.record!r}, "
+              "loss_fn=...)", flush=True)
+    loss_fn = build_loss_fn(cfg) if loss_fn is None else loss_fn
     episode = workflows.rlvr(
         tok, countdown_reward.reward_fn,
         workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
@@ -301,6 +343,8 @@ def main(cfg: Config) -> dict[str, float]:
         next_eval = cfg.eval_every_s
         bar = tqdm(total=round(cfg.minutes * 60), unit="s", disable=not cfg.progress,
                    bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
+        # the staleness-0 mismatch warning, printed above the progress bar at most once every warn_every steps
+        monitor = offpolicy.Monitor(cfg.offpolicy, log=tqdm.write if cfg.progress else None)
         # ------------------------------------------------------------------ loop
         while state.step < cfg.max_steps and time.perf_counter() - t0 < cfg.minutes * 60:
             # rollout (bounded staleness): blocks until B groups are finished, informative or not
@@ -324,6 +368,8 @@ def main(cfg: Config) -> dict[str, float]:
                                 extra={"rollout": ctl.state_dict(), "record": recorder.state_dict()})
             elapsed = time.perf_counter() - t0
             m = {k: float(v) for k, v in m.items()} | roll | cores() | {"time/elapsed_s": elapsed}
+            if "offpolicy/abs_diff_mean" in m:  # a step that trained: its first forward against the engine's
+                m |= monitor.check(state.step, m)
             if elapsed >= next_eval:
                 next_eval += cfg.eval_every_s
                 hist.append((elapsed, state.step, greedy_success(models.hf_module(state.model), tok, heldout,
@@ -336,10 +382,13 @@ def main(cfg: Config) -> dict[str, float]:
                 f"stale {roll.get('rollout/staleness_head_mean', 0):.2f} "
                 f"gen {roll.get('rollout/gen_tokens_per_s', 0):.0f} tok/s "
                 f"train {m.get('perf/tokens_per_s', 0):.0f} tok/s wait {roll['time/wait_rollout_s']:.2f}s "
+                f"|dlogp| s0 {m.get('offpolicy/stale_0/abs_diff_mean', 0):.1e} "
+                f"all {m.get('offpolicy/abs_diff_mean', 0):.1e} oob {m.get('offpolicy/out_of_band_frac', 0):.1%} "
                 f"greedy {hist[-1][2]:.3f}"
             )
             out = {k: m[k] for k in ("rollout/reward", "version_stats/staleness_max", "perf/cores_busy",
-                                     "perf/cores_busy_trainer", "perf/cores_busy_engine") if k in m}
+                                     "perf/cores_busy_trainer", "perf/cores_busy_engine", "offpolicy/abs_diff_mean",
+                                     "offpolicy/stale_0/abs_diff_mean") if k in m}
         bar.close()
         # ------------------------------------------------------------------ final eval
         elapsed = time.perf_counter() - t0
@@ -357,6 +406,7 @@ def main(cfg: Config) -> dict[str, float]:
         "greedy_success_start": hist[0][2],
         "greedy_success_end": sum(last) / len(last),
         "greedy_success_gain": sum(last) / len(last) - hist[0][2],
+        "offpolicy/warning_steps": float(monitor.fired),  # steps whose staleness-0 tokens disagreed (see offpolicy/*)
     }
     print(" ".join(f"{k}={v:.4g}" for k, v in out.items()), flush=True)
     for t, s, g in hist:

@@ -263,5 +263,6 @@ plt.show()
 # %% [markdown]
 # Takeaways: the objectives agree exactly on-policy and differ only in how they treat tokens whose ratio has
 # drifted; the keep-masks act *before* the objective on the engine/trainer mismatch, so any mask composes
-# with any objective (`RLStepConfig(objective=..., keep_masks=(...))` in `rlcore.training.step`).
+# with any objective: an experiment's `loss_fn` calls the mask, then the objective on the kept tokens (e.g.
+# `make_loss_fn` in experiments/gsm8k_grpo.py), and `train_step(state, batch, loss_fn)` applies it.
 # The formulas and AReaL parity notes are in docs/algorithms.md.

@@ -169,3 +169,47 @@ if not (FULL or RESULTS):
 #   core; `stale mean` / `stale max` show the staleness each cell really trained on;
 # * `naive` makes one forward per minibatch, `recompute` one more per step (the proximal forward), `loglinear`
 #   none: the equal wall-clock view charges that cost, the equal-samples view does not.
+
+# %% [markdown]
+# ## Your own objective in the ablation: pass the function
+#
+# An objective is a `loss_fn(logp, mb) -> (loss, metrics)` that the train step applies as it is; nothing is
+# registered or looked up by name. Two ways to put a new one next to the three above, shown here with a
+# *sequence-level* naive variant (the ratio to the behaviour policy taken per sequence, GSPO-style, no weight):
+#
+# * train the main job with it: `tiny_cpu.main(dataclasses.replace(cfg, max_staleness=eta), loss_fn=my_loss_fn)`;
+# * or, with the sampling noise removed, train it on the *identical samples* of a recorded asynchronous run:
+#   `rlcore.replay.replay(record_dir, loss_fn=my_loss_fn)` re-runs the recorded batches with no engine
+#   (docs/replay.md). Below: a short `eta = 2` run of the main job recorded with its own decoupled PPO loss,
+#   then the new loss on the same batches (tiny setting: 3 steps).
+
+# %%
+from rlcore import replay as replay_lib
+from rlcore.objectives import gspo
+
+spec = importlib.util.spec_from_file_location("tiny_cpu", ROOT / "experiments" / "tiny_cpu.py")
+tiny_cpu = importlib.util.module_from_spec(spec)
+sys.modules["tiny_cpu"] = tiny_cpu  # dataclasses resolve annotations through sys.modules
+spec.loader.exec_module(tiny_cpu)
+
+NAIVE_SEQ = gspo.GSPOConfig(clip_low=0.2, clip_high=0.2, decoupled=False)
+
+
+def naive_sequence_ppo(logp, mb):
+    """GSPO's sequence ratio taken against the engine's log-probs themselves: no proximal policy, no weight."""
+    return gspo.loss(logp, mb.logp_behav, mb.logp_behav, mb.adv, mb.loss_mask, cfg=NAIVE_SEQ, denom=mb.n_tokens)
+
+
+record_dir = Path(tempfile.mkdtemp(prefix="rlcore_nb_record_"))
+rec_cfg = dataclasses.replace(
+    tiny_cpu.SMOKE if not FULL else tiny_cpu.Config(eval_prompts=200, progress=False),
+    max_staleness=2, max_steps=3 if not FULL else 100, minutes=5.0, record=str(record_dir),
+    log_dir=str(record_dir / "tb"), engine="thread",
+)
+own = tiny_cpu.main(rec_cfg)  # the main job's own loss (decoupled PPO), every step recorded
+same = replay_lib.replay(record_dir, out=lambda line: None)  # bit for bit: the record reproduces
+new = replay_lib.replay(record_dir, loss_fn=naive_sequence_ppo, out=lambda line: None)  # the new loss, same samples
+assert same.checked and not new.checked and new.steps == same.steps and same.sha256 != new.sha256
+display(Markdown("| step | decoupled PPO loss (recorded run) | naive sequence PPO loss (same samples) |\n|---|---:|---:|\n"
+                 + "\n".join(f"| {s} | {a:+.4f} | {b:+.4f} |" for s, a, b in zip(same.steps, same.losses, new.losses))))
+shutil.rmtree(record_dir)

@@ -23,9 +23,9 @@
 #
 # This notebook (1) writes a new objective in a cell, (2) property-tests it with the project's hypothesis
 # strategies (`tests/strategies.py`) the same way `tests/objectives/` tests the shipped ones, and (3) trains the
-# CPU main job with it for a few steps by registering it in the plain dict `rlcore.objectives.OBJECTIVES`
-# (the documented extension point: `rlcore.training.step.rl_step` looks the objective up by the name in
-# `RLStepConfig.objective`).
+# CPU main job with it for a few steps by *passing the function*: `train_step(state, batch, loss_fn)` applies
+# whatever `loss_fn(logp, mb) -> (loss, metrics)` it is given, and the main job hands its `loss_fn` argument
+# straight to it (`tiny_cpu.main(cfg, loss_fn=...)`). Nothing is registered, no name is looked up.
 #
 # **Run.** Tiny setting (CI, under 30 s): execute as is (25 hypothesis examples per property, 2 RL steps on
 # the smoke configuration). Full setting (200 examples per property, 20 RL steps of the real configuration;
@@ -121,7 +121,7 @@ def penalty_pg_loss(
 # %%
 from torch.func import grad, vmap
 
-from rlcore.objectives import OBJECTIVES, ppo
+from rlcore.objectives import ppo
 
 log_r = torch.linspace(-1.5, 1.5, 241)
 ON = torch.ones(1, 1, dtype=torch.bool)
@@ -222,26 +222,21 @@ for prop in (test_masked_tokens_get_zero_grad, test_padding_invariance,
 # %% [markdown]
 # ## 3. Train the main job with it
 #
-# `rl_step` resolves `RLStepConfig.objective` in `OBJECTIVES`, a plain `name -> (ConfigClass, loss_fn)` dict, and
-# passes `RLStepConfig.objective_cfg` to the loss, so registering the pair under a new name is the extension
-# point: `OBJECTIVES["penalty_pg"] = (PenaltyPGConfig, penalty_pg_loss)`. The registration lives in this kernel,
-# which is enough because the main job (`experiments/tiny_cpu.py`) trains in-process.
+# The train step takes a loss *function*: `rlcore.training.step.train_step(state, batch, loss_fn, cfg=...)` runs
+# the forward, calls `loss_fn(logp, mb)` on every micro-batch (`logp` with gradient; `mb` a
+# `rlcore.types.TokenBatch` carrying the engine's `logp_behav`, the recomputed `logp_prox`, the advantages `adv`,
+# `loss_mask` and the GLOBAL token count `n_tokens`), then backpropagates, clips and steps the optimizer. So the
+# new objective needs three plain lines to become a `loss_fn`; the main job (`experiments/tiny_cpu.py`) passes
+# its `loss_fn=` argument to `train_step` unchanged. Every other piece is the unchanged main job: the engine,
+# the rollout controller with staleness 1, GRPO advantages, weight publishing, the off-policy diagnostics.
 #
-# `tiny_cpu.Config` exposes the objective's *config* (`objective=`) but its step always asks for the name
-# `"ppo"`, so for this demo the entry `"ppo"` is pointed at the new objective for the duration of the run and
-# restored afterwards (`swap_objective` below). Every other piece is the unchanged main job: embedded engine,
-# rollout controller with staleness 1, GRPO advantages, weight publishing.
-#
-# One caveat when reading the logged metrics: the main job takes one optimizer step per batch
-# (`ppo_n_minibatches=1`) and recomputes `pi_prox` just before it, so `r = 1` at the update, the penalty term
-# is zero and only the behaviour weight acts. The penalty (like PPO's clip) matters with several minibatches.
+# One caveat when reading the logged metrics: the main job takes one optimizer step per batch and recomputes
+# `pi_prox` just before it, so `r = 1` at the update, the penalty term is zero and only the behaviour weight
+# acts. The penalty (like PPO's clip) matters with several minibatches.
 
 # %%
-import contextlib
 import importlib.util
 import tempfile
-
-OBJECTIVES["penalty_pg"] = (PenaltyPGConfig, penalty_pg_loss)
 
 spec = importlib.util.spec_from_file_location("tiny_cpu", ROOT / "experiments" / "tiny_cpu.py")
 tiny_cpu = importlib.util.module_from_spec(spec)
@@ -249,28 +244,23 @@ sys.modules["tiny_cpu"] = tiny_cpu  # dataclasses resolve annotations through sy
 spec.loader.exec_module(tiny_cpu)
 
 
-@contextlib.contextmanager
-def swap_objective(name, entry):
-    """Point OBJECTIVES[name] at ``entry`` inside the block; restore the original afterwards."""
-    saved = OBJECTIVES[name]
-    OBJECTIVES[name] = entry
-    try:
-        yield
-    finally:
-        OBJECTIVES[name] = saved
+def penalty_pg_loss_fn(cfg: PenaltyPGConfig):
+    """The objective as the train step's ``loss_fn(logp (b t), mb)``, normalised by the minibatch-global count."""
+
+    def loss_fn(logp, mb):
+        return penalty_pg_loss(logp, mb.logp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=cfg, denom=mb.n_tokens)
+
+    return loss_fn
 
 
 steps = 20 if FULL else 2
 cfg = dataclasses.replace(
     tiny_cpu.SMOKE if not FULL else tiny_cpu.Config(eval_prompts=200, progress=False),
-    objective=PenaltyPGConfig(beta=4.0),
     max_steps=steps,
     minutes=5.0,
     log_dir=tempfile.mkdtemp(prefix="rlcore_nb_penalty_pg_"),
 )
-with swap_objective("ppo", OBJECTIVES["penalty_pg"]):
-    out = tiny_cpu.main(cfg)
-assert OBJECTIVES["ppo"][1] is ppo.loss  # restored
+out = tiny_cpu.main(cfg, loss_fn=penalty_pg_loss_fn(PenaltyPGConfig(beta=4.0)))
 print(out)
 assert out["steps"] >= 1 and all(v == v for v in out.values()), out  # trained, nothing NaN
 
@@ -283,12 +273,15 @@ ea = EventAccumulator(cfg.log_dir, size_guidance={"scalars": 0})
 ea.Reload()
 tags = ea.Tags()["scalars"]
 assert "penalty_pg/behav_weight" in tags, "the step logged the custom objective's metrics"
-for tag in ("rollout/reward", "penalty_pg/importance_weight", "penalty_pg/behav_weight", "ppo_actor/grad_norm"):
+for tag in ("rollout/reward", "penalty_pg/importance_weight", "penalty_pg/behav_weight", "train/grad_norm"):
     print(f"{tag:32s}", [round(e.value, 3) for e in ea.Scalars(tag)])
 shutil.rmtree(cfg.log_dir)  # a scratch run
 
 # %% [markdown]
-# The objective's own metrics (`penalty_pg/*`) went through `rl_step` into TensorBoard next to the runtime's,
-# with no other change. To ship it: move the config and the loss into `rlcore/objectives/penalty_pg.py`, add
-# the entry to `OBJECTIVES` in `rlcore/objectives/__init__.py`, and move the properties above into
-# `tests/objectives/test_penalty_pg.py`.
+# The objective's own metrics (`penalty_pg/*`) went through `train_step` into TensorBoard next to the runtime's,
+# with no other change. The same function trains a recorded run's identical samples for a controlled ablation
+# (`rlcore.replay.replay(record_dir, loss_fn=penalty_pg_loss_fn(PenaltyPGConfig()))`, docs/replay.md). To ship
+# it: move the config and the loss into `rlcore/objectives/penalty_pg.py` (a leaf: torch only), the properties
+# above into `tests/objectives/test_penalty_pg.py`, and, to select it from the command line, add its config to
+# the `objective` union of the experiment that should offer it, with one more `isinstance` branch in that
+# experiment's `build_loss_fn` / `make_loss_fn`.

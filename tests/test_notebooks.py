@@ -31,6 +31,7 @@ EXPECTED = {
     "objective_geometry": ({"nb_objective_geometry.png", "nb_objective_masks.png"}, set()),
     "write_your_own_objective": (set(), set()),
     "staleness_ablation": (set(), {"nb_staleness.png"}),  # the docs figure is written by the full setting only
+    "offpolicy_diagnostics": (set(), {"nb_offpolicy.png"}),  # likewise
 }
 
 

@@ -1,0 +1,167 @@
+"""Off-policy diagnostics of an RL step: the trainer-vs-engine log-prob mismatch on the FIRST (pre-update) forward.
+
+``rlcore.diagnostics.offpolicy_metrics`` is the pure measurement; this module feeds it from a training step and
+turns its staleness-0 number into a rate-limited warning (``rlcore.diagnostics.mismatch_warning``).
+
+Which forward is "first": the proximal recompute (``step.policy_logp``) when the experiment makes one, since it
+runs on the weights the engine tags as ``state.version``, before any update. Without a recompute (coupled PPO on
+the engine's log-probs) it is ``train_step``'s own forward: inside ONE ``train_step`` call every micro-batch is
+forwarded before the optimizer steps, so a ``loss_fn`` wrapped by :func:`first_forward` sees exactly the
+pre-update log-probs of every row of that minibatch. With several PPO minibatches wrap the first call only
+(the later ones run on already-updated weights).
+
+The few lines an experiment writes (experiments/tiny_cpu.py, experiments/gpu_learning_run.py)::
+
+    monitor = offpolicy.Monitor(cfg.offpolicy)                           # once, at setup
+    ...
+    version = state.version                                             # before train_step
+    if batch.logp_prox is not None:                                     # decoupled: the recompute forward
+        state, m = step.train_step(state, batch, loss_fn, cfg=step_cfg)
+        m |= monitor(state.step, batch.logp_prox, batch, version=version)
+    else:                                                               # coupled: train_step's first forward
+        seen = offpolicy.first_forward(loss_fn)
+        state, m = step.train_step(state, batch, seen, cfg=step_cfg)
+        m |= monitor(state.step, *seen.logp_and_batch(), version=version)
+
+A pure train function (tiny_cpu's replayable ``train_batch``) returns :func:`step_metrics` instead, and the loop
+calls ``monitor.check(step, metrics)`` for the warning. docs/offpolicy.md lists the keys.
+
+Every call returns ``offpolicy/*`` floats (keys in ``rlcore.diagnostics``) plus ``offpolicy/warning`` (1.0 when
+the staleness-0 mismatch exceeds the threshold, else 0.0) for TensorBoard; the warning text goes to ``log``
+(default: stdout; also the ``rlcore.offpolicy`` logger) at most once every ``warn_every`` steps, and
+``Monitor.warnings`` keeps every ``(step, text)`` it printed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlcore.diagnostics import DiagnosticsConfig, mismatch_warning, offpolicy_metrics
+from rlcore.types import TokenBatch
+
+LOG = logging.getLogger("rlcore.offpolicy")
+LossFn = Callable[[Tensor, TokenBatch], tuple[Tensor, Mapping[str, Any]]]
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """Off-policy diagnostics of every RL step (issue 19.3)."""
+
+    diagnostics: DiagnosticsConfig = DiagnosticsConfig()
+    """Ratio band, staleness buckets, position buckets and quantiles of the mismatch metrics."""
+    warn_threshold: float = 0.05
+    """Warn when tokens sampled by the CURRENT weights (staleness 0) differ from the trainer's log-probs by more
+    than this many nats on average (float32 engine and trainer agree to ~1e-6; a bf16 engine to ~1e-2)."""
+    warn_every: int = 100
+    """Print the warning at most once every this many steps (``offpolicy/warning`` is logged every step)."""
+
+    def __post_init__(self) -> None:
+        if not self.warn_threshold > 0:
+            raise ValueError(f"OffPolicyConfig.warn_threshold must be > 0 nats, got {self.warn_threshold}; e.g. 0.05")
+        if self.warn_every < 1:
+            raise ValueError(f"OffPolicyConfig.warn_every must be >= 1 step, got {self.warn_every}")
+
+
+def staleness(batch: TokenBatch, version: int) -> Tensor:
+    """``(b t)`` int: ``version − batch.versions`` on sampled tokens (0 where a token has no version)."""
+    if batch.versions is None:
+        return torch.zeros_like(batch.loss_mask, dtype=torch.long)
+    v = batch.versions.long()
+    return torch.where(v >= 0, version - v, torch.zeros_like(v)).clamp(min=0)
+
+
+def step_metrics(
+    logp: Tensor, batch: TokenBatch, *, version: int, cfg: DiagnosticsConfig = DiagnosticsConfig()
+) -> dict[str, Tensor]:
+    """``offpolicy_metrics`` of the trainer's ``logp`` ``(b t)`` against ``batch.logp_behav`` on ``batch.loss_mask``,
+    bucketed by the staleness of each token at trainer weight ``version``."""
+    if batch.logp_behav is None:
+        raise ValueError("off-policy diagnostics need TokenBatch.logp_behav (the engine's log-probs of the samples)")
+    dev = logp.device
+    return offpolicy_metrics(logp, batch.logp_behav.to(dev), batch.loss_mask.to(dev),
+                             staleness=staleness(batch, version).to(dev), cfg=cfg)
+
+
+class FirstForward:
+    """A ``loss_fn`` that records the detached ``(b t)`` log-probs and micro-batch of every call, then defers to
+    the wrapped one. Within one ``train_step`` call those are the pre-update log-probs of all its rows."""
+
+    def __init__(self, loss_fn: LossFn):
+        self.loss_fn = loss_fn
+        self.parts: list[tuple[Tensor, TokenBatch]] = []
+
+    def __call__(self, logp: Tensor, mb: TokenBatch) -> tuple[Tensor, Mapping[str, Any]]:
+        self.parts.append((logp.detach().cpu(), mb))
+        return self.loss_fn(logp, mb)
+
+    def logp_and_batch(self) -> tuple[Tensor, TokenBatch]:
+        """The recorded micro-batches stacked into one right-padded ``(b t)`` batch (rows in micro-batch order,
+        not the caller's: every metric here is a per-token or per-row statistic, so order does not matter)."""
+        if not self.parts:
+            raise RuntimeError("first_forward(loss_fn) was never called: pass it to train_step before reading it")
+        width = max(lp.shape[1] for lp, _ in self.parts)
+
+        def pad(x: Tensor, fill: float | int | bool) -> Tensor:
+            x = x.cpu()
+            return torch.cat([x, torch.full((x.shape[0], width - x.shape[1]), fill, dtype=x.dtype)], 1)
+
+        def cat(name: str, fill: float | int | bool) -> Tensor | None:
+            xs = [getattr(mb, name) for _, mb in self.parts]
+            return None if any(x is None for x in xs) else torch.cat([pad(x, fill) for x in xs])
+
+        logp = torch.cat([pad(lp, 0.0) for lp, _ in self.parts])
+        ids = cat("input_ids", 0)
+        batch = TokenBatch(input_ids=ids, targets=cat("targets", 0), attention_mask=cat("attention_mask", False),
+                           loss_mask=cat("loss_mask", False), logp_behav=cat("logp_behav", 0.0),
+                           versions=cat("versions", -1))
+        return logp, batch
+
+
+def first_forward(loss_fn: LossFn) -> FirstForward:
+    """Wrap ``loss_fn`` so the next ``train_step`` call's (pre-update) log-probs can be read back afterwards."""
+    return FirstForward(loss_fn)
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)
+
+
+@dataclass
+class Monitor:
+    """Per-step off-policy metrics plus the rate-limited staleness-0 mismatch warning."""
+
+    cfg: OffPolicyConfig = OffPolicyConfig()
+    log: Callable[[str], None] | None = None
+    """Where the warning text goes (default: stdout; e.g. ``tqdm.write``). It is also logged at INFO level to the
+    ``rlcore.offpolicy`` logger."""
+    warnings: list[tuple[int, str]] = field(default_factory=list)
+    """Every ``(step, text)`` printed so far."""
+    fired: int = 0
+    """Steps whose staleness-0 mismatch exceeded the threshold (printed or not)."""
+
+    def __call__(self, step: int, logp: Tensor, batch: TokenBatch, *, version: int) -> dict[str, float]:
+        """Metrics of this step's first forward ``logp`` ``(b t)`` on ``batch`` at trainer weight ``version``."""
+        return self.check(step, step_metrics(logp, batch, version=version, cfg=self.cfg.diagnostics))
+
+    def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """The warning part alone, on metrics a step already computed with :func:`step_metrics` (a pure train
+        function returns them; the experiment's loop owns this stateful monitor). Returns the ``offpolicy/*``
+        floats of ``metrics`` plus ``offpolicy/warning``."""
+        m = {k: float(v) for k, v in metrics.items() if k.startswith("offpolicy/")}
+        msg = mismatch_warning(m, self.cfg.warn_threshold)
+        if msg is not None:
+            self.fired += 1
+            if not self.warnings or step - self.warnings[-1][0] >= self.cfg.warn_every:
+                text = f"[step {step}] WARNING {msg}"
+                self.warnings.append((step, text))
+                LOG.info(text)  # for applications that route logging; the text itself goes to ``log``
+                (self.log or _print)(text)
+        return m | {"offpolicy/warning": float(msg is not None)}
+
+__all__ = ["OffPolicyConfig", "FirstForward", "Monitor", "first_forward", "staleness", "step_metrics"]

@@ -1,0 +1,86 @@
+"""rlcore.training.offpolicy: the first (pre-update) forward's mismatch metrics, staleness buckets and the warning."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlcore.data import microbatch
+from rlcore.diagnostics import DiagnosticsConfig
+from rlcore.objectives import ppo
+from rlcore.training import offpolicy, step
+from rlcore.types import TokenBatch
+from tests.training import test_step as common
+
+
+def _on_policy_batch(state, seed=0, temperature=1.0, stale=False):
+    """A batch whose behaviour log-probs are the policy's own at ``temperature`` (an engine that agrees)."""
+    tb = TokenBatch.from_rollout(common.make_batch(seed, n=8, stale=stale))
+    behav = step.policy_logp(state, tb, cfg=step.StepConfig(temperature=temperature))
+    return dataclasses.replace(tb, logp_behav=torch.where(tb.loss_mask, behav, 0.0), adv=torch.randn(tb.loss_mask.shape))
+
+
+def _ppo_loss_fn(logp, mb):
+    return ppo.loss(logp, mb.logp_behav, mb.logp_behav, mb.adv, mb.loss_mask, cfg=ppo.PPOConfig(decoupled=False),
+                    denom=mb.n_tokens)
+
+
+def test_first_forward_of_train_step_equals_the_recompute_forward():
+    """Three micro-batches of train_step, read back through first_forward: the same metrics as a no-grad
+    policy_logp on the pre-update weights (the rows come back in another order; nothing depends on it)."""
+    st = common.fresh_state()
+    tb = _on_policy_batch(st, stale=True)
+    tb = dataclasses.replace(tb, logp_behav=tb.logp_behav + 0.3 * torch.randn(tb.loss_mask.shape))
+    want = offpolicy.step_metrics(step.policy_logp(st, tb), tb, version=2)
+    seen = offpolicy.first_forward(_ppo_loss_fn)
+    scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=20))
+    st2, _ = step.train_step(st, tb, seen, cfg=scfg)
+    assert len(seen.parts) >= 3 and st2.step == 1
+    got = offpolicy.step_metrics(*seen.logp_and_batch(), version=2)
+    assert set(got) == set(want)
+    for k in want:
+        assert float(got[k]) == pytest.approx(float(want[k]), abs=1e-5), k
+    assert float(want["offpolicy/stale_1/frac_tokens"]) > 0 and float(want["offpolicy/abs_diff_mean"]) > 0.1
+
+
+def test_staleness_buckets_follow_the_token_versions():
+    st = common.fresh_state()
+    tb = _on_policy_batch(st, seed=3, stale=True)  # versions 0..2 per row
+    m = offpolicy.step_metrics(step.policy_logp(st, tb), tb, version=2, cfg=DiagnosticsConfig(max_staleness=2))
+    gen = tb.loss_mask & (tb.versions >= 0)
+    for s in range(3):
+        frac = float(((2 - tb.versions == s) & gen).sum() / gen.sum())
+        assert float(m[f"offpolicy/stale_{s if s < 2 else '2+'}/frac_tokens"]) == pytest.approx(frac)
+    assert float(m["offpolicy/abs_diff_max"]) < 1e-5  # the same weights: only numerics differ
+
+
+@pytest.mark.parametrize("train_temperature,warns", [(1.0, False), (0.5, True)])
+def test_temperature_mismatch_warns_once_per_n_steps(train_temperature, warns):
+    """Engine samples at T=1; a trainer at T=0.5 disagrees (random tiny model: ~0.11 nats) on staleness-0 tokens -> the warning names the cause."""
+    st = common.fresh_state()
+    tb = _on_policy_batch(st, temperature=1.0)
+    printed = []
+    mon = offpolicy.Monitor(offpolicy.OffPolicyConfig(warn_every=3), log=printed.append)
+    for k in range(7):
+        logp = step.policy_logp(st, tb, cfg=step.StepConfig(temperature=train_temperature))
+        m = mon(k, logp, tb, version=0)
+        assert m["offpolicy/warning"] == float(warns)
+    assert mon.fired == (7 if warns else 0)
+    assert [s for s, _ in mon.warnings] == ([0, 3, 6] if warns else [])
+    assert len(printed) == len(mon.warnings)
+    if warns:
+        assert "temperature" in printed[0] and "[step 0]" in printed[0]
+
+
+def test_bad_input_names_the_field():
+    with pytest.raises(ValueError, match="warn_threshold"):
+        offpolicy.OffPolicyConfig(warn_threshold=0.0)
+    with pytest.raises(ValueError, match="warn_every"):
+        offpolicy.OffPolicyConfig(warn_every=0)
+    tb = TokenBatch.from_rollout({k: v for k, v in common.make_batch(1).items() if k != "logprobs"})
+    with pytest.raises(ValueError, match="logp_behav"):
+        offpolicy.step_metrics(torch.zeros(tb.loss_mask.shape), tb, version=0)
+    with pytest.raises(RuntimeError, match="never called"):
+        offpolicy.first_forward(_ppo_loss_fn).logp_and_batch()
