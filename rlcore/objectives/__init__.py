@@ -4,13 +4,18 @@ Token objectives share one signature (house style rule 2) and can stand in for e
 
     loss(logp, logp_prox, logp_behav, adv, mask, *, cfg, denom=None, **unused) -> (loss, metrics)
 
-``OBJECTIVES[name] -> (ConfigClass, loss_fn)`` selects one by name; ``MASKS[name] -> (ConfigClass, keep_mask)``
-likewise for the keep-masks ``keep_mask(logp_prox, logp_behav, mask, *, cfg) -> (keep, weight, metrics)``, which the
-train step applies before calling the loss (so any mask composes with any objective). ``weight (b t)`` is the factor
-the mask puts on the objective's own behaviour weight: 1 for pure masks (IcePop, KPop, M2PO, token-level rejection
-masks), the TIS clamp / sequence geometric-mean factor for ``rejection`` configs with ``carries_weight``.
-``rejection.process`` returns the processed behaviour weight itself (pass it as ``weight=`` to ``ppo.loss``,
-``gspo.loss`` or ``cispo.loss``). Plain dicts, no registry. Formulas, knobs and AReaL deviations: docs/algorithms.md.
+Keep-masks share one signature too: ``keep_mask(logp_prox, logp_behav, mask, *, cfg) -> (keep, weight, metrics)``
+(IcePop, KPop, M2PO, rejection). ``weight (b t)`` is the factor the mask puts on the objective's own behaviour
+weight: 1 for pure masks (IcePop, KPop, M2PO, token-level rejection masks), the TIS clamp / sequence geometric-mean
+factor for ``rejection`` configs with ``carries_weight``. ``rejection.process`` returns the processed behaviour
+weight itself (pass it as ``weight=`` to ``ppo.loss``, ``gspo.loss`` or ``cispo.loss``). An experiment composes
+them in its own ``loss_fn`` with plain Python and hands that function to ``rlcore.training.step.train_step``.
+Formulas, knobs and AReaL deviations: docs/algorithms.md.
+
+``OBJECTIVES[name] -> (ConfigClass, loss_fn)`` and ``MASKS[name] -> (ConfigClass, keep_mask)`` are kept as a
+convenience for notebooks and tests that sweep over every objective or mask (plain dicts, editable). Nothing in
+the runtime (``rlcore.training``, ``rlcore.rollout``, ``rlcore.inference``) reads them: registering a name changes
+no training run; passing the function in a ``loss_fn`` does.
 
 Non-token objectives (their own signatures, see docs/advantages.md): ``kl.estimate``/``kl.penalty``,
 ``entropy.from_logits``/``entropy.masked_mean``, ``value.loss`` (clipped critic), ``dpo.loss``,

@@ -16,8 +16,8 @@ an RL step needs is a small function the experiment calls explicitly, before ``t
 :func:`old_logp` (which tensor is ``ℓ^old``, spec §4.1), :func:`compute_batch_advantages`, :func:`minibatches`,
 and the critic update is ``train_step(state, batch, value_loss_fn(cfg), cfg=StepConfig(module="critic"))``.
 
-``rl_step`` / ``sft_step`` / ``dpo_step`` / ``rm_step`` are deprecated compatibility wrappers built on these
-pieces (``legacy_loss_fn`` turns an ``RLStepConfig`` into a ``loss_fn``); there is one code path.
+SFT, DPO and reward models are ``train_step`` with :func:`sft_loss_fn`, :func:`dpo_loss_fn`, :func:`rm_loss_fn`.
+No objective or mask is looked up by name or type here: the loss is the function the experiment passes.
 
 Ordering / concurrency: a step must not run while ``weight_sync.publish_weights`` reads the parameters; the
 training loop calls them one after the other on every rank. Every rank must call ``train_step`` and the
@@ -27,7 +27,6 @@ forward helpers the same number of times (they run collectives under FSDP).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -41,17 +40,15 @@ from torch import Tensor, nn
 
 from rlcore.advantages import gae as gae_lib
 from rlcore.advantages import normalize as norm_lib
-from rlcore.advantages import prox as prox_lib
 from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import microbatch, packing
-from rlcore.objectives import distill as distill_lib
 from rlcore.objectives import dpo as dpo_lib
 from rlcore.objectives import reward_model as rm_lib
 from rlcore.objectives import sft as sft_lib
 from rlcore.objectives import value as value_lib
 from rlcore.training import fsdp
 from rlcore.training.train_state import TrainState
-from rlcore.types import RolloutBatch, TokenBatch
+from rlcore.types import TokenBatch
 
 Metrics = dict[str, Tensor | float]
 LossFn = Callable[[Tensor, TokenBatch], tuple[Tensor, Mapping[str, Any]]]
@@ -106,95 +103,6 @@ class AdvantageConfig:
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise ValueError(f"AdvantageConfig.group_size must be >= 1, got {self.group_size}")
-
-
-@dataclass(frozen=True)
-class RLStepConfig:
-    """Everything one RL training step needs besides the state and the batch."""
-
-    objective: str = "ppo"
-    """Key of ``rlcore.objectives.OBJECTIVES`` (ppo, grpo, dapo, gspo, sapo, cispo, ...)."""
-    objective_cfg: Any = None
-    """Instance of that objective's config class; None uses its defaults."""
-    keep_masks: tuple[Any, ...] = ()
-    """Off-policy keep-mask configs (configs of ``rlcore.objectives.MASKS``: IcePop, KPop, M2PO, rejection),
-    applied in order; masked tokens leave the numerator only (the denominator is the pre-mask count)."""
-    prox: Literal["recompute", "interpolate", "behav"] = "recompute"
-    """Proximal log-probs: a no-grad forward before the update, version interpolation
-    (``prox_cfg``, no extra forward), or the behaviour log-probs (coupled PPO on engine log-probs)."""
-    prox_cfg: prox_lib.ProxConfig = prox_lib.ProxConfig()
-    """Interpolation settings when ``prox='interpolate'``."""
-    temperature: float = 1.0
-    """Training softmax temperature; must equal the sampling temperature."""
-    gae: gae_lib.GAEConfig = gae_lib.GAEConfig()
-    """GAE / KL-in-reward settings (γ = λ = 1 and no KL reproduce GRPO-style returns)."""
-    shaping: shaping_lib.ShapingConfig | None = None
-    """Reward bias/scale/clip and overlong penalty (spec §2); None leaves rewards as they are."""
-    reward_norm: norm_lib.NormConfig | None = None
-    """Reward normalisation (e.g. ``normalize.GRPO``); groups are ``group_size`` consecutive rows."""
-    adv_norm: norm_lib.NormConfig | None = None
-    """Advantage normalisation over the masked tokens (e.g. ``normalize.BATCH_ZSCORE``)."""
-    group_size: int = 1
-    """Rows per prompt group (samples per prompt) for group normalisation."""
-    ppo_n_minibatches: int = 1
-    """Actor optimizer steps per training step."""
-    critic_n_minibatches: int = 1
-    """Critic optimizer steps per training step."""
-    mb: microbatch.MicroBatchConfig = microbatch.MicroBatchConfig()
-    """Micro-batch budget and allocator."""
-    pad_to_multiple: int | None = None
-    """Pad each packed micro-batch to a multiple of this many tokens (e.g. 256 on GPUs)."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping (non-finite norms still skip the step)."""
-    value_cfg: value_lib.ValueConfig = value_lib.ValueConfig()
-    """Clipped value loss settings for the critic."""
-    distill_cfg: distill_lib.DistillConfig | None = None
-    """On-policy distillation term; needs a ``teacher`` module passed to ``rl_step``."""
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"RLStepConfig.temperature must be > 0, got {self.temperature}")
-        if self.ppo_n_minibatches < 1 or self.critic_n_minibatches < 1:
-            raise ValueError("RLStepConfig.ppo_n_minibatches and critic_n_minibatches must be >= 1")
-        if self.group_size < 1:
-            raise ValueError(f"RLStepConfig.group_size must be >= 1, got {self.group_size}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"RLStepConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
-
-
-@dataclass(frozen=True)
-class SFTStepConfig:
-    """Supervised fine-tuning step (masked NLL, spec §13.3)."""
-
-    sft: sft_lib.SFTConfig = sft_lib.SFTConfig()
-    """NLL settings."""
-    mb: microbatch.MicroBatchConfig = microbatch.MicroBatchConfig()
-    """Micro-batch budget and allocator."""
-    pad_to_multiple: int | None = None
-    """Pad each packed micro-batch to a multiple of this many tokens."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping."""
-    temperature: float = 1.0
-    """Softmax temperature of the trained log-probs."""
-
-
-@dataclass(frozen=True)
-class PairStepConfig:
-    """DPO / reward-model step over interleaved pairs ``[chosen_0, rejected_0, chosen_1, ...]``."""
-
-    dpo: dpo_lib.DPOConfig = dpo_lib.DPOConfig()
-    """DPO / IPO settings (unused by ``rm_step``)."""
-    mb: microbatch.MicroBatchConfig = microbatch.MicroBatchConfig(granularity=2)
-    """Micro-batch budget; ``granularity`` must be even so pairs stay together."""
-    pad_to_multiple: int | None = None
-    """Pad each packed micro-batch to a multiple of this many tokens."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping."""
-
-    def __post_init__(self) -> None:
-        if self.mb.granularity % 2:
-            raise ValueError(f"PairStepConfig.mb.granularity must be even to keep pairs together, got {self.mb.granularity}")
-
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -594,240 +502,9 @@ def rm_loss_fn(*, n_pairs: Tensor | float) -> LossFn:
 
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Deprecated compatibility layer: RLStepConfig -> loss_fn, and the old step functions on top of train_step
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _objective(cfg: RLStepConfig) -> tuple[Callable, Any]:
-    from rlcore.objectives import OBJECTIVES  # legacy only: the new API passes the function itself
-
-    if cfg.objective not in OBJECTIVES:
-        raise KeyError(f"RLStepConfig.objective={cfg.objective!r} is not in OBJECTIVES {sorted(OBJECTIVES)}")
-    cfg_cls, fn = OBJECTIVES[cfg.objective]
-    return fn, (cfg.objective_cfg if cfg.objective_cfg is not None else cfg_cls())
-
-
-def _keep_mask_fn(mask_cfg: Any) -> Callable:
-    """The mask function of a keep-mask config (legacy lookup by config class): ``(keep, factor, metrics)`` where
-    ``factor`` multiplies the objective's own behaviour weight ``exp(prox - behav)`` (1 for pure masks)."""
-    from rlcore.objectives import MASKS
-
-    for cfg_cls, fn in MASKS.values():
-        if type(mask_cfg) is cfg_cls:
-            return fn
-    names = sorted(c.__name__ for c, _ in MASKS.values())
-    raise TypeError(f"RLStepConfig.keep_masks: {type(mask_cfg).__name__} is not a keep-mask config; use one of {names}")
-
-
-def _coupled_recompute(cfg: RLStepConfig, obj_cfg: Any) -> bool:
-    """Coupled PPO on recomputed log-probs (spec §4.1 row 2): ``ℓ^old`` is the recomputed tensor."""
-    coupled = getattr(obj_cfg, "decoupled", True) is False or getattr(obj_cfg, "ratio_against", None) == "prox"
-    return cfg.prox == "recompute" and coupled
-
-
-def _takes_weight(fn: Callable, obj_cfg: Any) -> bool:
-    """True when the objective applies a behaviour weight (it has ``weight=`` and runs decoupled)."""
-    return "weight" in inspect.signature(fn).parameters and getattr(obj_cfg, "decoupled", False) is True
-
-
-def legacy_loss_fn(cfg: RLStepConfig, *, version: int = 0) -> LossFn:
-    """The ``loss_fn`` an ``RLStepConfig`` describes (deprecated: write the loss_fn in the experiment instead).
-
-    Per micro-batch: proximal log-probs (recomputed ``mb.logp_prox``, version interpolation at weight version
-    ``version``, or the behaviour ones), the keep-masks in order, the objective with the mask's processed weight
-    as its ``weight=`` (spec §7.4; masks may return ``(keep, metrics)`` or ``(keep, weight, metrics)``), the
-    distillation term, and the global denominator of the objective's aggregation (``mb.denom(agg)``).
-    """
-    fn, obj_cfg = _objective(cfg)
-    masks = [(m, _keep_mask_fn(m)) for m in cfg.keep_masks]
-    takes_weight = _takes_weight(fn, obj_cfg)
-    weighted = [m for m in cfg.keep_masks if getattr(m, "carries_weight", False)]
-    if weighted and not takes_weight:
-        raise ValueError(
-            f"RLStepConfig.keep_masks has a weight-carrying RejectionConfig (action='clamp' or level='sequence' with "
-            f"the ratio metric) but objective {cfg.objective!r} ({type(obj_cfg).__name__}) applies no behaviour "
-            "weight (coupled or SAPO), so only its mask could act; use action='mask' at token level or a decoupled "
-            "ppo/gspo/cispo objective"
-        )
-    bound = getattr(obj_cfg, "max_log_ratio", None)
-    coupled_recompute = _coupled_recompute(cfg, obj_cfg)
-    agg = getattr(obj_cfg, "agg", "token_mean")
-
-    def loss_fn(logp: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        metrics: dict[str, Tensor] = {}
-        behav = old_logp(mb, coupled_recompute=coupled_recompute)
-        if cfg.prox == "recompute":
-            if mb.logp_prox is None:
-                raise ValueError("RLStepConfig.prox='recompute' needs TokenBatch.logp_prox; call step.policy_logp first")
-            prox = mb.logp_prox
-        elif cfg.prox == "interpolate":
-            prox, m = prox_lib.prox_logp(logp, behav, mb.versions, mb.loss_mask, current_version=version, cfg=cfg.prox_cfg)
-            metrics.update(m)
-        else:
-            prox = behav
-        keep, factor = mb.loss_mask, None
-        for mcfg, mfn in masks:
-            keep, f, m = mfn(prox, behav, keep, cfg=mcfg)
-            factor = f if factor is None else factor * f  # factors of several masks compose by multiplication
-            metrics.update(m)
-        extra = {}
-        if factor is not None and takes_weight:
-            # spec §7.4: the processed weight w' = exp(prox - behav) * factor replaces the objective's own weight
-            delta = (prox - behav).detach()
-            extra["weight"] = torch.exp(delta if bound is None else delta.clamp(-bound, bound)) * factor
-        if mb.logp_ref is not None:
-            extra["logp_ref"] = mb.logp_ref
-        loss, m = fn(logp, prox, behav, mb.adv, keep, cfg=obj_cfg, denom=mb.denom(agg), **extra)
-        metrics.update(m)
-        if cfg.distill_cfg is not None:
-            loss, m = distill_lib.loss(logp, behav, mb.logp_teacher, keep, cfg=cfg.distill_cfg, rl_loss=loss,
-                                       denom=float(mb.n_tokens))
-            metrics.update(m)
-        metrics["ppo_actor/entropy"] = _masked_stats(mb.entropy.detach(), mb.loss_mask)
-        metrics["ppo_actor/new_logp"] = _masked_stats(logp.detach(), mb.loss_mask)
-        return loss, metrics
-
-    return loss_fn
-
-
-def _with_ref(state: TrainState, data: TokenBatch, cfg: StepConfig) -> TokenBatch:
-    return dataclasses.replace(data, logp_ref=ref_logp(state, data, cfg=cfg))
-
-
-def _legacy_step_cfg(cfg: Any, temperature: float = 1.0) -> StepConfig:
-    return StepConfig(mb=cfg.mb, pad_to_multiple=cfg.pad_to_multiple, temperature=temperature,
-                      max_grad_norm=cfg.max_grad_norm)
-
-
-def _renamed(m: Metrics, prefix: str) -> dict[str, Any]:
-    return {(prefix + k.split("/", 1)[1] if k.startswith("train/") else k): v for k, v in m.items()}
-
-
-def rl_step(
-    state: TrainState, batch: dict[str, Tensor], *, cfg: RLStepConfig, teacher: nn.Module | None = None
-) -> tuple[TrainState, Metrics]:
-    """DEPRECATED: one RL training step from an ``RLStepConfig``; new code calls the pieces and ``train_step``.
-
-    Spec §1 steps 2-8 on this rank's ``batch`` (a token-own trajectory dict with ``rewards``, optionally
-    ``truncated`` and a predictive ``teacher_logp``; not modified): :func:`rl_prepare` (forwards, ``ℓ^old``,
-    advantages), ``ppo_n_minibatches`` calls of ``train_step`` with :func:`legacy_loss_fn`, then the critic's
-    ``critic_n_minibatches`` calls with :func:`value_loss_fn`. Returns ``step`` + 1 (``skipped_steps`` counts
-    skipped actor minibatches) and ``ppo_actor/*``, objective/mask keys, ``ppo_critic/*``, ``timing/*``.
-    """
-    t_start = time.perf_counter()
-    data, metrics = rl_prepare(state, batch, cfg=cfg, teacher=teacher)
-    scfg = _legacy_step_cfg(cfg, cfg.temperature)
-    loss_fn = legacy_loss_fn(cfg, version=state.version)
-
-    # --- 7: actor update: one train_step per minibatch, the LR schedule advanced once ---
-    t0 = time.perf_counter()
-    st, metrics["ppo_actor/lr"] = state, float(state.optim.param_groups[0]["lr"])
-    mbs = minibatches(data, cfg.ppo_n_minibatches, granularity=cfg.mb.granularity)
-    for i, mbatch in enumerate(mbs):
-        st, m = train_step(st, mbatch, loss_fn, cfg=dataclasses.replace(scfg, schedule=i == len(mbs) - 1))
-        m = {k: v for k, v in m.items() if not k.startswith(("timing/", "perf/", "train/lr"))}
-        _accumulate(metrics, _renamed(m, "ppo_actor/"), 1 / len(mbs))
-    skipped = st.skipped_steps - state.skipped_steps
-    metrics["timing/actor_s"] = time.perf_counter() - t0
-
-    # --- 8: critic update on the same advantage batch ---
-    if state.critic is not None:
-        t0 = time.perf_counter()
-        cbs = minibatches(data, cfg.critic_n_minibatches, granularity=cfg.mb.granularity)
-        for i, cbatch in enumerate(cbs):
-            ccfg = dataclasses.replace(scfg, module="critic", schedule=i == len(cbs) - 1)
-            st, m = train_step(st, cbatch, value_loss_fn(cfg.value_cfg), cfg=ccfg)
-            m = {("ppo_critic/" + k.split("/")[-1]): v for k, v in m.items() if not k.startswith(("timing/", "perf/"))}
-            _accumulate(metrics, {k: v for k, v in m.items() if k != "ppo_critic/lr"}, 1 / len(cbs))
-        metrics["timing/critic_s"] = time.perf_counter() - t0
-
-    step_s = time.perf_counter() - t_start
-    metrics["timing/step_s"] = step_s
-    metrics["perf/tokens_per_s"] = float(data.attention_mask.sum()) / max(step_s, 1e-9)
-    metrics["ppo_actor/skipped_steps"] = float(state.skipped_steps + skipped)
-    new_state = dataclasses.replace(st, step=state.step + 1, skipped_steps=state.skipped_steps + skipped)
-    return new_state, _to_host(metrics)
-
-
-def rl_prepare(
-    state: TrainState, batch: dict[str, Tensor] | RolloutBatch, *, cfg: RLStepConfig, teacher: nn.Module | None = None
-) -> tuple[TokenBatch, dict[str, Any]]:
-    """DEPRECATED helper of ``rl_step``: spec §1 steps 2-6 -> the predictive batch with every loss input filled.
-
-    Values (pre-update critic), reference / teacher / proximal log-probs, ``ℓ^old`` per spec §4.1 (the recomputed
-    tensor for coupled PPO with ``prox='recompute'``), and advantages on the whole batch. Returns the batch and
-    its step-level metrics (``ppo_actor/advantages``, ``ppo_actor/kl_rewards``, ``version_stats/*``, ``timing/*``).
-    """
-    rollout = batch if isinstance(batch, RolloutBatch) else RolloutBatch.from_dict(batch)
-    rollout.require("logprobs", "rewards")
-    data = TokenBatch.from_rollout(rollout)
-    _, obj_cfg = _objective(cfg)
-    scfg = _legacy_step_cfg(cfg, cfg.temperature)
-    metrics: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    value_old = critic_values(state, data, cfg=scfg) if state.critic is not None else None
-    need_ref = cfg.gae.kl_ctl > 0 or getattr(obj_cfg, "kl_coef", 0) or getattr(obj_cfg, "kl_ctl", 0)
-    logp_ref = ref_logp(state, data, cfg=scfg) if need_ref else None
-    logp_t = teacher_logp(teacher, data, cfg=scfg) if teacher is not None else data.extras.get("teacher_logp")
-    if cfg.distill_cfg is not None and logp_t is None:
-        raise ValueError("RLStepConfig.distill_cfg needs a teacher module or a 'teacher_logp' (b l) batch entry")
-    data = dataclasses.replace(data, logp_prox=policy_logp(state, data, cfg=scfg) if cfg.prox == "recompute" else None,
-                               value_old=value_old, logp_ref=logp_ref, logp_teacher=logp_t)
-    metrics["timing/logp_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    acfg = AdvantageConfig(gae=cfg.gae, shaping=cfg.shaping, reward_norm=cfg.reward_norm, adv_norm=cfg.adv_norm,
-                           group_size=cfg.group_size)
-    logp_old = old_logp(data, coupled_recompute=_coupled_recompute(cfg, obj_cfg))
-    adv = compute_batch_advantages(data, cfg=acfg, logp_old=logp_old, value=value_old, logp_ref=logp_ref)
-    data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
-    metrics["timing/adv_s"] = time.perf_counter() - t0
-    metrics.update(_batch_metrics(state, data, adv, rollout))
-    return data, metrics
-
-
-def _batch_metrics(state: TrainState, data: TokenBatch, adv: gae_lib.Advantages, rollout: RolloutBatch) -> dict:
-    mask = data.loss_mask
-    out: dict[str, Any] = {
-        "ppo_actor/advantages": _masked_stats(data.adv, mask),
-        "ppo_actor/kl_rewards": _masked_stats(adv.kl_rewards, mask),
-        "ppo_actor/final_reward": _masked_stats(adv.tot_rewards, mask),
-        "ppo_actor/task_reward": rollout.rewards.float().mean(),
-        "ppo_actor/seq_len": rollout.attention_mask.sum(1).float().mean(),
-        "ppo_actor/n_tokens": float(rollout.attention_mask.sum()),
-        "ppo_actor/n_valid_tokens": float(mask.sum()),
-    }
-    if data.versions is not None:
-        gen = mask & (data.versions >= 0)
-        stale = (state.version - data.versions).float()
-        out["version_stats/staleness_mean"] = _masked_stats(stale, gen)
-        out["version_stats/staleness_max"] = torch.where(gen, stale, 0.0).max()
-    return out
-
-
-def sft_step(state: TrainState, batch: dict[str, Tensor], *, cfg: SFTStepConfig = SFTStepConfig()) -> tuple[TrainState, Metrics]:
-    """DEPRECATED wrapper: ``train_step(state, TokenBatch.from_rollout(batch), sft_loss_fn(cfg.sft), ...)``."""
-    return train_step(state, TokenBatch.from_rollout(batch), sft_loss_fn(cfg.sft), cfg=_legacy_step_cfg(cfg, cfg.temperature))
-
-
-def dpo_step(state: TrainState, batch: dict[str, Tensor], *, cfg: PairStepConfig = PairStepConfig()) -> tuple[TrainState, Metrics]:
-    """DEPRECATED wrapper: DPO / IPO on interleaved pairs ``[chosen_0, rejected_0, ...]`` through ``train_step``."""
-    data = _with_ref(state, TokenBatch.from_rollout(batch), _legacy_step_cfg(cfg))
-    n_pairs = global_sum(_valid_pairs(data.loss_mask).sum())  # DPO's denominator: valid pairs on all ranks
-    return train_step(state, data, dpo_loss_fn(cfg.dpo, n_pairs=n_pairs), cfg=_legacy_step_cfg(cfg))
-
-
-def rm_step(state: TrainState, batch: dict[str, Tensor], *, cfg: PairStepConfig = PairStepConfig()) -> tuple[TrainState, Metrics]:
-    """DEPRECATED wrapper: Bradley–Terry on ``state.critic`` (or ``state.model`` if it is a critic) via ``train_step``."""
-    data, module = TokenBatch.from_rollout(batch), "critic" if state.critic is not None else "policy"
-    scfg = dataclasses.replace(_legacy_step_cfg(cfg), module=module)
-    return train_step(state, data, rm_loss_fn(n_pairs=global_sum(data.num_rows // 2)), cfg=scfg)
-
-
 __all__ = [
-    "StepConfig", "AdvantageConfig", "RLStepConfig", "SFTStepConfig", "PairStepConfig", "LossFn",
+    "StepConfig", "AdvantageConfig", "LossFn",
     "train_step", "with_global_counts", "global_sum", "minibatches",
     "policy_logp", "ref_logp", "teacher_logp", "critic_values", "old_logp", "compute_batch_advantages",
-    "value_loss_fn", "sft_loss_fn", "dpo_loss_fn", "rm_loss_fn",
-    "legacy_loss_fn", "rl_prepare", "rl_step", "sft_step", "dpo_step", "rm_step", "shift_to_predictive", "forward_logp",
+    "value_loss_fn", "sft_loss_fn", "dpo_loss_fn", "rm_loss_fn", "shift_to_predictive", "forward_logp",
 ]

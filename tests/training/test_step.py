@@ -299,3 +299,16 @@ def test_dict_shift_and_typed_shift_agree_and_missing_inputs_are_named():
     assert float(tb.n_tokens) == float(tb.loss_mask.sum()) and float(tb.n_seqs) == float((tb.loss_mask.sum(1) > 0).sum())
     with pytest.raises(ValueError, match="policy_logp"):
         step.old_logp(tb, coupled_recompute=True)
+
+
+def test_the_runtime_consults_no_registry():
+    """Issue 15.1: no string or type registry in the runtime; OBJECTIVES / MASKS are a notebook convenience only."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "rlcore"
+    pat = re.compile(r"\b(OBJECTIVES|MASKS|OBJECTIVE_NAMES)\b")
+    hits = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p != root / "objectives" / "__init__.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pat.search(line)]
+    assert not hits, f"the runtime looks objectives/masks up by name: {hits}"
+    assert not any(hasattr(step, n) for n in ("rl_step", "RLStepConfig", "legacy_loss_fn", "rl_prepare"))
