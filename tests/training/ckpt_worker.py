@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc_per_node N tests/training/ckpt_worker.py {save|load} CKPT_DIR OUT.pt [async] [export=DIR]
   [cuda [nccl]]
-``save``: one AdamW rl_step on FSDP2-sharded tiny Qwen2 (plain module at world size 1), ``checkpoint.save``,
+``save``: one AdamW RL step (``test_step.rl_update``: train_step + decoupled-PPO loss_fn) on FSDP2-sharded tiny Qwen2 (plain module at world size 1), ``checkpoint.save``,
 then one more step. ``load``: a differently seeded state, ``checkpoint.restore``, then the same next step.
 Rank 0 writes ``{"snap": full weights + Adam moments + step right after the save/restore, "next_loss": global
 loss of the next step, "next_weights": full weights after it}`` to OUT.pt. The "1 rank" side runs in process.
@@ -28,9 +28,9 @@ def _one_step(st, seed: int):
     info = fsdp.setup_distributed()
     batch = common.make_batch(seed, n=8, stale=True)
     rows = microbatch.split_across_ranks(batch["attention_mask"].sum(1).tolist(), info.world_size)[info.rank]
-    cfg = step.RLStepConfig(prox="recompute", mb=microbatch.MicroBatchConfig(max_tokens_per_mb=13))
-    st, m = step.rl_step(st, microbatch.select_rows(batch, rows), cfg=cfg)
-    loss = torch.tensor([float(m["ppo_actor/loss"])], dtype=torch.float64, device=info.device)
+    scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=13))
+    st, m = common.rl_update(st, microbatch.select_rows(batch, rows), scfg=scfg)
+    loss = torch.tensor([float(m["train/loss"])], dtype=torch.float64, device=info.device)
     if info.world_size > 1:
         torch.distributed.all_reduce(loss)
     return st, float(loss)
