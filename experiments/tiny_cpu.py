@@ -41,6 +41,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -110,7 +111,8 @@ class Config:
     eval_every_s: float = 30.0
     """Seconds between greedy evaluations (each takes well under a second)."""
     log_dir: str = "runs/tiny_cpu"
-    """TensorBoard directory."""
+    """TensorBoard root: each run writes its own subdirectory ``<log_dir>/<UTC time>-seed<seed>`` so reruns never
+    overlay (``tensorboard --logdir runs`` shows them side by side)."""
     engine: Literal["process", "thread"] = "process"
     """process: the engine in its own OS process (HTTP on 127.0.0.1, weights through /dev/shm).
     thread: the engine in a thread of this process, in-process transport (the old layout, for debugging)."""
@@ -294,6 +296,15 @@ def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], l
     return state, m
 
 
+def run_dir(cfg: Config) -> str:
+    """This run's TensorBoard directory: a fresh ``<UTC time>-seed<seed>`` subdirectory of ``cfg.log_dir``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path, k = Path(cfg.log_dir) / f"{stamp}-seed{cfg.seed}", 1
+    while path.exists():  # two runs started in the same second
+        path, k = Path(cfg.log_dir) / f"{stamp}-seed{cfg.seed}-{k}", k + 1
+    return str(path)
+
+
 def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]:
     """Train for ``cfg.minutes``; ``loss_fn`` (default ``build_loss_fn(cfg)``) is the loss ``train_step`` applies."""
     # ------------------------------------------------------------------ setup
@@ -326,7 +337,7 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
     with contextlib.ExitStack() as stack:
         client, targets, publish_cfg, engine_pid = open_engine(cfg, policy, stack)
         ctl = stack.enter_context(rollout.RolloutController(client, episode, loader, rollout_cfg))
-        logger = stack.enter_context(metrics.MetricsLogger(metrics.LoggerConfig(log_dir=cfg.log_dir)))
+        logger = stack.enter_context(metrics.MetricsLogger(metrics.LoggerConfig(log_dir=run_dir(cfg))))
         if cfg.resume:
             # Before the first prepare_batch: weights, Adam, RNG; then the prompt cursor and the rollout accounting
             # (groups finished but not consumed come back as they were, prompts in flight are re-issued under the
