@@ -60,8 +60,9 @@ def engine():
         yield eng
 
 
-async def _with_server(engine: Engine, body):
-    runner = web.AppRunner(make_app(engine), access_log=None)
+async def _with_server(engine: Engine, body, **app_kw):
+    """Serve ``make_app(engine, **app_kw)`` on a free loopback port and run ``body(http_session)`` against it."""
+    runner = web.AppRunner(make_app(engine, **app_kw), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -73,8 +74,8 @@ async def _with_server(engine: Engine, body):
         await runner.cleanup()
 
 
-def serve(engine: Engine, body):
-    return asyncio.run(_with_server(engine, body))
+def serve(engine: Engine, body, **app_kw):
+    return asyncio.run(_with_server(engine, body, **app_kw))
 
 
 async def post(http, path, payload=None, raw: bytes | None = None):

@@ -25,6 +25,7 @@ from rlcore.inference.engine import Engine, EngineConfig, EngineError
 from rlcore.inference.protocol import SamplingParams
 from rlcore.inference.server import make_app
 from tests.inference.test_server import V, tiny_model, tiny_tokenizer
+from tests.inference.test_server import _with_server as _serve
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -40,17 +41,6 @@ def engine():
         yield eng
 
 
-async def _serve(engine: Engine, body, **app_kw):
-    runner = web.AppRunner(make_app(engine, **app_kw), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
-            return await body(http)
-    finally:
-        await runner.cleanup()
 
 
 def serve(engine: Engine, body, **app_kw):

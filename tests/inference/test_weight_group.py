@@ -14,15 +14,13 @@ import multiprocessing as mp
 import socket
 import time
 
-import aiohttp
 import pytest
 import torch
-from aiohttp import web
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rlcore.inference.engine import Engine, EngineConfig
 from rlcore.inference.protocol import SamplingParams
-from rlcore.inference.server import make_app
+from tests.inference.test_server import _with_server as _serve
 
 GROUP = "update_weight_group"
 
@@ -63,17 +61,6 @@ def standard_rank0(port: int, tensors: list[torch.Tensor], q, timeout_s: float =
         q.put(repr(e))
 
 
-async def _serve(engine: Engine, body):
-    runner = web.AppRunner(make_app(engine), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
-            return await body(http)
-    finally:
-        await runner.cleanup()
 
 
 async def _post(http, path, payload):
