@@ -69,6 +69,9 @@ from rlcore.types import TokenBatch
 ASSET = tiny.COUNTDOWN_TINY_DIR  # package data: rlcore/assets/countdown-tiny
 
 
+RUNS_ROOT = "runs/tiny_cpu"
+
+
 @dataclass(frozen=True)
 class Config:
     """Async GRPO on Countdown with the tiny warm-started model."""
@@ -110,9 +113,10 @@ class Config:
     """Held-out prompts for the greedy success curve."""
     eval_every_s: float = 30.0
     """Seconds between greedy evaluations (each takes well under a second)."""
-    log_dir: str = "runs/tiny_cpu"
-    """TensorBoard root: each run writes its own subdirectory ``<log_dir>/<UTC time>-seed<seed>`` so reruns never
-    overlay (``tensorboard --logdir runs`` shows them side by side)."""
+    log_dir: str = RUNS_ROOT
+    """TensorBoard directory. Left at its default, each run writes its own subdirectory
+    ``runs/tiny_cpu/<UTC time>-seed<seed>`` so reruns never overlay (``tensorboard --logdir runs`` shows them side by
+    side); a directory you name is used as given."""
     engine: Literal["process", "thread"] = "process"
     """process: the engine in its own OS process (HTTP on 127.0.0.1, weights through /dev/shm).
     thread: the engine in a thread of this process, in-process transport (the old layout, for debugging)."""
@@ -297,7 +301,10 @@ def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], l
 
 
 def run_dir(cfg: Config) -> str:
-    """This run's TensorBoard directory: a fresh ``<UTC time>-seed<seed>`` subdirectory of ``cfg.log_dir``."""
+    """This run's TensorBoard directory: ``cfg.log_dir`` when named, else a fresh ``<UTC time>-seed<seed>``
+    subdirectory of the default root."""
+    if cfg.log_dir != RUNS_ROOT:
+        return cfg.log_dir
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     path, k = Path(cfg.log_dir) / f"{stamp}-seed{cfg.seed}", 1
     while path.exists():  # two runs started in the same second

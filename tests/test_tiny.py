@@ -387,14 +387,17 @@ def test_tiny_cpu_main_takes_a_loss_fn(tmp_path):
     assert out["steps"] >= 1 and calls and "mine/tokens" in _tb_tags(tmp_path)
 
 
-def test_each_main_job_run_logs_to_its_own_directory(tmp_path):
-    """Reruns of the main job never overlay in TensorBoard: every run gets a fresh subdirectory of --log-dir."""
+def test_each_main_job_run_logs_to_its_own_directory(tmp_path, monkeypatch):
+    """Reruns of the main job never overlay in TensorBoard: with the default --log-dir every run gets a fresh
+    subdirectory of runs/tiny_cpu; a directory the user names is used as given."""
+    monkeypatch.chdir(tmp_path)
     spec = importlib.util.spec_from_file_location("tiny_cpu", ROOT / "experiments" / "tiny_cpu.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["tiny_cpu"] = mod
     spec.loader.exec_module(mod)
-    cfg = mod.Config(log_dir=str(tmp_path), seed=3)
+    cfg = mod.Config(seed=3)
     a = mod.run_dir(cfg)
     Path(a).mkdir(parents=True)
     b = mod.run_dir(cfg)
-    assert a != b and Path(a).parent == Path(b).parent == tmp_path and "seed3" in Path(a).name
+    assert a != b and Path(a).parent == Path(b).parent == Path(mod.RUNS_ROOT) and "seed3" in Path(a).name
+    assert mod.run_dir(mod.Config(log_dir=str(tmp_path / "mine"))) == str(tmp_path / "mine")
