@@ -244,6 +244,96 @@ class Setup:
     build_s: float
 
 
+class ProcessEngine:
+    """The engine as a child process (``python -m rlcore.serve`` via ``rlcore.inference.process``), seen through
+    the few ``Engine`` methods the sections call, over HTTP on 127.0.0.1 (SGLang's protocol). Weights go across
+    by CUDA IPC (``/update_weights_from_tensor``: one flat bf16 buffer on the trainer's GPU, mapped once by the
+    engine, which copies device-to-device), or by named shared memory on CPU. Engine and trainer no longer share
+    a Python interpreter (nor its GIL); on one GPU they share the device."""
+
+    def __init__(self, model: Any, args: argparse.Namespace, ecfg: Any, tmpdir: str) -> None:
+        import concurrent.futures as cf
+        from types import SimpleNamespace
+
+        from rlcore.inference import process
+
+        model.save_pretrained(tmpdir, safe_serialization=True)
+        self._stack = contextlib.ExitStack()
+        pcfg = process.EngineProcessConfig(
+            model=tmpdir, device=ecfg.device, dtype=ecfg.dtype, max_batch=ecfg.max_batch,
+            max_seq_len=ecfg.max_seq_len, seed=ecfg.seed, threads=4 if torch.cuda.is_available() else 1,
+            extra_args=("--max-prefill-tokens", str(ecfg.max_prefill_tokens))
+            + (() if ecfg.cuda_graph else ("--no-cuda-graph",)),
+            startup_timeout_s=300.0,
+        )
+        self.ep = self._stack.enter_context(process.engine_process(pcfg))
+        self.address = self.ep.address
+        self.cfg = SimpleNamespace(max_batch=ecfg.max_batch)
+        self.max_seq_len = ecfg.max_seq_len
+        self._pool = cf.ThreadPoolExecutor(32, thread_name_prefix="warm")
+        self._flat: dict[str, torch.Tensor] = {}
+        self._static_mode = "graph" if ecfg.cuda_graph else None
+        self.grouped_attention = None
+
+    def _call(self, path: str, body: dict | None = None, timeout: float = 600.0) -> Any:
+        import urllib.request
+
+        req = urllib.request.Request(self.address + path, method="GET" if body is None else "POST",
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+        return json.loads(raw) if raw else {}
+
+    def _state(self) -> dict:
+        return self._call("/get_server_info")["internal_states"][0]
+
+    @property
+    def stats(self) -> dict:
+        return self._state()["engine_stats"]
+
+    @property
+    def paused(self) -> Any:
+        return self._state()["paused"]
+
+    def submit(self, prompt: list[int], sp: Any) -> Any:
+        body = {"input_ids": list(prompt), "sampling_params": {
+            "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "ignore_eos": sp.ignore_eos}}
+        return self._pool.submit(self._call, "/generate", body)
+
+    def abort(self) -> None:
+        self._call("/abort_request", {"abort_all": True})
+
+    def pause(self, mode: str = "abort") -> None:
+        self._call("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._call("/continue_generation", {})
+
+    def update_weights_from_state_dict(self, sd: dict[str, torch.Tensor], version: int) -> None:
+        """Copy ``sd`` into persistent shared buffers (allocated once) and let the engine copy them out."""
+        from rlcore.inference import tensor_ipc
+
+        with torch.no_grad():
+            for n, t in sd.items():
+                buf = self._flat.get(n)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
+                    buf = self._flat[n] = torch.empty_like(t)
+                buf.copy_(t)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        payload = tensor_ipc.dumps_named_tensors([(n, self._flat[n]) for n in sd])
+        r = self._call("/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                                       "weight_version": str(int(version)),
+                                                       "abort_all_requests": False})
+        if not r.get("success", False):
+            raise RuntimeError(f"engine process refused the weights: {r}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stack.close()
+
+
 def build_setup(args: argparse.Namespace) -> Setup:
     """Build the policy on the train device, a copy in the engine, and warm both up (graphs, Triton)."""
     from transformers import AutoModelForCausalLM
@@ -286,7 +376,13 @@ def build_setup(args: argparse.Namespace) -> Setup:
         cuda_graph=engine_dev.type == "cuda",
         seed=args.seed,
     )
-    engine = engine_lib.Engine(eng_model, ecfg).start()
+    if getattr(args, "engine_process", False):
+        import tempfile
+
+        engine = ProcessEngine(eng_model, args, ecfg, tempfile.mkdtemp(prefix="bench_async_model_"))
+        del eng_model
+    else:
+        engine = engine_lib.Engine(eng_model, ecfg).start()
     setup = Setup(args, engine, state, init_sd, engine_dev, train_dev, dtype, shapes["vocab"], 0.0)
     warm_engine(setup)
     warm_trainer(setup)
@@ -501,7 +597,12 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
     rcfg = rollout.RolloutConfig(batch_size=batch_groups, group_size=G, max_staleness=eta,
                                  max_concurrent=conc, poll_s=0.005)
     train = make_train_step(args, setup.train_dev)
-    client = engine_client.EngineClient(setup.engine)
+    if isinstance(setup.engine, ProcessEngine):
+        from rlcore.inference import coalesce
+
+        client = engine_client.EngineClient(coalesce.CoalescingHTTP(setup.engine.address))
+    else:
+        client = engine_client.EngineClient(setup.engine)
     eng = setup.engine
     per_step: list[dict] = []
     truncated = False
@@ -842,6 +943,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pause-mode", choices=("abort", "in_place", "retract"), default="abort",
                    help="engine pause mode at each weight update")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and lengths")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine as its own OS process (rlcore.serve over HTTP, weights by CUDA IPC) "
+                        "instead of a thread of this one")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few seconds per section")
     p.add_argument("--budget-s", type=float, default=225.0, help="stop starting sections/steps after this")
     p.add_argument("--out", default=None, help=f"JSON path (default $OUT/{NAME}.json when OUT is set)")

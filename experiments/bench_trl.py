@@ -18,7 +18,10 @@ before torch starts, so both sides see exactly one device:
           steps. The tokenizer is a word-level tokenizer over the full vocabulary ("t0" ... "t151935"), so
           prompts are token ids written as words and every id decodes.
   rlcore: experiments/bench_async.run_rl with the engine AND the trainer on the same GPU, eta = 0
-          (synchronous, TRL's schedule) and eta = 4; samples/s = completions trained / wall time.
+          (synchronous, TRL's schedule) and eta = 4; samples/s = completions trained / wall time. With
+          ``--engine-process`` the engine is its own OS process on that GPU (rlcore.serve over HTTP on
+          127.0.0.1, weights by CUDA IPC through /update_weights_from_tensor), so engine and trainer no longer
+          share one Python interpreter.
 
 If TRL (or datasets) cannot be imported the trl section is skipped with the reason, and rlcore still runs.
 Wheels to carry (pip download --no-deps, py3.12 x86_64): trl-1.16.0, datasets-5.2.0, dill-0.4.1,
@@ -202,6 +205,8 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
             "--budget-s", str(max(budget.left(), 1.0))]
     if args.smoke:
         argv.append("--smoke")
+    if args.engine_process:
+        argv.append("--engine-process")
     a = bench_async.parse_args(argv)
     a.fixed_len, a.len_cap, a.batch_groups, a.group_size = (args.completion_len, args.completion_len,
                                                             args.prompts_per_step, args.group_size)
@@ -272,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--etas", default="0,4", help="rlcore max staleness values")
     p.add_argument("--sections", default="rlcore,trl", help="comma list of: rlcore, trl")
     p.add_argument("--seed", type=int, default=0, help="seed")
+    p.add_argument("--engine-process", action="store_true",
+                   help="rlcore's engine in its own process on the same GPU (HTTP + CUDA IPC weights), not a thread")
     args = p.parse_args(argv)
     if args.smoke:
         for k, v in dict(prompts_per_step=2, group_size=4, completion_len=8, prompt_len=8, micro_batch=4, steps=1,
@@ -290,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     if "rlcore" in sections:
         rep.section("rlcore", lambda: run_ours(args, budget), budget)
+        rep.data["sections"].setdefault("rlcore", {})
+        o = rep.data["sections"]["rlcore"]
+        if isinstance(o, dict) and "eta0" in o and f"eta{max(args.etas)}" in o and max(args.etas) > 0:
+            o["async_over_sync"] = o[f"eta{max(args.etas)}"]["samples_per_s"] / o["eta0"]["samples_per_s"]
     if "trl" in sections:
         rep.section("trl", lambda: run_trl(args, budget), budget)
     rep.data["total_s"] = budget.elapsed()

@@ -35,6 +35,7 @@ Results: docs/results.md#gpu-learning-run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -59,7 +60,9 @@ from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
+from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
+from rlcore.inference import process as engine_process
 from rlcore.objectives import entropy, ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
@@ -152,6 +155,10 @@ class Config:
     """TensorBoard directory (default: ``out_dir/tb``)."""
     offpolicy: offpolicy.OffPolicyConfig = offpolicy.OffPolicyConfig()
     """Train-vs-engine mismatch diagnostics of every step and the staleness-0 warning threshold."""
+    engine: Literal["thread", "process"] = "thread"
+    """thread: the engine in a thread of the run's process (in-process transport, bf16 state-dict publish).
+    process: the engine in its own OS process on the same device (rlcore.serve over HTTP on 127.0.0.1, the
+    same client as for SGLang; weights by CUDA IPC on GPU, /dev/shm on CPU), so it shares no GIL with the trainer."""
 
 
 SMOKE = dict(
@@ -245,12 +252,25 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     heldout = countdown.heldout_set(cfg.eval_prompts, cfg=cfg.task)
     budget = mod.answer_budget(cfg.task, "worked")
     B, G = cfg.prompts_per_step, cfg.group_size
-    engine = engine_lib.Engine(
-        copy.deepcopy(policy),
-        engine_lib.EngineConfig(max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1,
-                                device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed,
-                                capture_at_start=True),  # the trainer shares this GPU and this process
-    )
+    stack = contextlib.ExitStack()
+    if cfg.engine == "process":
+        ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
+            model=str(sft_dir), device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed,
+            max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1, threads=4 if cuda else 1,
+            startup_timeout_s=300.0,
+        )))
+        engine = stack.enter_context(engine_client.connect(ep.address))  # control: pause / publish / continue
+        gen_client = engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address))
+        pause, resume = (lambda: engine.pause_generation("in_place")), engine.continue_generation
+    else:
+        engine = stack.enter_context(engine_lib.Engine(
+            copy.deepcopy(policy),
+            engine_lib.EngineConfig(max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1,
+                                    device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed,
+                                    capture_at_start=True),  # the trainer shares this GPU and this process
+        ))
+        gen_client = engine_client.EngineClient(engine)
+        pause, resume = (lambda: engine.pause("in_place")), engine.continue_generation
     state = train_state.init_train_state(policy, train_state.OptimConfig(lr=cfg.lr, weight_decay=0.0), device=device)
     decoupled = name == "dppo"
     step_cfg = step.StepConfig(
@@ -261,7 +281,8 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     )
     reward_norm = dataclasses.replace(normalize.GRPO, group_size=G)
     publish_cfg = weight_sync.PublishConfig(
-        mode="state_dict", dtype="bfloat16" if cuda else "float32", pause_mode="in_place"
+        mode=("tensor" if cuda else "shm") if cfg.engine == "process" else "state_dict",
+        dtype="bfloat16" if cuda else "float32", pause_mode="in_place",
     )
     episode = workflows.rlvr(
         tok, countdown_reward.boxed_reward_fn,
@@ -278,8 +299,8 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     curve: list[dict[str, float]] = []
     samples = gen_tokens = 0
     with (
-        engine,
-        rollout.RolloutController(engine_client.EngineClient(engine), episode, loader, rollout_cfg) as ctl,
+        stack,
+        rollout.RolloutController(gen_client, episode, loader, rollout_cfg) as ctl,
         metrics.MetricsLogger(metrics.LoggerConfig(log_dir=str(log_dir))) as logger,
     ):
         curve.append({"t": 0.0, "step": 0, "samples": 0, "greedy": evaluate(), "reward": math.nan})
@@ -327,9 +348,9 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
                 next_eval += cfg.eval_every_s
                 # Freeze everything while evaluating: the clock stops and no rollout progresses.
                 ctl.pause()
-                engine.pause("in_place")
+                pause()
                 g = evaluate()
-                engine.continue_generation()
+                resume()
                 ctl.resume()
                 curve.append({"t": train_s, "step": state.step, "samples": samples, "greedy": g,
                               "reward": sum(rewards) / len(rewards)})
@@ -346,7 +367,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
             logger.log(state.step, m)
     tail = [c["greedy"] for c in curve[-2:]]
     result = {
-        "run": spec, "objective": name, "eta": eta, "device": device,
+        "run": spec, "objective": name, "eta": eta, "device": device, "engine_layout": cfg.engine,
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "steps": state.step, "samples": samples, "train_seconds": train_s,
         "samples_per_s": samples / max(train_s, 1e-9), "gen_tokens_per_s": gen_tokens / max(train_s, 1e-9),

@@ -468,6 +468,16 @@ class EngineClient:
                    "weight_version": str(int(version))}
         return await self._weight_fanout("/update_weights_from_disk", payload, ("v", int(version)))
 
+    async def update_weights_from_tensor(
+        self, serialized: str, version: int, abort_all_requests: bool = True
+    ) -> dict[str, Any]:
+        """Load tensors this process shares (``tensor_ipc.dumps_named_tensors``: CUDA IPC handles) on all
+        servers of this host (SGLang's ``/update_weights_from_tensor``, one payload for tp_size 1)."""
+        self._pause_epoch += 1
+        payload = {"serialized_named_tensors": [serialized], "load_format": None, "flush_cache": True,
+                   "abort_all_requests": bool(abort_all_requests), "weight_version": str(int(version))}
+        return await self._weight_fanout("/update_weights_from_tensor", payload, ("v", int(version)))
+
     def init_weights_update_group(
         self,
         master_address: str,
@@ -645,6 +655,9 @@ class SyncEngineClient:
 
     def update_weights_from_disk(self, path: str, version: int, abort_all_requests: bool = True) -> dict[str, Any]:
         return self.run(self.client.update_weights_from_disk(path, version, abort_all_requests))
+
+    def update_weights_from_tensor(self, serialized: str, version: int, abort_all_requests: bool = True) -> dict[str, Any]:
+        return self.run(self.client.update_weights_from_tensor(serialized, version, abort_all_requests))
 
     def init_weights_update_group(self, *args, **kwargs) -> concurrent.futures.Future[dict[str, Any]]:
         return self._submit_task(lambda: self.client.init_weights_update_group(*args, **kwargs))

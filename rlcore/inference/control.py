@@ -13,6 +13,7 @@ import asyncio
 import time
 from typing import Any
 
+from rlcore.inference import tensor_ipc
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
 from rlcore.inference.protocol import BadRequest, SamplingParams, json_float, json_int, json_version
 
@@ -81,6 +82,42 @@ async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
         "message": f"loaded {path} as version {engine.version}",
         "num_paused_requests": n,
     }
+
+
+async def _update_from_tensor(engine: Engine, p: dict) -> tuple[int, dict]:
+    """SGLang's ``/update_weights_from_tensor``: tensors shared by a process on this host (CUDA IPC handles or
+    shared-memory descriptors, :mod:`rlcore.inference.tensor_ipc`); only metadata crosses HTTP."""
+    ser = p.get("serialized_named_tensors")
+    if not isinstance(ser, list) or len(ser) != 1 or not isinstance(ser[0], (str, bytes)):
+        return _err(
+            400,
+            "serialized_named_tensors must be a list with one base64 string per tensor-parallel rank; this engine "
+            "has tp_size 1, so send exactly one",
+        )
+    if p.get("load_format") not in (None, "direct"):
+        return _err(
+            400,
+            f"load_format {p.get('load_format')!r} is not supported; send null (or 'direct') with a "
+            "ForkingPickler pickle of [(name, tensor), ...]",
+        )
+    version = json_version(p.get("weight_version"), "weight_version")
+    timeout_s = _timeout(p, None)
+    n = await engine.aabort() if p.get("abort_all_requests", False) else 0
+    try:
+        named = tensor_ipc.loads_named_tensors(ser[0])
+        await _control(engine, engine.update_weights_from_tensors, named, version, timeout_s=timeout_s)
+    except EngineBusy:
+        raise
+    except (tensor_ipc.TensorIPCError, EngineError, OSError, TimeoutError) as e:
+        return 400, {
+            "success": False,
+            "message": f"update_weights_from_tensor failed (weights unchanged, version {engine.version}): {e}",
+            "num_paused_requests": 0,
+        }
+    finally:
+        named = None  # drop the mapped tensors now (the sender may reuse its buffer once we answer)
+    return 200, {"success": True, "message": f"loaded {len(ser)} tensor payload as version {engine.version}",
+                 "num_paused_requests": n}
 
 
 async def _init_group(engine: Engine, p: dict) -> tuple[int, dict]:
@@ -288,6 +325,7 @@ async def _server_info(engine: Engine, p: dict) -> tuple[int, dict]:
             "num_waiting_reqs": engine.num_waiting,
             "paused": engine.paused,
             "memory_released": sorted(engine.released),
+            "engine_stats": {k: float(v) for k, v in engine.stats.items()},
         }],
         "version": f"rlcore-{__version__}",
         "engine": "rlcore",

@@ -27,7 +27,7 @@ import random
 import threading
 import traceback
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -467,6 +467,20 @@ class Engine:
         """
         staged = stage_weights(self.model, read_safetensors(path))
         self._call(lambda: self._s.commit(staged, version))
+
+    def update_weights_from_tensors(
+        self, named: Sequence[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """Copy tensors that another process shares with this one (CUDA IPC or shared memory, see
+        :mod:`rlcore.inference.tensor_ipc`) into the model and set ``version``; atomic like a disk load.
+
+        Returns only when the copies are complete (a device synchronisation on CUDA), so the sender may reuse its
+        buffers as soon as the call returns."""
+        staged = stage_weights(self.model, named)
+        self._call(lambda: self._s.commit(staged, version))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        staged.clear()  # drop the references to the sender's memory
 
     def init_weights_update_group(
         self,

@@ -5,7 +5,8 @@
 1. ``rollout.pause()`` (if a rollout controller is given): no new generation segment starts;
 2. pause generation on every engine (``abort`` mode: in-flight requests return their partial output);
 3. barrier over train ranks; 4. push the weights (in-process state dict, HF directory on disk, one
-   safetensors file in ``/dev/shm`` for an engine process on this host, or torch.distributed broadcast
+   safetensors file in ``/dev/shm`` for an engine process on this host, CUDA IPC handles of one flat buffer
+   for an engine process sharing the GPU, or torch.distributed broadcast
    in buckets of ``weight_chunked_mem_mb``); every push call returns only after the engine acknowledged
    the load;
 5. barrier; continue generation on every engine; barrier;
@@ -25,7 +26,8 @@ Targets are duck-typed:
 * an in-process engine (``rlcore.inference.engine.Engine``): ``pause(mode)``, ``continue_generation()``,
   ``update_weights_from_state_dict(sd, version)``, ``update_weights_from_disk(path, version)``;
 * a blocking engine client (``rlcore.inference.client.SyncEngineClient``): ``pause_generation(mode)``,
-  ``continue_generation()``, ``update_weights_from_disk(path, version)``, ``set_version(v)``;
+  ``continue_generation()``, ``update_weights_from_disk(path, version)``,
+  ``update_weights_from_tensor(payload, version)``, ``set_version(v)``;
 * a :class:`BroadcastGroup` from :func:`connect_broadcast` for ``mode="distributed"``.
 """
 
@@ -38,6 +40,7 @@ import os
 import shutil
 import socket
 import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,9 +58,11 @@ from rlcore.training.train_state import TrainState
 class PublishConfig:
     """How weights travel to the engines."""
 
-    mode: Literal["state_dict", "disk", "shm", "distributed"] = "state_dict"
+    mode: Literal["state_dict", "disk", "shm", "tensor", "distributed"] = "state_dict"
     """In-process copy, HF safetensors directory, one safetensors file in shared memory (an engine process on
-    this host, :mod:`rlcore.inference.process`), or torch.distributed broadcast."""
+    this host, :mod:`rlcore.inference.process`), ``tensor``: CUDA IPC through SGLang's
+    ``/update_weights_from_tensor`` (an engine process sharing this host, typically the trainer's GPU: only
+    handles cross HTTP, the engine copies device-to-device), or torch.distributed broadcast."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the published tensors (fp32 masters are cast on rank 0)."""
     disk_root: str = ""
@@ -393,6 +398,65 @@ def _publish_shm(state: TrainState, targets: Sequence[Any], version: int, dtype:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Tensor hand-off (mode="tensor": CUDA IPC)
+# ----------------------------------------------------------------------------------------------------------
+
+_FLAT_ALIGN = 256
+_FLAT_BUFFERS: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+"""One flat publish buffer per model, reused every publish: the engine maps its IPC handle once."""
+
+
+def flat_publish_views(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The model's HF-named tensors (gathered, floating ones cast to ``dtype``) copied into views of ONE
+    persistent byte buffer on the model's device; ``[(name, view)]``, each view shaped like its tensor.
+
+    The buffer is allocated on the first call for a model and reused afterwards (same layout every time), so a
+    receiving process that mapped its CUDA IPC handle once keeps reading the new values. A collective on every
+    rank when the model is FSDP2-sharded; every rank gets the views."""
+    items = list(iter_full_tensors(model, dtype))
+    layout, off = [], 0
+    for name, t in items:
+        layout.append((name, off, t))
+        off += -(-t.numel() * t.element_size() // _FLAT_ALIGN) * _FLAT_ALIGN
+    device = items[0][1].device if items else torch.device("cpu")
+    buf = _FLAT_BUFFERS.get(model)
+    if buf is None or buf.numel() != off or buf.device != device:
+        buf = torch.empty(off, dtype=torch.uint8, device=device)
+        _FLAT_BUFFERS[model] = buf
+    views = []
+    with torch.no_grad():
+        for name, o, t in layout:
+            v = buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            v.copy_(t)
+            views.append((name, v))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the engine reads the buffer from another process
+    return views
+
+
+def _publish_tensor(state: TrainState, targets: Sequence[Any], version: int, dtype: torch.dtype, cfg: PublishConfig) -> None:
+    """Every engine copies the weights out of this process's memory (CUDA IPC); only handles cross HTTP.
+
+    Clients get one ``tensor_ipc.dumps_named_tensors`` payload through ``update_weights_from_tensor``; an
+    in-process engine takes the views directly. Each call returns after the engine finished copying, so the
+    buffer may be overwritten by the next publish."""
+    from rlcore.inference import tensor_ipc
+
+    views = flat_publish_views(state.model, dtype)
+    if _rank() != 0:
+        return
+    payload = None
+    for t in targets:
+        if _is_engine(t):
+            t.update_weights_from_tensors(views, version)
+            continue
+        if payload is None:
+            payload = tensor_ipc.dumps_named_tensors(views)
+        keep = cfg.pause_mode != "abort"
+        _wait(t.update_weights_from_tensor(payload, version, abort_all_requests=not keep), cfg.timeout_s)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # publish_weights
 # ----------------------------------------------------------------------------------------------------------
 
@@ -408,7 +472,8 @@ def publish_weights(
 
     Args:
       state: the train state after its optimizer step(s).
-      targets: engines (state_dict, disk, shm) / blocking clients (disk, shm) or one :class:`BroadcastGroup` (distributed).
+      targets: engines (state_dict, disk, shm, tensor) / blocking clients (disk, shm, tensor) or one
+        :class:`BroadcastGroup` (distributed).
       cfg: transport settings.
       rollout: optional rollout controller with ``pause()``, ``resume()`` and ``set_version(v)``.
 
@@ -436,6 +501,8 @@ def publish_weights(
                     t.update_weights_from_state_dict(sd, version)
         elif cfg.mode == "shm":
             _publish_shm(state, targets, version, dtype, cfg)
+        elif cfg.mode == "tensor":
+            _publish_tensor(state, targets, version, dtype, cfg)
         elif cfg.mode == "disk":
             root = Path(cfg.disk_root) if cfg.disk_root else Path(tempfile.gettempdir()) / "rlcore_weights"
             path = root / f"weight_update_v{version}"
@@ -469,6 +536,7 @@ __all__ = [
     "BroadcastGroup",
     "connect_broadcast",
     "publish_weights",
+    "flat_publish_views",
     "export_hf",
     "full_state_dict",
     "hf_named_tensors",
