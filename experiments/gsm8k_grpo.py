@@ -16,6 +16,7 @@ A preset is data: ``make_loss_fn`` turns its config into the loss with plain ``i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Literal
@@ -38,7 +39,7 @@ from rlcore.objectives import rejection as rejection_lib
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import math as math_reward
-from rlcore.training import engines, harness, recover, step, train_state
+from rlcore.training import dp_rollout, engines, harness, recover, step, train_state
 from rlcore.types import TokenBatch
 
 
@@ -61,7 +62,8 @@ class Config:
     steps: int = 100
     """Training steps (one batch, one or more optimizer steps, one weight publish each)."""
     prompts_per_step: int = 256
-    """Prompt groups per batch (AReaL batch_size)."""
+    """Prompt groups per batch (AReaL batch_size). With several trainer ranks it is the GLOBAL batch: one
+    controller on rank 0 gates staleness for the job and splits each batch by groups over the ranks."""
     group_size: int = 4
     """Samples per prompt (AReaL n_samples)."""
     max_new_tokens: int = 1024
@@ -359,21 +361,33 @@ def main(cfg: Config) -> dict[str, float]:
                                    max_staleness=cfg.max_staleness, dynamic_bs=cfg.dynamic_bs)
     # Dynamic sampling keeps only groups with a learning signal; the rollout refills the slot with a new prompt.
     accept = (lambda g: bool(g["rewards"].max() > g["rewards"].min())) if cfg.dynamic_filter else None
+    # Data-parallel ranks share ONE controller (rank 0's): one staleness gate and one global batch per step.
+    dp = info.world_size > 1
     loader = PromptLoader(train, seed=cfg.run.seed + info.rank)
 
     with (
         engines.open_engines(model, tok, cfg.engine, seed=cfg.run.seed + info.rank) as eng,
-        rollout.RolloutController(eng.client, episode, loader, ro_cfg, should_accept=accept) as ctl,
+        rollout.RolloutController(eng.client, episode, loader, ro_cfg, should_accept=accept)
+        if info.is_main or not dp else contextlib.nullcontext() as ctl,
     ):
-        state, _ = recover.resume(cfg.run, state, eng=eng, rollout=ctl)
+        gate = dp_rollout.DPRollout(ctl) if dp else None
+        source = ctl if gate is None else gate  # what publish / checkpoint / resume drive
+        batch_sum = None if gate is None else gate.batch_sum  # batch statistics of the global batch
+        state, _ = recover.resume(cfg.run, state, eng=eng, rollout=source)
         keys = ("ppo_actor/task_reward", "eval/pass@1", "ppo_actor/loss")
         with harness.Tracker(cfg.run, cfg.steps, "gsm8k-rl", keys, start=state.step) as tracker:
             while state.step < cfg.steps:
                 # --- rollout: groups of samples, each token tagged with the weight version that sampled it ---
-                groups = ctl.prepare_batch()
-                if not groups:  # dynamic_bs can return an empty batch when every group was filtered
-                    continue
-                batch = TokenBatch.from_rollout(trajectory.concat(groups))  # the single predictive shift
+                if gate is None:
+                    groups = ctl.prepare_batch()
+                    if not groups:  # dynamic_bs can return an empty batch when every group was filtered
+                        continue
+                    batch = TokenBatch.from_rollout(trajectory.concat(groups))  # the single predictive shift
+                else:  # this rank's whole groups of the global batch; the skip is the same on every rank
+                    shard = gate.next_shard()
+                    if shard.skip:
+                        continue
+                    batch = shard.batch
                 # --- no-grad forwards before the update (spec §1 steps 2-5) ---
                 batch = dataclasses.replace(
                     batch,
@@ -383,7 +397,8 @@ def main(cfg: Config) -> dict[str, float]:
                 )
                 # --- rewards: the verifier's {0, 1} -> overlong penalty, +-5 scale, group normalisation ---
                 mask = batch.loss_mask
-                group_norm = None if reward_norm is None else (lambda r: normalize.normalize(r, cfg=reward_norm))
+                group_norm = None if reward_norm is None else (
+                    lambda r: normalize.normalize(r, cfg=reward_norm, batch_sum=batch_sum))
                 reward = shaping_lib.shape_rewards(batch.rewards, cfg=cfg.reward_shaping, gen_len=mask.sum(1),
                                                    reward_norm=group_norm)
                 # --- advantages: GAE (+ KL-in-reward against ℓ^old), then the batch z-score ---
@@ -392,11 +407,14 @@ def main(cfg: Config) -> dict[str, float]:
                 adv = gae_lib.compute_advantages(
                     reward, mask, batch.attention_mask.sum(1), truncated, cfg=cfg.gae, value=batch.value_old,
                     logp_old=logp_old.float(), logp_ref=batch.logp_ref, turn_ids=batch.turn_ids,
-                    adv_norm=None if adv_norm is None else (lambda a, m: normalize.normalize(a, m, cfg=adv_norm)),
+                    adv_norm=None if adv_norm is None else (
+                        lambda a, m: normalize.normalize(a, m, cfg=adv_norm, batch_sum=batch_sum)),
                 )
                 batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
                 # --- loss_fn -> train_step: one optimizer step per minibatch, the LR schedule advanced once ---
-                step0, version, mbs = state.step, state.version, step.minibatches(batch, cfg.ppo_n_minibatches)
+                step0, version = state.step, state.version
+                # A DP rank whose shard is empty (fewer groups than ranks) still steps: zero-weight forwards.
+                mbs = step.minibatches(batch, cfg.ppo_n_minibatches) if batch.num_rows else [batch] * cfg.ppo_n_minibatches
                 loss_fn = make_loss_fn(cfg, version=version)
                 actor, critic = [], []
                 for i, mb in enumerate(mbs):
@@ -411,7 +429,7 @@ def main(cfg: Config) -> dict[str, float]:
                         critic.append(m)
                 state = dataclasses.replace(state, step=step0 + 1)  # TrainState.step counts training steps
                 # --- publish: the engines serve version + 1; in-flight requests resume on the new weights ---
-                state = engines.publish(state, eng, rollout=ctl)
+                state = engines.publish(state, eng, rollout=source)
                 m = harness.average(actor, rename={"train/": "ppo_actor/", "timing/step_s": "timing/actor_s"})
                 m.update(harness.average(critic, rename={"train/": "ppo_critic/", "timing/step_s": "timing/critic_s",
                                                          "perf/": "perf/critic_"}) if critic else {})
@@ -423,15 +441,15 @@ def main(cfg: Config) -> dict[str, float]:
                     "ppo_actor/seq_len": batch.attention_mask.sum(1).float().mean(),
                     "ppo_actor/n_tokens": batch.attention_mask.sum().float(),
                     "version_stats/staleness_mean": _mean(stale, gen),
-                    "version_stats/staleness_max": torch.where(gen, stale, 0.0).max(),
-                    **ctl.last_metrics,
+                    "version_stats/staleness_max": torch.where(gen, stale, 0.0).max() if batch.num_rows else 0.0,
+                    **(ctl.last_metrics if ctl is not None else {}),
                 })
                 evaluate = state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)
-                if evaluate:
+                if evaluate and ctl is not None:  # DP: rank 0 evaluates (it alone logs)
                     ev = ctl.evaluate(test, episode=eval_episode, group_size=cfg.eval_n)
                     m.update({k.replace("eval-rollout/", "eval/"): v for k, v in ev.items()})
                 tracker.log(state.step, m, print_step=bool(evaluate))
-                recover.maybe_save(cfg.run, state, {"rollout": ctl.state_dict()}, final=state.step == cfg.steps)
+                recover.maybe_save(cfg.run, state, {"rollout": source.state_dict()}, final=state.step == cfg.steps)
     # --- final numbers for the test / notebooks ---
     return harness.finish(cfg.run, state, tok, tracker.last)
 

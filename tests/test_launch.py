@@ -179,8 +179,9 @@ GSM8K_ROWS = [
 ]
 
 
-def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = ()) -> None:
-    """Run experiments/gsm8k_grpo.py for 3 steps under ``rlcore.launch --alloc engines:1+trainer:1`` and check it."""
+def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = (), *,
+                  alloc: str = "engines:1+trainer:1") -> None:
+    """Run experiments/gsm8k_grpo.py for 3 steps under ``rlcore.launch --alloc ALLOC`` and check it."""
     import json
     import subprocess
     from pathlib import Path
@@ -202,7 +203,7 @@ def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = ()
         rows = "".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_ROWS)
         (data / f"{split}.jsonl").write_text(rows)
     cmd = [
-        sys.executable, "-m", "rlcore.launch", "--alloc", "engines:1+trainer:1", "--model", str(model), "--",
+        sys.executable, "-m", "rlcore.launch", "--alloc", alloc, "--model", str(model), "--",
         "experiments/gsm8k_grpo.py", "grpo", "--model", str(model), "--data-dir", str(data), "--steps", "3",
         "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "32", "--eval-limit", "4",
         "--eval-every", "0", "--no-progress", "--engine.max-seq-len", "1024", "--engine.publish", publish,

@@ -16,7 +16,7 @@ leaf returns the dtype it is given; AReaL always returns float32).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,10 +63,15 @@ REINFORCE_PP_BASELINE = NormConfig(mean_level="group", std_level=None)
 BATCH_ZSCORE = NormConfig(mean_level="batch", std_level="batch")  # every shipped adv_norm
 
 
-def _segment_sum(v: Tensor, level: Level, g: int | None, seg: Tensor | None, nseg: int) -> Tensor:
-    """Sum the per-row values ``v`` (b,) over the rows' batch or group and broadcast back to (b,)."""
+def _segment_sum(v: Tensor, level: Level, g: int | None, seg: Tensor | None, nseg: int,
+                 batch_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Sum the per-row values ``v`` (b,) over the rows' batch or group and broadcast back to (b,); a batch sum goes
+    through ``batch_sum`` (e.g. a sum over data-parallel ranks) when given."""
     if level == "batch":
-        return v.sum().expand_as(v)
+        s = v.sum()
+        if batch_sum is not None:
+            s = batch_sum(s).to(v.dtype).reshape(())
+        return s.expand_as(v)
     if g is not None:  # equal groups: the (n g) layout
         s = einops.reduce(v, "(n g) -> n", "sum", g=g)
         return einops.repeat(s, "n -> (n g)", g=g)
@@ -76,7 +81,7 @@ def _segment_sum(v: Tensor, level: Level, g: int | None, seg: Tensor | None, nse
 
 
 def _rowsum(v: Tensor) -> Tensor:
-    return v.reshape(v.shape[0], -1).sum(-1)
+    return v if v.dim() == 1 else v.flatten(1).sum(-1)  # flatten, not reshape(b, -1): b may be 0 on a DP rank
 
 
 def normalize(
@@ -85,6 +90,7 @@ def normalize(
     *,
     cfg: NormConfig,
     group_sizes: Sequence[int] | Tensor | None = None,
+    batch_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Centre and scale ``x`` by batch or group statistics (spec §3).
 
@@ -93,6 +99,10 @@ def normalize(
       cfg: the normalisation settings.
       mask: bool, same shape as ``x``; None means every element counts.
       group_sizes: sizes of consecutive row groups, summing to ``b``; None means ``cfg.group_size``.
+      batch_sum: applied to every batch-level sum (0-dim float64 counts, sums, sums of squares) before it is
+        used; pass a sum over data-parallel ranks (``rlcore.training.dp_rollout.DPRollout.batch_sum``) so a rank's
+        shard is normalised by the statistics of the global batch. Every rank must call ``normalize`` with the
+        same ``cfg``. None: the local batch. Group statistics never cross ranks (groups are never split).
 
     Returns:
       tensor shaped like ``x`` in ``x``'s dtype promoted to at least float32 (float32 for bfloat16/float32,
@@ -125,7 +135,7 @@ def normalize(
     shape = (b,) + (1,) * (x.dim() - 1)  # broadcast per-row statistics over tokens
 
     def seg_sum(v: Tensor, level: Level) -> Tensor:
-        return _segment_sum(_rowsum(v), level, g, seg, nseg).reshape(shape)
+        return _segment_sum(_rowsum(v), level, g, seg, nseg, batch_sum).reshape(shape)
 
     # Step 1: mean.
     if cfg.mean_level is None:
