@@ -604,6 +604,13 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
     else:
         client = engine_client.EngineClient(setup.engine)
     eng = setup.engine
+    # --train-priority: the trainer's kernels on a high-priority CUDA stream, so that on a shared GPU the engine
+    # (default, lowest priority) fills the trainer's idle gaps instead of stretching its step (one process only:
+    # stream priorities do not order kernels of two processes).
+    train_stream_ctx: Any = contextlib.nullcontext()
+    if getattr(args, "train_priority", False) and setup.train_dev.type == "cuda":
+        lo, hi = torch.cuda.Stream.priority_range()
+        train_stream_ctx = torch.cuda.stream(torch.cuda.Stream(setup.train_dev, priority=hi))
     per_step: list[dict] = []
     truncated = False
     with UtilSampler([setup.engine_dev, setup.train_dev]) as util:
@@ -619,7 +626,8 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
                 groups = ctl.prepare_batch()
                 t1 = time.perf_counter()
                 batch = trajectory.concat(groups)
-                setup.state, m = train(setup.state, batch)
+                with train_stream_ctx:
+                    setup.state, m = train(setup.state, batch)
                 sync(setup.train_dev)
                 t2 = time.perf_counter()
                 pub_s = publish(setup, ctl, args.publish, args.pause_mode)
@@ -943,6 +951,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pause-mode", choices=("abort", "in_place", "retract"), default="abort",
                    help="engine pause mode at each weight update")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and lengths")
+    p.add_argument("--train-priority", action="store_true",
+                   help="run the train step on a high-priority CUDA stream (thread layout on a shared GPU)")
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine as its own OS process (rlcore.serve over HTTP, weights by CUDA IPC) "
                         "instead of a thread of this one")

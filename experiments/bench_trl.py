@@ -207,6 +207,8 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
         argv.append("--smoke")
     if args.engine_process:
         argv.append("--engine-process")
+    if args.train_priority:
+        argv.append("--train-priority")
     a = bench_async.parse_args(argv)
     a.fixed_len, a.len_cap, a.batch_groups, a.group_size = (args.completion_len, args.completion_len,
                                                             args.prompts_per_step, args.group_size)
@@ -220,9 +222,10 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
             if budget.expired():
                 out.setdefault("skipped", []).append(f"eta{eta}")
                 continue
+            conc = args.max_concurrent_groups * args.prompts_per_step if eta > 0 and args.max_concurrent_groups else None
             r = bench_async.run_rl(setup, eta=eta, steps=args.ours_steps, batch_groups=args.prompts_per_step,
                                    fixed_len=args.completion_len, budget=budget, seed=args.seed,
-                                   label=f"ours eta={eta}")
+                                   label=f"ours eta={eta}", max_concurrent=conc)
             r.pop("per_step", None)
             out[f"eta{eta}"] = r
     finally:
@@ -277,6 +280,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--etas", default="0,4", help="rlcore max staleness values")
     p.add_argument("--sections", default="rlcore,trl", help="comma list of: rlcore, trl")
     p.add_argument("--seed", type=int, default=0, help="seed")
+    p.add_argument("--train-priority", action="store_true",
+                   help="rlcore's train step on a high-priority CUDA stream (engine fills its idle gaps)")
+    p.add_argument("--max-concurrent-groups", type=int, default=0,
+                   help="eta > 0: at most this many batches of groups in flight (0: eta + 1)")
     p.add_argument("--engine-process", action="store_true",
                    help="rlcore's engine in its own process on the same GPU (HTTP + CUDA IPC weights), not a thread")
     args = p.parse_args(argv)
