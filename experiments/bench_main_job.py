@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--variant", action="append", default=[], help='NAME="extra tiny_cpu flags" (repeatable)')
     ap.add_argument("--cores-per-run", type=int, default=2)
+    ap.add_argument("--first-core", type=int, default=0, help="run k gets cores first + k*cores_per_run + j")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     variants = [v.split("=", 1) if "=" in v else (v, "") for v in (a.variant or ["default="])]
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {len(runs)} runs x {a.cores_per_run} cores > {ncpu} cores: runs share cores", file=sys.stderr)
     procs = []
     for k, (name, flags, seed) in enumerate(runs):
-        cores = ",".join(str((k * a.cores_per_run + j) % ncpu) for j in range(a.cores_per_run))
+        cores = ",".join(str((a.first_core + k * a.cores_per_run + j) % ncpu) for j in range(a.cores_per_run))
         cmd = ["taskset", "-c", cores, sys.executable, str(ROOT / "experiments" / "tiny_cpu.py"),
                "--minutes", str(a.minutes), "--seed", str(seed), "--no-progress",
                "--log-dir", f"/tmp/bench_main_job/{name}-{seed}", *shlex.split(flags)]
