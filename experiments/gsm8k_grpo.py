@@ -40,6 +40,7 @@ from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import math as math_reward
 from rlcore.training import dp_rollout, engines, harness, recover, step, train_state
+from rlcore.training import lora as lora_lib
 from rlcore.types import TokenBatch
 
 
@@ -115,6 +116,11 @@ class Config:
     """Token budget of one micro-batch (gradient accumulation)."""
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=1.7e-5, weight_decay=0.017)
     """AdamW settings (AReaL GSM8K: lr 1.7e-5, weight decay 0.017, constant)."""
+    lora: bool = False
+    """Train LoRA adapters (``lora_cfg``) instead of every weight; publishes then send the adapter only, and the
+    engines apply it on their base weights (docs/lora.md). LoRA usually wants a ~10x larger ``--optim.lr``."""
+    lora_cfg: lora_lib.LoraConfig = lora_lib.LoraConfig()
+    """Rank, alpha, dropout and target modules of the adapters (with ``--lora``)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
     eval_every: int = 10
@@ -349,7 +355,7 @@ def main(cfg: Config) -> dict[str, float]:
         raise ValueError(f"no training prompt fits max_prompt_tokens={cfg.max_prompt_tokens}; raise --max-prompt-tokens")
     model = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     state = train_state.init_train_state(model, cfg.optim, ref=cfg.need_ref, critic=cfg.critic,
-                                         compile_layers=cfg.run.compile)
+                                         compile_layers=cfg.run.compile, lora=cfg.lora_cfg if cfg.lora else None)
     mb_cfg = microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb)
     step_cfg = step.StepConfig(mb=mb_cfg, temperature=cfg.temperature, max_grad_norm=cfg.max_grad_norm)
     reward_norm = None if cfg.reward_norm is None else dataclasses.replace(cfg.reward_norm, group_size=cfg.group_size)

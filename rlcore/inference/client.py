@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from rlcore.inference.engine import Engine
+from rlcore.inference.lora import adapter_name
 from rlcore.inference.protocol import ModelRequest, ModelResponse
 from rlcore.inference.routing import (  # noqa: F401  (re-exported: the client's public names live on)
     _BROKEN,
@@ -92,6 +93,7 @@ class EngineClient:
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         self._pushed: Any = None  # key of the newest weight push; servers holding other weights are evicted
         self._anon_pushes = 0
+        self._lora: str | None = None  # adapter name prefix: segments pinned to v send lora_path "<prefix>-v<v>"
 
     # ---------------------------------------------------------------- version / pause (any thread)
     def get_version(self) -> int:
@@ -101,6 +103,20 @@ class EngineClient:
     def set_version(self, version: int) -> None:
         """Set after every server acknowledged the weights of ``version`` and before ``resume()``."""
         self._version = int(version)
+
+    def set_lora(self, prefix: str | None) -> None:
+        """Select LoRA adapters per request: every segment pinned to version ``v`` sends
+        ``lora_path = "<prefix>-v<v>"`` (the name ``weight_sync.publish_weights`` loads the adapter of ``v`` under,
+        spec system.md §5.1); None sends no ``lora_path`` (the base model on SGLang). Set it once the adapter of the
+        current version is loaded on every server."""
+        if prefix is not None and (not isinstance(prefix, str) or not prefix):
+            raise ValueError(f"set_lora: prefix must be a non-empty string or None, got {prefix!r}")
+        self._lora = prefix
+
+    @property
+    def lora(self) -> str | None:
+        """The adapter name prefix of ``set_lora`` (None: no ``lora_path`` is sent)."""
+        return self._lora
 
     def pause(self) -> None:
         """Stop (re)submitting segments; in-flight HTTP calls are not touched (use pause_generation)."""
@@ -339,6 +355,8 @@ class EngineClient:
                 "return_logprob": True,
                 "stream": False,
             }
+            if self._lora is not None:
+                payload["lora_path"] = adapter_name(self._lora, v_req)
             new, new_lp, reason, fr, new_versions = await self._generate_segment(req.rid, payload, remaining)
             if not ttft:
                 ttft = time.monotonic() - t0
@@ -477,6 +495,22 @@ class EngineClient:
         payload = {"serialized_named_tensors": [serialized], "load_format": None, "flush_cache": True,
                    "abort_all_requests": bool(abort_all_requests), "weight_version": str(int(version))}
         return await self._weight_fanout("/update_weights_from_tensor", payload, ("v", int(version)))
+
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> dict[str, Any]:
+        """POST /load_lora_adapter ``{"lora_name", "lora_path"[, "weight_version"]}`` on all servers: load a PEFT
+        adapter directory (SGLang: next to the base weights, selected per request by ``lora_path``; rlcore's
+        engine: merged into its weights, with ``weight_version`` set in the same commit). A weight push: a server
+        that fails is evicted until a later push succeeds on it; returns {server name: ``LoRAUpdateOutput``}."""
+        payload: dict[str, Any] = {"lora_name": str(name), "lora_path": str(path)}
+        key: Any = ("lora", str(name))
+        if version is not None:
+            payload["weight_version"] = str(int(version))
+            key = ("v", int(version))
+        return await self._weight_fanout("/load_lora_adapter", payload, key)
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """POST /unload_lora_adapter ``{"lora_name"}`` on all live servers; returns {server name: body}."""
+        return await self._fanout("POST", "/unload_lora_adapter", {"lora_name": str(name)})
 
     def init_weights_update_group(
         self,
@@ -640,6 +674,15 @@ class SyncEngineClient:
 
     def set_version(self, version: int) -> None:
         self.client.set_version(version)
+
+    def set_lora(self, prefix: str | None) -> None:
+        self.client.set_lora(prefix)
+
+    def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> dict[str, Any]:
+        return self.run(self.client.load_lora_adapter(name, path, version))
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        return self.run(self.client.unload_lora_adapter(name))
 
     def pause(self) -> None:
         self.client.pause()

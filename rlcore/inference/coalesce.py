@@ -2,7 +2,7 @@
 
 ``EngineClient([CoalescingHTTP("http://127.0.0.1:PORT")])`` talks to the same server, with the same protocol,
 as ``EngineClient(["http://127.0.0.1:PORT"])``; only the framing changes. Every ``/generate`` call that arrives
-in the same event-loop tick with the same ``sampling_params`` and ``return_logprob`` joins one POST whose
+in the same event-loop tick with the same ``sampling_params``, ``return_logprob`` and ``lora_path`` joins one POST whose
 ``input_ids`` is a list of prompts (SGLang's batched request; the answer is a list in the same order), so a
 rollout of 256 samples costs a handful of HTTP round trips instead of 256. On a small model the per-request
 HTTP and JSON work otherwise costs more CPU than the generation itself, on both sides of the socket.
@@ -67,7 +67,8 @@ class CoalescingHTTP:
         if ep != "/generate" or not _batchable(p):
             return await self._http("GET" if ep.strip("/") in _GET else "POST", ep, p)
         loop = asyncio.get_running_loop()
-        key = json.dumps([p.get("sampling_params"), bool(p.get("return_logprob", False))], sort_keys=True)
+        key = json.dumps([p.get("sampling_params"), bool(p.get("return_logprob", False)), p.get("lora_path")],
+                         sort_keys=True)
         fut: asyncio.Future = loop.create_future()
         batch = self._pending.get((loop, key))
         if batch is None:

@@ -1,5 +1,5 @@
-"""SGLang's control and information endpoints over an ``Engine``: weights, the update group, pause / continue /
-abort, memory release for colocated training, health, model and server info, and the refusals (LoRA).
+"""SGLang's control and information endpoints over an ``Engine``: weights, LoRA adapters, the update group, pause /
+continue / abort, memory release for colocated training, health, model and server info.
 
 Each handler is ``async (engine, payload) -> (status, json body)``; ``server.ROUTES`` maps endpoint names to them.
 Blocking work (disk loads, group rendezvous, broadcast receives) runs on the engine's bounded control pool
@@ -317,7 +317,9 @@ async def _server_info(engine: Engine, p: dict) -> tuple[int, dict]:
         "random_seed": cfg.seed,
         "disable_radix_cache": True,
         "disable_cuda_graph": not cfg.cuda_graph,
-        "enable_lora": False,
+        "enable_lora": True,
+        "lora_adapters": engine.lora_adapters,
+        "lora_applied": engine.lora_applied,
         "tp_size": 1, "pp_size": 1, "dp_size": 1,
         "weight_version": str(engine.version),
         "internal_states": [{
@@ -350,13 +352,55 @@ async def _resume_memory(engine: Engine, p: dict) -> tuple[int, dict]:
     return _ok(f"resumed {tags}" + (f"; still released: {left}" if left else ""), tags=tags)
 
 
-LORA_UNSUPPORTED = (
-    "LoRA adapters are not supported by the embedded engine (rlcore.serve); merge the adapter into the weights "
-    "and load them with /update_weights_from_disk, or serve LoRA with a real SGLang server (--enable-lora)"
-)
+def _lora_result(engine: Engine, status: int, error: str = "") -> tuple[int, dict]:
+    """SGLang's ``LoRAUpdateOutput``: ``success``, ``error_message``, ``loaded_adapters`` (``{name: path}``); a failure
+    also carries ``error.message`` (the shape of every other 4xx here)."""
+    body: dict[str, Any] = {"success": status == 200, "error_message": error, "loaded_adapters": engine.lora_adapters}
+    if status != 200:
+        body["error"] = {"message": error}
+    return status, body
 
 
-async def _lora(engine: Engine, p: dict) -> tuple[int, dict]:
-    """``/load_lora_adapter`` and ``/unload_lora_adapter``: refused (400), in SGLang's ``LoRAUpdateOutput`` shape."""
-    return 400, {"success": False, "error_message": LORA_UNSUPPORTED, "loaded_adapters": {},
-                 "error": {"message": LORA_UNSUPPORTED}}
+def _lora_name(p: dict) -> str:
+    name = p.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("lora_name must be a non-empty string (the adapter's name, e.g. 'policy-v3')")
+    return name
+
+
+async def _load_lora(engine: Engine, p: dict) -> tuple[int, dict]:
+    """``/load_lora_adapter`` ``{"lora_name", "lora_path", ["pinned"], ["weight_version"]}``: read a PEFT adapter
+    directory, merge it into the weights (``rlcore.inference.lora``), commit it between two forward passes.
+
+    ``weight_version`` (an rlcore addition, ignored by SGLang) sets the engine's version in the same commit. A
+    failed load answers 400 with ``success: false`` and changes nothing. ``pinned`` is accepted (the embedded engine
+    keeps every loaded adapter resident anyway)."""
+    name = _lora_name(p)
+    path = p.get("lora_path")
+    if not isinstance(path, str) or not path:
+        return _err(400, "lora_path must be the path of a PEFT adapter directory (adapter_config.json + "
+                         "adapter_model.safetensors)")
+    if not isinstance(p.get("pinned", False), bool):
+        return _err(400, "pinned must be true or false")
+    version = json_version(p.get("weight_version"), "weight_version")
+    try:
+        await _control(engine, engine.load_lora_adapter, name, path, version, timeout_s=_timeout(p, None))
+    except EngineBusy:
+        raise
+    except (EngineError, OSError, TimeoutError) as e:  # nothing was applied: weights, adapters and version unchanged
+        return _lora_result(engine, 400, f"load_lora_adapter failed (nothing changed, version {engine.version}): {e}")
+    return _lora_result(engine, 200)
+
+
+async def _unload_lora(engine: Engine, p: dict) -> tuple[int, dict]:
+    """``/unload_lora_adapter`` ``{"lora_name", ["weight_version"]}``: drop an adapter; when it was the applied one,
+    the newest remaining adapter is applied, or the base weights are copied back exactly."""
+    name = _lora_name(p)
+    version = json_version(p.get("weight_version"), "weight_version")
+    try:
+        await _control(engine, engine.unload_lora_adapter, name, version, timeout_s=_timeout(p, None))
+    except EngineBusy:
+        raise
+    except (EngineError, TimeoutError) as e:
+        return _lora_result(engine, 400, f"unload_lora_adapter failed (nothing changed): {e}")
+    return _lora_result(engine, 200)

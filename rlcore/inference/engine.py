@@ -38,6 +38,7 @@ from rlcore.inference import architectures
 from rlcore.inference.attention import install_grouped_attention
 from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward, SlotCache
+from rlcore.inference.lora import LoraAdapter, LoraSlots
 from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams
 from rlcore.inference.sampling import (
     check_request,
@@ -207,6 +208,7 @@ class Engine:
         self._inbox: collections.deque = collections.deque()  # ("req", _Request) | ("cmd", fn, future)
         self._wake = threading.Event()
         self._groups: dict[str, Any] = {}
+        self._lora = LoraSlots(self.model)
         self.stats = collections.Counter()
         self._graphs = DecodeGraphs(
             self._fwd, self._cache, cfg.max_batch, self.max_seq_len, self.device, self.dtype, self.stats
@@ -455,18 +457,22 @@ class Engine:
         self, state_dict: dict[str, torch.Tensor], version: int | None = None
     ) -> None:
         """Copy HF-named tensors into the model (cast to the engine dtype) and set ``version``; atomic: every
-        name, shape and dtype is checked first (``weights.stage_weights``), a failed load changes nothing."""
-        staged = stage_weights(self.model, state_dict.items())
-        self._call(lambda: self._s.commit(staged, version))
+        name, shape and dtype is checked first (``weights.stage_weights``), a failed load changes nothing. Refused
+        while a LoRA adapter is loaded (``load_lora_adapter``)."""
+        with self._lora.full_load():
+            staged = stage_weights(self.model, state_dict.items())
+            self._call(lambda: self._s.commit(staged, version))
 
     def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
         """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``.
 
         The files are read and checked on the calling thread (generation continues meanwhile); the loop thread
         only copies the staged tensors in. A failed load (bad path, unknown name, wrong shape) changes nothing.
+        Refused while a LoRA adapter is loaded.
         """
-        staged = stage_weights(self.model, read_safetensors(path))
-        self._call(lambda: self._s.commit(staged, version))
+        with self._lora.full_load():
+            staged = stage_weights(self.model, read_safetensors(path))
+            self._call(lambda: self._s.commit(staged, version))
 
     def update_weights_from_tensors(
         self, named: Sequence[tuple[str, torch.Tensor]], version: int | None = None
@@ -521,6 +527,7 @@ class Engine:
             raise EngineError("names, dtypes and shapes must have the same length")
         specs = [(n, parse_dtype(d), tuple(int(x) for x in shp)) for n, d, shp in zip(names, dtypes, shapes)]
         check_specs(self.model, specs)
+        self._lora.refuse_full_load()
         pg = self._groups[group_name]
         import torch.distributed as dist
 
@@ -530,8 +537,43 @@ class Engine:
             buf = torch.empty(shp, dtype=dt, device=dev)
             dist.broadcast(buf, src=0, group=pg)
             received.append((n, buf))
-        staged = stage_weights(self.model, received)
-        self._call(lambda: self._s.commit(staged, version))
+        with self._lora.full_load():
+            staged = stage_weights(self.model, received)
+            self._call(lambda: self._s.commit(staged, version))
+
+    # -- LoRA adapters (rlcore.inference.lora: merged into the live weights from a kept base copy) -----------------
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters ``{lora_name: lora_path}`` (SGLang's ``loaded_adapters``), oldest first."""
+        return self._lora.paths()
+
+    @property
+    def lora_applied(self) -> str | None:
+        """The adapter merged into the weights: the most recently loaded one (None: the base weights)."""
+        return self._lora.applied
+
+    def load_lora_adapter(
+        self, name: str, adapter: str | os.PathLike | LoraAdapter, version: int | None = None
+    ) -> dict[str, str]:
+        """Load an adapter (a PEFT directory or an in-memory ``LoraAdapter``) and apply it; returns the loaded set.
+
+        The adapter is read, checked against the model and merged (``W_base + s · B @ A``) on the calling thread
+        while generation continues; the loop thread then copies the new weights in between two forward passes and
+        sets ``version`` (when given), like a full weight load: requests whose KV predates it are re-prefilled, so
+        no token mixes two adapters. It becomes the applied adapter (the previous one stays loaded, superseded).
+        A failed load (bad path, unknown module, wrong shape, name already loaded) changes nothing.
+        """
+        return self._lora.load(name, adapter, lambda staged, done: self._call(
+            lambda: (self._s.commit(staged, version) if staged else None, done())))
+
+    def unload_lora_adapter(self, name: str, version: int | None = None) -> dict[str, str]:
+        """Unload an adapter; returns the loaded set. Unloading the applied one applies the newest remaining adapter,
+        or copies the base weights back (exactly) when none is left; committed between two forward passes, with
+        ``version`` set when given. Unloading a superseded adapter changes no weight (nor the version). Unknown names
+        raise."""
+        return self._lora.unload(name, lambda staged, done: self._call(
+            lambda: (self._s.commit(staged, version) if staged else None, done())))
 
     def destroy_weights_update_group(self, group_name: str = "update_weight_group") -> None:
         """Leave and destroy a weight-update group."""
@@ -550,11 +592,18 @@ class Engine:
         """Free the KV cache and/or move the weights to host memory (``tags`` from ``MEMORY_TAGS``; default all)
         for a colocated trainer; generation waits until ``resume_memory_occupation``. See
         ``Scheduler.release_memory``."""
-        return self._call(lambda t=memory_tags(tags): self._s.release_memory(t))
+        return self._call(lambda t=memory_tags(tags): self._release(t))
 
     def resume_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
         """Undo ``release_memory_occupation`` for ``tags`` (default all); generation continues when none is left."""
-        return self._call(lambda t=memory_tags(tags): self._s.resume_memory(t))
+        return self._call(lambda t=memory_tags(tags): self._resume(t))
+
+    def _release(self, tags: frozenset[str]) -> list[str]:  # the LoRA base copies go with the weights
+        return [self._s.release_memory(tags), self._lora.move("cpu" if "weights" in tags else None)][0]
+
+    def _resume(self, tags: frozenset[str]) -> list[str]:
+        self._lora.move(self.device if "weights" in tags and "weights" in self._s.released else None)
+        return self._s.resume_memory(tags)
 
     def prompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
         """Log-probs of ``input_ids[start + 1:]`` given their prefixes under the loaded weights (raw, no
@@ -589,12 +638,12 @@ class Engine:
     async def arelease_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
         """Awaitable ``release_memory_occupation``."""
         t = memory_tags(tags)
-        return await asyncio.wrap_future(self._command(lambda: self._s.release_memory(t)))
+        return await asyncio.wrap_future(self._command(lambda: self._release(t)))
 
     async def aresume_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
         """Awaitable ``resume_memory_occupation``."""
         t = memory_tags(tags)
-        return await asyncio.wrap_future(self._command(lambda: self._s.resume_memory(t)))
+        return await asyncio.wrap_future(self._command(lambda: self._resume(t)))
 
     async def aprompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
         """Awaitable ``prompt_logprobs``."""

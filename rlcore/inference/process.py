@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,14 +73,27 @@ def shm_weights_file(root: str | os.PathLike, pid: int, version: int) -> Path:
     return Path(root) / f"{SHM_WEIGHTS_PREFIX}{int(pid)}-v{int(version)}.safetensors"
 
 
-def remove_shm_weights(root: str | os.PathLike, pid: int) -> list[Path]:
-    """Delete every weight file (and half-written ``.tmp`` file) of trainer ``pid`` under ``root``; returns them."""
-    gone = []
-    for f in Path(root).glob(f"{SHM_WEIGHTS_PREFIX}{int(pid)}-v*"):
-        with contextlib.suppress(FileNotFoundError):
+def shm_lora_dir(root: str | os.PathLike, pid: int, version: int) -> Path:
+    """Where trainer ``pid`` publishes the LoRA adapter of ``version`` under ``root`` (a PEFT directory)."""
+    return Path(root) / f"{SHM_WEIGHTS_PREFIX}{int(pid)}-v{int(version)}-lora"
+
+
+def _remove(f: Path) -> bool:
+    """Delete a weight file or adapter directory; False when it was already gone."""
+    try:
+        if f.is_dir() and not f.is_symlink():
+            shutil.rmtree(f)
+        else:
             f.unlink()
-            gone.append(f)
-    return gone
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove_shm_weights(root: str | os.PathLike, pid: int) -> list[Path]:
+    """Delete every weight file, adapter directory (and half-written ``.tmp`` one) of trainer ``pid`` under
+    ``root``; returns them."""
+    return [f for f in Path(root).glob(f"{SHM_WEIGHTS_PREFIX}{int(pid)}-v*") if _remove(f)]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -98,10 +112,8 @@ def remove_orphan_shm_weights(root: str | os.PathLike) -> list[Path]:
     pat = re.compile(re.escape(SHM_WEIGHTS_PREFIX) + r"(\d+)-v")
     for f in Path(root).glob(f"{SHM_WEIGHTS_PREFIX}*"):
         m = pat.match(f.name)
-        if m and not _pid_alive(int(m.group(1))):
-            with contextlib.suppress(FileNotFoundError):
-                f.unlink()
-                gone.append(f)
+        if m and not _pid_alive(int(m.group(1))) and _remove(f):
+            gone.append(f)
     return gone
 
 

@@ -254,6 +254,7 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         raise BadRequest("rid must be a string, or for batched input a list with one string per prompt")
     if not all(r is None or isinstance(r, str) for r in base):
         raise BadRequest("rid must be a string (or a list of strings)")
+    _check_lora_path(engine, p.get("lora_path"), len(prompts))
     starts = _logprob_starts(p.get("logprob_start_len"), prompts) if return_logprob else [None] * len(prompts)
     # Validate all before queuing any, so a bad batch runs nothing (max_new_tokens clamped to each prompt's room).
     checked = [engine.check(x, sp) for x in prompts]
@@ -285,8 +286,7 @@ UNSUPPORTED_FIELDS = {
     "video_data": "text-only models; send text or input_ids",
     "audio_data": "text-only models; send text or input_ids",
     "input_embeds": "send text or input_ids",
-    "lora_path": "LoRA adapters are not served (merge the adapter and use /update_weights_from_disk)",
-    "lora_id": "LoRA adapters are not served (merge the adapter and use /update_weights_from_disk)",
+    "lora_id": "name the adapter with lora_path (its lora_name); SGLang's internal lora_id is not used",
     "top_logprobs_num": "top-k log-probs are not returned; send 0 (output_token_logprobs holds the sampled token's)",
     "token_ids_logprob": "log-probs of chosen token ids are not returned; use logprob_start_len on the full text",
     "return_hidden_states": "hidden states are not returned",
@@ -298,6 +298,29 @@ UNSUPPORTED_FIELDS = {
     "bootstrap_room": "prefill/decode disaggregation is not available",
 }
 """Top-level /generate fields the embedded engine refuses (400 naming the field) rather than ignores."""
+
+
+def _check_lora_path(engine: Engine, raw: Any, n_prompts: int) -> None:
+    """``lora_path`` (SGLang: the name of a loaded adapter, one for all prompts or a list with one per prompt).
+
+    The embedded engine merges one adapter into its weights, the most recently loaded (``Engine.lora_applied``), and
+    serves every request with it: a request may name any *loaded* adapter (an older one was superseded by a newer
+    publish, as a request in flight across a full weight load is; its tokens carry the version that produced them in
+    ``output_token_versions``). A name that is not loaded is refused."""
+    if raw is None:
+        return
+    names = raw if isinstance(raw, list) else [raw]
+    if isinstance(raw, list) and len(raw) != n_prompts:
+        raise BadRequest(f"lora_path: a list needs one entry per prompt ({n_prompts}), got {len(raw)}")
+    loaded = engine.lora_adapters
+    for x in names:
+        if x is None:
+            continue
+        if not isinstance(x, str):
+            raise BadRequest("lora_path must be an adapter name (string), null, or a list of them")
+        if x not in loaded:
+            raise BadRequest(f"lora_path {x!r} is not a loaded LoRA adapter (loaded: {list(loaded)}); load it first "
+                             "with /load_lora_adapter")
 
 
 def _logprob_starts(raw: Any, prompts: list[list[int]]) -> list[int | None]:
@@ -439,8 +462,8 @@ ROUTES: dict[str, Any] = {
     "update_weight_version": control._set_version,
     "release_memory_occupation": control._release_memory,
     "resume_memory_occupation": control._resume_memory,
-    "load_lora_adapter": control._lora,
-    "unload_lora_adapter": control._lora,
+    "load_lora_adapter": control._load_lora,
+    "unload_lora_adapter": control._unload_lora,
 }
 """Endpoint name -> ``async handler(engine, payload) -> (status, json body)``; extend here."""
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from rlcore.inference import client as engine_client
-from rlcore.training import weight_sync
+from rlcore.training import lora, weight_sync
 from rlcore.training.train_state import TrainState
 
 ENV_ADDRS = "RLCORE_ENGINE_ADDRS"
@@ -142,7 +142,9 @@ def open_engines(model: nn.Module, tokenizer: Any, setup: EngineSetup, *, seed: 
             max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, seed=seed, capture_at_start=True
         )
         # A separate copy: the trainer's parameters change in place during a step, the engine's only on publish.
-        with engine_lib.Engine(copy.deepcopy(model).eval(), ecfg, tokenizer=tokenizer) as eng:
+        # A LoRA policy's engine holds the plain base weights; publishes then load the adapter on top.
+        plain = lora.base_copy(model) if lora.has_lora(model) else copy.deepcopy(model)
+        with engine_lib.Engine(plain.eval(), ecfg, tokenizer=tokenizer) as eng:
             dtype = (
                 setup.dtype
                 if setup.dtype != "auto"
@@ -173,8 +175,12 @@ def open_engines(model: nn.Module, tokenizer: Any, setup: EngineSetup, *, seed: 
 
 
 def publish(state: TrainState, eng: Engines, rollout: Any = None) -> TrainState:
-    """``weight_sync.publish_weights`` with the run's targets: returns the state with ``version + 1``."""
-    return weight_sync.publish_weights(state, eng.targets, cfg=eng.publish, rollout=rollout)
+    """``weight_sync.publish_weights`` with the run's targets: returns the state with ``version + 1``. After a LoRA
+    adapter publish the rollout client names each request's adapter (``lora_path``, which SGLang needs)."""
+    state = weight_sync.publish_weights(state, eng.targets, cfg=eng.publish, rollout=rollout)
+    if eng.publish.lora == "adapter" and lora.has_lora(state.model):
+        eng.client.set_lora(eng.publish.lora_name)
+    return state
 
 
 __all__ = ["ENV_ADDRS", "ENV_SYNC_HOST", "EngineSetup", "Engines", "engine_addresses", "weight_sync_host",

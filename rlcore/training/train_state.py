@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from rlcore.training import fsdp, models
+from rlcore.training import lora as lora_lib
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ def init_train_state(
     version: int = 0,
     compute_dtype: torch.dtype | Literal["auto"] | None = "auto",
     compile_layers: bool = False,
+    lora: lora_lib.LoraConfig | None = None,
 ) -> TrainState:
     """Build a :class:`TrainState` from a HF model, a local HF directory or a ``PretrainedConfig``.
 
@@ -173,6 +175,10 @@ def init_train_state(
       compile_layers: ``torch.compile`` every decoder layer of the policy and critic after sharding
         (``fsdp.compile_decoder_layers``). On an H200 with Qwen2-0.5B shapes it took the packed train step from
         45-53k to 69.6k tok/s (docs/benchmarks.md); the first steps pay ~10 s of compilation.
+      lora: train LoRA adapters on the policy instead of all its weights (``lora.apply_lora``, needs peft):
+        every other policy parameter is frozen, so the optimizer holds the adapter only; ``ref=True`` and
+        ``critic=True`` copy the policy before the adapters are added. ``weight_sync.publish_weights`` then sends
+        the adapter only (docs/lora.md).
 
     Dropout is disabled (p = 0) so the training forward matches the proximal and behaviour ones.
     """
@@ -188,6 +194,8 @@ def init_train_state(
         critic_mod = models.CriticModel(models.frozen_copy(hf).requires_grad_(True).train())
     elif critic is not False:
         critic_mod = models.CriticModel(models.load_causal_lm(critic, dtype=dtype))
+    if lora is not None:
+        lora_lib.apply_lora(hf, lora)  # after the ref/critic copies: those stay plain
     policy = models.as_policy(hf)
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
     for m in (policy, ref_mod, critic_mod):

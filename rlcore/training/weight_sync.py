@@ -13,6 +13,12 @@
 6. only now ``version + 1`` is set on the engines' clients and the rollout controller;
 7. ``rollout.resume()``: interrupted requests resubmit under the new version label.
 
+A LoRA policy (``init_train_state(..., lora=...)``) publishes its adapter only (``PublishConfig.lora="adapter"``,
+docs/lora.md): step 4 becomes ``load_lora_adapter("<lora_name>-v<version>", adapter)`` on every target (the
+in-process tensors, or a PEFT directory on disk / in ``/dev/shm``), after which adapters older than
+``lora_keep_versions`` are unloaded (SGLang's recipe, spec system.md §5.1). ``lora="merged"`` sends the full merged
+weights instead, through any mode.
+
 If any push or acknowledgement fails, the exception propagates, the version is NOT bumped and the
 engines stay paused (their weights may be partially updated; re-publish before resuming). Through an
 engine client (``SyncEngineClient`` fanning out to several servers) a push that fails on *some* servers
@@ -24,10 +30,12 @@ collective); only rank 0 talks to the engines. Nothing else may step the optimiz
 
 Targets are duck-typed:
 * an in-process engine (``rlcore.inference.engine.Engine``): ``pause(mode)``, ``continue_generation()``,
-  ``update_weights_from_state_dict(sd, version)``, ``update_weights_from_disk(path, version)``;
+  ``update_weights_from_state_dict(sd, version)``, ``update_weights_from_disk(path, version)`` (LoRA:
+  ``load_lora_adapter(name, adapter, version)``, ``unload_lora_adapter(name)``);
 * a blocking engine client (``rlcore.inference.client.SyncEngineClient``): ``pause_generation(mode)``,
   ``continue_generation()``, ``update_weights_from_disk(path, version)``,
-  ``update_weights_from_tensor(payload, version)``, ``set_version(v)``;
+  ``update_weights_from_tensor(payload, version)``, ``set_version(v)`` (LoRA:
+  ``load_lora_adapter(name, path, version)``, ``unload_lora_adapter(name)``, ``set_lora(prefix)``);
 * a :class:`BroadcastGroup` from :func:`connect_broadcast` for ``mode="distributed"``.
 """
 
@@ -37,6 +45,7 @@ import concurrent.futures as cf
 import dataclasses
 import inspect
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -51,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlcore.training import fsdp, models
+from rlcore.training import lora as lora_lib
 from rlcore.training.train_state import TrainState
 
 
@@ -77,8 +87,22 @@ class PublishConfig:
     """How engines pause: abort in-flight requests (resubmitted by the client) or keep them."""
     timeout_s: float = 300.0
     """Longest wait for one engine acknowledgement."""
+    lora: Literal["adapter", "merged"] = "adapter"
+    """For a LoRA policy only: publish the adapter alone (``<lora_name>-v<version>``; the engines apply it on their
+    base weights) or the full merged weights ``W + s·B@A`` (engines without adapters; ``mode="distributed"``)."""
+    lora_name: str = "policy"
+    """Prefix of the adapter names: version v is loaded as ``<lora_name>-v<v>`` (and requested as such by a client
+    with ``set_lora(lora_name)``)."""
+    lora_keep_versions: int = 3
+    """After loading version v, unload the adapters ``<lora_name>-v<u>`` with ``u <= v - lora_keep_versions``
+    (SGLang keeps the ones stale in-flight requests still name: use ``max_staleness + 2``)."""
 
     def __post_init__(self) -> None:
+        if self.lora_keep_versions < 1:
+            raise ValueError(f"PublishConfig.lora_keep_versions must be >= 1, got {self.lora_keep_versions}")
+        if not self.lora_name or not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.lora_name):
+            raise ValueError(f"PublishConfig.lora_name must be a non-empty name of letters, digits, '_', '.', '-'; "
+                             f"got {self.lora_name!r}")
         if self.weight_chunked_mem_mb <= 0:
             raise ValueError(f"PublishConfig.weight_chunked_mem_mb must be > 0, got {self.weight_chunked_mem_mb}")
         if self.timeout_s <= 0:
@@ -111,7 +135,11 @@ def hf_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)``; a collective on every rank when the model is FSDP2-sharded."""
+    """Yield ``(hf_name, full tensor)``; a collective on every rank when the model is FSDP2-sharded. A LoRA policy
+    yields its merged weights under the plain HF names (``lora.merged_tensors``)."""
+    if lora_lib.has_lora(model):
+        yield from lora_lib.merged_tensors(model, dtype)
+        return
     for name, t in hf_named_tensors(model):
         full = fsdp.full_tensor(t.detach())
         if dtype is not None and full.is_floating_point():
@@ -457,6 +485,79 @@ def _publish_tensor(state: TrainState, targets: Sequence[Any], version: int, dty
 
 
 # ----------------------------------------------------------------------------------------------------------
+# LoRA adapters (PublishConfig.lora="adapter")
+# ----------------------------------------------------------------------------------------------------------
+
+
+def export_adapter(state: TrainState, path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save the policy's LoRA adapter as a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``),
+    loadable by ``peft.PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter``. Every rank must call it
+    (gathering is collective); rank 0 writes, atomically."""
+    from rlcore.inference import lora as engine_lora
+
+    tensors = lora_lib.adapter_tensors(state.model, dtype)
+    config = lora_lib.adapter_config(state.model)
+    path = Path(path)
+    if _rank() == 0:
+        engine_lora.write_peft_adapter(path, tensors, config)
+    _barrier()
+    return path
+
+
+def _loaded_names(ack: Any) -> set[str]:
+    """Adapter names every server reports loaded: an engine's ``{name: path}`` or a client's {server: body}."""
+    if not isinstance(ack, dict):
+        return set()
+    if ack and all(isinstance(v, dict) for v in ack.values()):
+        sets = [set(b.get("loaded_adapters") or {}) for b in ack.values()]
+        return set.intersection(*sets) if sets else set()
+    return set(ack)
+
+
+def _unload_old(t: Any, loaded: set[str], version: int, cfg: PublishConfig, timeout: float) -> None:
+    """Unload ``<lora_name>-v<u>`` for ``u <= version - lora_keep_versions`` among the adapters ``t`` holds."""
+    pat = re.compile(re.escape(cfg.lora_name) + r"-v(-?\d+)")
+    old = sorted((n for n in loaded if (m := pat.fullmatch(n)) and int(m[1]) <= version - cfg.lora_keep_versions),
+                 key=lambda n: int(pat.fullmatch(n)[1]))
+    for n in old:
+        _wait(t.unload_lora_adapter(n), timeout)
+
+
+def _publish_adapter(state: TrainState, targets: Sequence[Any], version: int, dtype: torch.dtype,
+                     cfg: PublishConfig) -> None:
+    """Send the adapter only, as ``<lora_name>-v<version>``: in-process tensors (``state_dict``) or one PEFT
+    directory (``disk``: under ``disk_root``; ``shm``: in ``/dev/shm``, deleted once every engine loaded it)."""
+    from rlcore.inference import lora as engine_lora
+    from rlcore.inference import process
+
+    tensors = lora_lib.adapter_tensors(state.model, dtype)  # a collective when sharded
+    config = lora_lib.adapter_config(state.model)
+    if _rank() != 0:
+        return
+    name = engine_lora.adapter_name(cfg.lora_name, version)
+    if cfg.mode == "state_dict":
+        adapter = engine_lora.LoraAdapter.from_peft(tensors, config)
+        for t in targets:
+            _unload_old(t, _loaded_names(t.load_lora_adapter(name, adapter, version)), version, cfg, cfg.timeout_s)
+        return
+    if cfg.mode == "shm":
+        root = Path(cfg.shm_root) if cfg.shm_root else process.default_shm_root()
+        process.remove_orphan_shm_weights(root)
+        path = process.shm_lora_dir(root, os.getpid(), version)
+    else:
+        root = Path(cfg.disk_root) if cfg.disk_root else Path(tempfile.gettempdir()) / "rlcore_weights"
+        path = root / name
+    engine_lora.write_peft_adapter(path, tensors, config)
+    try:
+        for t in targets:
+            ack = _wait(t.load_lora_adapter(name, str(path), version), cfg.timeout_s)
+            _unload_old(t, _loaded_names(ack), version, cfg, cfg.timeout_s)
+    finally:
+        if cfg.mode == "shm" or not cfg.keep_disk_copy:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # publish_weights
 # ----------------------------------------------------------------------------------------------------------
 
@@ -482,6 +583,10 @@ def publish_weights(
     """
     version = state.version + 1
     main = _rank() == 0
+    adapter = cfg.lora == "adapter" and lora_lib.has_lora(state.model)
+    if adapter and cfg.mode == "distributed":
+        raise ValueError("PublishConfig.mode='distributed' broadcasts full weights; a LoRA adapter goes with "
+                         "mode='state_dict', 'disk' or 'shm' (or set PublishConfig.lora='merged')")
     if cfg.mode == "distributed" and not all(isinstance(t, BroadcastGroup) for t in targets):
         raise ValueError("PublishConfig.mode='distributed' needs BroadcastGroup targets; build one with connect_broadcast")
     if cfg.mode == "state_dict" and not all(_is_engine(t) for t in targets):
@@ -494,7 +599,9 @@ def publish_weights(
     _barrier()
     dtype = getattr(torch, cfg.dtype)
     try:
-        if cfg.mode == "state_dict":
+        if adapter:
+            _publish_adapter(state, targets, version, dtype, cfg)
+        elif cfg.mode == "state_dict":
             sd = full_state_dict(state.model, dtype)
             if main:
                 for t in targets:
@@ -524,6 +631,8 @@ def publish_weights(
     _barrier()
     for t in targets:
         _set_client_version(t, version)
+        if adapter and not _is_engine(t) and hasattr(t, "set_lora"):
+            t.set_lora(cfg.lora_name)  # its requests now name the adapter of their version
     if rollout is not None:
         rollout.set_version(version)
         rollout.resume()
@@ -538,6 +647,7 @@ __all__ = [
     "publish_weights",
     "flat_publish_views",
     "export_hf",
+    "export_adapter",
     "full_state_dict",
     "hf_named_tensors",
     "iter_full_tensors",

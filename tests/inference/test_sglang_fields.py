@@ -179,14 +179,15 @@ def test_release_memory_refuses_bad_tags_and_running_requests():
         fut.result(30)
 
 
-# ---- refusals: LoRA, constrained decoding, fields the engine does not compute ----------------------------------
+# ---- refusals: unknown LoRA adapters, constrained decoding, fields the engine does not compute ----------------------------------
 
 
-def test_lora_is_refused_with_a_clear_400_never_a_base_model_answer(engine):
-    status, body = call(engine, "load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a"})
-    assert status == 400 and body["success"] is False and "LoRA" in body["error_message"]
+def test_an_unloadable_or_unknown_lora_adapter_is_a_clear_400_never_a_base_model_answer(engine):
+    status, body = call(engine, "load_lora_adapter", {"lora_name": "a", "lora_path": "/nonexistent/a"})
+    assert status == 400 and body["success"] is False and "lora_path" in body["error_message"]
+    assert body["loaded_adapters"] == {}  # LoRAUpdateOutput's shape (tests/inference/test_lora.py: the rest)
     status, body = call(engine, "generate", {"input_ids": [3, 4], "sampling_params": GREEDY, "lora_path": "a-v1"})
-    assert status == 400 and "lora_path" in body["error"]["message"]
+    assert status == 400 and "lora_path 'a-v1' is not a loaded LoRA adapter" in body["error"]["message"]
 
 
 @pytest.mark.parametrize("field,value", [
