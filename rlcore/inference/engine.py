@@ -5,10 +5,11 @@ thread owns the model and runs the scheduler loop; everything else (submitting, 
 weights) hands the loop a command and waits on a future, so every state change happens between two forward
 passes and a token is always tagged with the weight version that produced its logits.
 
-The loop-thread state and the step (admit -> decode -> sample -> commit, failure isolation) live in
-``scheduler.py``, the fixed-shape decode and its CUDA graphs in ``graphs.py``, the KV store and the HF-forward
-adapter in ``kv_cache.py``, the pure sampling math and request checks in ``sampling.py``, the grouped-KV decode
-attention in ``attention.py``, and weight reading, staged (atomic) loads and the update group in ``weights.py``.
+The loop-thread state and the step (admit -> decode -> sample -> commit, block accounting, preemption, failure
+isolation) live in ``scheduler.py``, the fixed-shape decode and its CUDA graphs in ``graphs.py``, the paged KV
+store and the HF-forward adapter in ``kv_cache.py``, the pure sampling math and request checks in
+``sampling.py``, the engine's attention function (packed paged decode, grouped-KV decode) in ``attention.py``,
+and weight reading, staged (atomic) loads and the update group in ``weights.py``.
 
 Concurrency invariants:
 - only the loop thread touches the model, the KV store and the request tables;
@@ -35,9 +36,9 @@ import torch
 from torch import nn
 
 from rlcore.inference import architectures
-from rlcore.inference.attention import install_grouped_attention
+from rlcore.inference.attention import flash_varlen_available, grouped_heads, install_engine_attention
 from rlcore.inference.graphs import DecodeGraphs
-from rlcore.inference.kv_cache import ModelForward, SlotCache
+from rlcore.inference.kv_cache import ModelForward, PagedKVCache
 from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams
 from rlcore.inference.sampling import (
     check_request,
@@ -63,9 +64,26 @@ class EngineConfig:
     """Settings of one embedded engine."""
 
     max_batch: int = 256
-    """Number of KV slots, i.e. the most requests decoded together; more wait in a FIFO queue."""
+    """The most requests decoded together (decode rows); more wait in a FIFO queue."""
     max_seq_len: int = 2048
-    """Tokens of context per slot (prompt + output); clipped to the model's ``max_position_embeddings``."""
+    """Tokens of context per request (prompt + output); clipped to the model's ``max_position_embeddings``."""
+    kv_cache_tokens: int | Literal["auto"] = "auto"
+    """KV memory budget in tokens (rounded up to whole blocks) shared by all requests: a request uses blocks for
+    the tokens it has, so many short requests or a few long ones fit. ``auto``: on CUDA, ``kv_memory_fraction``
+    of the device memory free after loading the weights, at most ``max_batch * max_seq_len``; elsewhere
+    ``max_batch * max_seq_len``. Requests wait for free blocks; when running ones cannot grow, the youngest is
+    preempted and recomputed later."""
+    kv_memory_fraction: float = 0.85
+    """Share of the free CUDA memory that ``kv_cache_tokens="auto"`` gives to KV blocks (the rest holds
+    activations, logits and graphs); unused on CPU or with an explicit ``kv_cache_tokens``."""
+    block_size: int = 16
+    """Tokens per KV block: the unit of allocation, of prefix sharing and of copy-on-write."""
+    decode_attention: Literal["auto", "gather", "varlen"] = "auto"
+    """How decode attends over the paged KV: ``gather`` copies each row's blocks into a dense
+    ``(batch, heads, longest, dim)`` tensor with a 4-D mask (any attention implementation); ``varlen`` gathers
+    only live blocks and attends with per-row lengths (flash-attention varlen on CUDA half precision, a
+    pure-torch kernel elsewhere; needs the engine's attention function, i.e. an sdpa model without sliding
+    windows or soft-capping); ``auto`` is ``varlen`` where flash applies, else ``gather``."""
     max_prefill_tokens: int = 16384
     """Padded-token budget of one prefill forward (joiners are batched up to this; one always fits)."""
     prefill_defer_steps: int = 8
@@ -92,8 +110,9 @@ class EngineConfig:
     """Most requests queued for a slot (paused or not); one more is refused with ``EngineBusy`` (HTTP 503 with
     ``Retry-After``), so a client backs off instead of growing the queue without bound."""
     grouped_decode_attention: bool = True
-    """For sdpa models with grouped KV heads, run one-token decode attention with the query heads folded per KV
-    head instead of HF's ``repeat_kv`` copies (same math; every other call goes to HF's sdpa unchanged)."""
+    """For sdpa models with grouped KV heads, run one-token dense (``gather``) decode attention with the query
+    heads folded per KV head instead of HF's ``repeat_kv`` copies (same math; every other call goes to HF's sdpa
+    unchanged). The ``varlen`` path handles grouped heads in its kernel."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -110,11 +129,48 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.control_workers must be >= 1, got {self.control_workers}; pass e.g. 2.")
         if self.max_waiting < 1:
             raise ValueError(f"EngineConfig.max_waiting must be >= 1, got {self.max_waiting}; pass e.g. 4096.")
+        if self.kv_cache_tokens != "auto" and (
+            isinstance(self.kv_cache_tokens, bool) or not isinstance(self.kv_cache_tokens, int)
+            or self.kv_cache_tokens < 1
+        ):
+            raise ValueError(
+                f"EngineConfig.kv_cache_tokens must be 'auto' or a positive integer, got {self.kv_cache_tokens!r}"
+            )
+        if not (0 < self.kv_memory_fraction <= 1):
+            raise ValueError(
+                f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}; pass e.g. 0.85."
+            )
+        if self.block_size < 1:
+            raise ValueError(f"EngineConfig.block_size must be >= 1, got {self.block_size}; pass e.g. 16.")
+        if self.decode_attention not in ("auto", "gather", "varlen"):
+            raise ValueError(
+                f"EngineConfig.decode_attention must be 'auto', 'gather' or 'varlen', got {self.decode_attention!r}"
+            )
         if self.prefill_defer_steps < 0:
             raise ValueError(
                 f"EngineConfig.prefill_defer_steps must be >= 0, got {self.prefill_defer_steps}; pass e.g. 8 "
                 "(or 0 to prefill joiners at once)."
             )
+
+
+def kv_budget_tokens(cfg: EngineConfig, max_seq_len: int, bytes_per_token: int, free_bytes: int | None) -> int:
+    """Tokens of KV the engine allocates (``EngineConfig.kv_cache_tokens``): the explicit number, or for ``auto``
+    ``min(max_batch * max_seq_len, kv_memory_fraction * free_bytes // bytes_per_token)`` (``free_bytes``: free
+    CUDA memory after the weights; None off CUDA, where it is ``max_batch * max_seq_len``), and never less than
+    one full-length request plus one block."""
+    if cfg.kv_cache_tokens != "auto":
+        return int(cfg.kv_cache_tokens)
+    tokens = cfg.max_batch * max_seq_len
+    if free_bytes is not None and bytes_per_token > 0:
+        tokens = min(tokens, int(cfg.kv_memory_fraction * free_bytes) // bytes_per_token)
+    bs = cfg.block_size
+    return max(tokens, (-(-max_seq_len // bs) + 1) * bs)
+
+
+def _free_cuda_bytes(device: torch.device) -> int:
+    """Free memory of a CUDA device, counting what this process's allocator holds but does not use."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -199,23 +255,46 @@ class Engine:
             else int(mcfg.vocab_size)
         )
 
-        self.adapters = architectures.adapt(self.model)  # refuses what the slot cache cannot serve
-        self.grouped_attention = cfg.grouped_decode_attention and install_grouped_attention(self.model)
+        self.adapters = architectures.adapt(self.model)  # refuses what the paged cache cannot serve
+        own_attention = install_engine_attention(self.model)
+        self.grouped_attention = cfg.grouped_decode_attention and own_attention and grouped_heads(self.model)
         self._fwd = ModelForward(self.model, self.max_seq_len)
-        self._cache = SlotCache(cfg.max_batch, self.max_seq_len)
+        self._fwd.grouped = self.grouped_attention
+        bs = cfg.block_size
+        probe_cache = PagedKVCache(2, bs)
+        with torch.no_grad():
+            probe = self._fwd.probe(probe_cache, self.device)
+        bytes_per_token = sum(x.bytes_per_token for x in probe_cache.shapes.values())
+        free = _free_cuda_bytes(self.device) if self.device.type == "cuda" else None
+        self.kv_cache_tokens = kv_budget_tokens(cfg, self.max_seq_len, bytes_per_token, free)
+        num_blocks = 1 + -(-self.kv_cache_tokens // bs)
+        max_blocks = -(-self.max_seq_len // bs)
+        if num_blocks - 1 < max_blocks + 1:
+            raise EngineError(
+                f"EngineConfig.kv_cache_tokens={cfg.kv_cache_tokens!r} gives {num_blocks - 1} KV blocks of {bs} "
+                f"tokens but one request of max_seq_len={self.max_seq_len} needs {max_blocks + 1}; raise "
+                "kv_cache_tokens (or kv_memory_fraction) or lower max_seq_len"
+            )
+        self._cache = PagedKVCache(num_blocks, bs)
+        self._cache.shapes = dict(probe_cache.shapes)
+        self.decode_attention = self._pick_decode_attention(cfg, own_attention, probe, probe_cache)
+        self._tables = torch.zeros((cfg.max_batch, max_blocks), dtype=torch.long, device=self.device)
         self._rng = random.Random(cfg.seed)
         self._inbox: collections.deque = collections.deque()  # ("req", _Request) | ("cmd", fn, future)
         self._wake = threading.Event()
         self._groups: dict[str, Any] = {}
         self.stats = collections.Counter()
+        packed = self.decode_attention != "gather"
         self._graphs = DecodeGraphs(
-            self._fwd, self._cache, cfg.max_batch, self.max_seq_len, self.device, self.dtype, self.stats
+            self._fwd, self._cache, self._tables, cfg.max_batch, self.device, self.dtype, self.stats, packed
         )
         self._s = Scheduler(
             cfg,
             fwd=self._fwd,
             cache=self._cache,
+            tables=self._tables,
             graphs=self._graphs,
+            packed=packed,
             stats=self.stats,
             device=self.device,
             dtype=self.dtype,
@@ -231,6 +310,41 @@ class Engine:
         self._control_pool = cf.ThreadPoolExecutor(cfg.control_workers, thread_name_prefix="rlcore-control")
         self._control_lock = threading.Lock()
         self._control_busy = 0
+
+    def _pick_decode_attention(self, cfg: EngineConfig, own: bool, probe: Any, cache: PagedKVCache) -> str:
+        """``gather``, ``varlen-flash`` or ``varlen-torch`` (``EngineConfig.decode_attention``), from what the probe
+        forward saw: every layer must call the engine's attention function with nothing unusual."""
+        layers = len(cache.shapes)
+        why = None
+        if not own:
+            why = "the model's attention implementation is not sdpa"
+        elif probe.calls != layers or layers == 0:
+            why = f"{probe.calls} of {layers} KV layers called the engine's attention function"
+        elif probe.unusual or self._fwd.windowed:
+            why = f"the model uses {sorted(probe.unusual) or ['sliding windows']}"
+        elif len({(s.kv_heads, s.head_dim, s.v_heads, s.v_dim) for s in cache.shapes.values()}) != 1:
+            why = "its layers have different KV shapes"
+        dims = {d for pair in probe.head_dims for d in pair}
+        flash = (
+            why is None and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+            and flash_varlen_available() and len(dims) == 1 and max(dims) % 8 == 0 and max(dims) <= 256
+        )
+        if cfg.decode_attention == "gather" or (cfg.decode_attention == "auto" and not flash):
+            return "gather"
+        if why is not None:
+            raise EngineError(f"EngineConfig.decode_attention='varlen' cannot serve this model: {why}; use 'auto'")
+        self._fwd.varlen_kernel = "flash" if flash else "torch"
+        return f"varlen-{self._fwd.varlen_kernel}"
+
+    @property
+    def kv_blocks(self) -> int:
+        """KV blocks requests can use (``kv_cache_tokens / block_size``, rounded up)."""
+        return self._s.pool.usable
+
+    @property
+    def kv_blocks_used(self) -> int:
+        """KV blocks held by requests now (shared blocks once)."""
+        return self._s.pool.num_used
 
     # -- lifetime ------------------------------------------------------------------------------------------------
 
@@ -337,7 +451,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        """Requests holding a KV slot."""
+        """Requests decoding now (holding a decode row and KV blocks)."""
         return len(self._s.running)
 
     @property
@@ -615,8 +729,8 @@ class Engine:
     def capture_graphs(self) -> int:
         """Capture the decode step of every (batch, key-length) bucket now; returns how many graphs exist.
 
-        Called by ``start`` when ``cfg.capture_at_start`` (before any request, so the idle rows' writes to column 0
-        of free slots are harmless). Needed when a trainer runs on the same GPU in the same process: CUDA forbids
+        Called by ``start`` when ``cfg.capture_at_start`` (before any request, so every row writes into the trash
+        block). Needed when a trainer runs on the same GPU in the same process: CUDA forbids
         a capture while another thread synchronises the legacy default stream (``.item()``, ``.tolist()``), so
         lazy capture next to a training step fails (and the engine falls back to slower eager decode).
         """

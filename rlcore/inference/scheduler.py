@@ -1,7 +1,19 @@
 """The engine's loop-thread state and one scheduling step: admit (batched prefill) -> decode -> sample -> commit.
 
 Only the engine's loop thread calls a ``Scheduler`` (the engine hands it every command between two forward
-passes), so nothing here takes a lock. Busy KV slots are always ``[0, m)``: ``running[s]`` holds slot ``s``.
+passes), so nothing here takes a lock. Running requests are the decode rows ``[0, m)``: ``running[s]`` is row
+(slot) ``s``; its KV lives in the blocks of its block table (``_Request.blocks``, mirrored row by row in the
+device tensor ``tables``).
+
+KV memory (``kv_cache.BlockPool``). A request is admitted only when the blocks of its prefill (plus one block of
+headroom per request and the blocks the running rows need for their next token) are free; otherwise it waits.
+Before each decode step every row whose next token starts a new block gets one, and a row that still shares the
+last, partial block of a group prompt copies it first (copy-on-write). When there are not enough free blocks the
+youngest running request is preempted: its blocks are freed and it goes back to the head of the queue, keeping
+its tokens, log-probs and versions, and is re-prefilled (prompt + tokens so far) when blocks are free again.
+Requests of one prefill batch with the same tokens (the samples of a group) are prefilled once and share the
+blocks. A retracted request keeps its blocks while it waits; if the weights did not change it resumes decoding
+without a prefill, else its blocks are freed and it is re-prefilled.
 
 Failure isolation: a step that raises fails only its own requests. A sampling step that raises is redone row by
 row (``sample_rows``), so only the rows that fail are lost; a forward that raises sends its requests back to the
@@ -25,8 +37,8 @@ from typing import Any, Literal
 import torch
 
 from rlcore.inference.graphs import DecodeGraphs
-from rlcore.inference.kv_cache import ModelForward, SlotCache
-from rlcore.inference.protocol import GenerateOutput, SamplingParams
+from rlcore.inference.kv_cache import BlockPool, ModelForward, PagedKVCache
+from rlcore.inference.protocol import EngineError, GenerateOutput, SamplingParams
 from rlcore.inference.sampling import RowParams, counter_uniform, process_logits, row_params, sample_tokens
 from rlcore.inference.weights import commit_weights
 
@@ -45,6 +57,16 @@ class _Request:
     out_ver: list[int] = field(default_factory=list)
     slot: int = -1
     epoch: int = -1
+    """Weight epoch its KV was computed under (-1: it has none, a prefill is due)."""
+    blocks: list[int] = field(default_factory=list)
+    """Block table: block ``j`` holds KV of tokens ``[j * block_size, (j + 1) * block_size)`` of
+    ``prompt + out_ids`` (the newest token's KV is written by the next decode step)."""
+    cow: bool = False
+    """May still share its last, partial block with group members: copied before the first write into it."""
+    parked: bool = False
+    """Retracted while keeping its blocks: resumes decoding without a prefill if the weights did not change."""
+    order: int = 0
+    """Arrival order (the youngest running request is preempted first)."""
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
     stops: tuple[str, ...] = ()
@@ -60,6 +82,11 @@ class _Request:
     strikes: int = 0
     """Failed forwards this request was part of; at ``_MAX_STRIKES`` it fails even when not alone."""
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV a prefilled request holds: all but the newest, ``len(prompt + out_ids) - 1``."""
+        return len(self.prompt) + len(self.out_ids) - 1
+
 
 _MAX_STRIKES = 3
 
@@ -74,7 +101,7 @@ def _error_reason(message: str, status: int = 500) -> dict:
 
 
 class Scheduler:
-    """Waiting queue, running slots, weight version and epoch, and the step that advances them.
+    """Waiting queue, running rows, KV blocks, weight version and epoch, and the step that advances them.
 
     Built and owned by ``Engine``; every method runs on the engine's loop thread.
     """
@@ -84,8 +111,10 @@ class Scheduler:
         cfg: Any,
         *,
         fwd: ModelForward,
-        cache: SlotCache,
+        cache: PagedKVCache,
+        tables: torch.Tensor,
         graphs: DecodeGraphs,
+        packed: bool,
         stats: collections.Counter,
         device: torch.device,
         dtype: torch.dtype,
@@ -99,6 +128,11 @@ class Scheduler:
         self.cfg, self.fwd, self.cache, self.graphs, self.stats = cfg, fwd, cache, graphs, stats
         self.device, self.dtype, self.eos_ids, self.vocab_size = device, dtype, eos_ids, vocab_size
         self.max_seq_len, self.tokenizer = max_seq_len, tokenizer
+        self.pool = BlockPool(cache.num_blocks, cache.block_size)
+        self.tables = tables
+        """``(max_batch, max_blocks)`` int64 on the device: row ``s`` is ``running[s].blocks`` (then stale)."""
+        self.packed = packed
+        """Decode gathers only live blocks and attends with per-row lengths (``attention.varlen_decode``)."""
         self.version = int(version)
         self.epoch = 0
         self.static_mode = static_mode
@@ -109,6 +143,10 @@ class Scheduler:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []  # index == slot
         self.by_rid: dict[str, _Request] = {}
+        self.arrivals = itertools.count()
+        self.parked = 0  # waiting requests that kept their blocks (retract)
+        self.table_rows: set[_Request] = set()  # requests whose whole table row must be written to `tables`
+        self.table_cells: list[tuple[_Request, int, int]] = []  # (request, column, block) writes to `tables`
         self.dirty = True
         self.tok: Any = None
         self.pos: Any = None
@@ -124,6 +162,7 @@ class Scheduler:
     def accept(self, r: _Request) -> None:
         """A new request from the inbox (its rid is not in flight)."""
         self.by_rid[r.rid] = r
+        r.order = next(self.arrivals)
         if r.sampling.max_new_tokens == 0:
             self.finish(r, {"type": "length", "length": 0})
         else:
@@ -140,6 +179,7 @@ class Scheduler:
             self.release([r.slot for r in stale])
             for r in reversed(stale):
                 r.slot = -1
+                self.drop_kv(r)
                 self.waiting.appendleft(r)
         if self.should_admit():
             self.admit()
@@ -148,16 +188,129 @@ class Scheduler:
             return True
         return False
 
+    # -- KV blocks -------------------------------------------------------------------------------------------------
+
+    def place(self, r: _Request, slot: int) -> None:
+        """``r`` now decodes in row ``slot``: its table row is written before the next decode step."""
+        r.slot = slot
+        self.table_rows.add(r)
+
+    def drop_kv(self, r: _Request) -> None:
+        """Free ``r``'s blocks; its KV is recomputed (prompt + tokens so far) if it decodes again."""
+        if r.parked:
+            r.parked = False
+            self.parked -= 1
+        if r.blocks:
+            self.pool.release(r.blocks)
+            r.blocks = []
+        r.epoch, r.cow = -1, False
+
+    def growth_need(self) -> int:
+        """Blocks the running rows need for their next decode step (a new block or a copy-on-write)."""
+        bs, ref, n = self.pool.block_size, self.pool.ref, 0
+        for r in self.running:
+            j = r.kv_tokens // bs
+            if j >= len(r.blocks) or (r.cow and ref[r.blocks[j]] > 1):
+                n += 1
+        return n
+
+    def reclaim_parked(self) -> bool:
+        """Free the blocks of the most recently parked request (it is re-prefilled instead); False if none."""
+        for r in reversed(self.waiting):
+            if r.parked:
+                self.drop_kv(r)
+                self.stats["parked_reclaimed"] += 1
+                return True
+        return False
+
+    def preempt(self, r: _Request) -> None:
+        """Take running ``r`` off the GPU: free its blocks, requeue it at the head (tokens kept, recomputed later)."""
+        self.release([r.slot])
+        r.slot = -1
+        self.drop_kv(r)
+        self.waiting.appendleft(r)
+        self.stats["preemptions"] += 1
+
+    def grow(self) -> int:
+        """Give every running row the block its next token goes to (new block or copy-on-write), preempting the
+        youngest requests while the pool is short; returns the rows' live blocks after the step's write."""
+        bs, pool = self.pool.block_size, self.pool
+        while True:
+            new, cow = [], []
+            for r in self.running:
+                j = r.kv_tokens // bs
+                if j >= len(r.blocks):
+                    new.append(r)
+                elif r.cow:
+                    if pool.ref[r.blocks[j]] > 1:
+                        cow.append(r)
+                    else:
+                        r.cow = False  # the other sharers copied (or left): the block is its own now
+            if len(new) + len(cow) <= pool.num_free:
+                break
+            if not self.reclaim_parked():
+                if len(self.running) == 1:
+                    raise EngineError("the KV cache cannot hold one request; raise EngineConfig.kv_cache_tokens")
+                self.preempt(max(self.running, key=lambda x: x.order))
+        for r in new:
+            (b,) = pool.alloc()
+            r.blocks.append(b)
+            self.table_cells.append((r, len(r.blocks) - 1, b))
+        src, dst = [], []
+        for r in cow:
+            j = r.kv_tokens // bs
+            old = r.blocks[j]
+            r.cow = False
+            if pool.ref[old] > 1:
+                (b,) = pool.alloc()
+                src.append(old)
+                dst.append(b)
+                pool.release([old])
+                r.blocks[j] = b
+                self.table_cells.append((r, j, b))
+        if src:
+            self.cache.copy_blocks(src, dst)
+            self.stats["kv_blocks_copied"] += len(src)
+        self.note_peak()
+        return sum(len(r.blocks) for r in self.running)
+
+    def note_peak(self) -> None:
+        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.pool.num_used)
+
+    def flush_tables(self) -> None:
+        """Write pending block-table changes to the device (one indexed store)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
+        for r in self.table_rows:
+            if r.slot >= 0:
+                rows += [r.slot] * len(r.blocks)
+                cols += range(len(r.blocks))
+                vals += r.blocks
+        for r, j, b in self.table_cells:
+            if r.slot >= 0 and r not in self.table_rows:
+                rows.append(r.slot)
+                cols.append(j)
+                vals.append(b)
+        self.table_rows.clear()
+        self.table_cells.clear()
+        if rows:
+            t = torch.tensor([rows, cols, vals], dtype=torch.long).to(self.device)
+            self.tables[t[0], t[1]] = t[2]
 
     def commit(self, staged: list[tuple[torch.Tensor, torch.Tensor]], version: int | None) -> None:
         commit_weights(staged)
         self.epoch += 1
         if version is not None:
             self.version = int(version)
+        for r in self.waiting:  # parked KV predates the new weights
+            if r.blocks:
+                self.drop_kv(r)
         self.stats["weight_loads"] += 1
 
     def finish(self, r: _Request, reason: dict) -> None:
         self.by_rid.pop(r.rid, None)
+        self.drop_kv(r)
         now = time.perf_counter()
         out = GenerateOutput(
             rid=r.rid,
@@ -174,16 +327,16 @@ class Scheduler:
             r.future.set_result(out)
 
     def release(self, slots: list[int]) -> None:
-        """Free KV slots, moving the last busy slot into each hole so busy slots stay ``[0, m)``."""
+        """Free decode rows, moving the last running request into each hole so the rows stay ``[0, m)`` (its block
+        table row moves with it; the KV itself stays where it is)."""
         for s in sorted(slots, reverse=True):
             last = len(self.running) - 1
             if s != last:
                 moved = self.running[last]
-                self.cache.move_slot(last, s)
                 if moved.penalized and self.counts is not None:
                     self.counts[s].copy_(self.counts[last])
                 self.running[s] = moved
-                moved.slot = s
+                self.place(moved, s)
             self.running.pop()
         if slots:
             self.dirty = True
@@ -213,8 +366,9 @@ class Scheduler:
             n = len(self.running)
             retracted = list(self.running)
             self.release([r.slot for r in self.running])
-            for r in reversed(retracted):
-                r.slot, r.epoch = -1, -1
+            for r in reversed(retracted):  # they keep their blocks (and KV epoch) while they wait
+                r.slot, r.parked = -1, True
+                self.parked += 1
                 self.waiting.appendleft(r)
         else:
             n = len(self.running)
@@ -227,22 +381,24 @@ class Scheduler:
     def release_memory(self, tags: frozenset[str]) -> list[str]:
         """Hand memory back for colocated training (SGLang's ``/release_memory_occupation``); returns the tags.
 
-        ``kv_cache`` frees every slot's KV buffers (reallocated on the next prefill) and the CUDA graphs that
-        point into them; ``weights`` moves every parameter and buffer to host memory, keeping the tensor objects
-        (so staged loads and tied weights still find them); on a CPU engine it has nothing to move. Nothing is
-        scheduled until ``resume_memory`` has brought back every released tag; requests queue meanwhile. Refused
-        while a request holds a KV slot (pause with mode ``abort`` or ``retract`` first).
+        ``kv_cache`` frees the KV pools (reallocated on the next prefill; retracted requests that kept blocks are
+        re-prefilled) and the CUDA graphs that point into them; ``weights`` moves every parameter and buffer to
+        host memory, keeping the tensor objects (so staged loads and tied weights still find them); on a CPU
+        engine it has nothing to move. Nothing is scheduled until ``resume_memory`` has brought back every
+        released tag; requests queue meanwhile. Refused while a request is running (pause with mode ``abort`` or
+        ``retract`` first).
         """
-        from rlcore.inference.protocol import EngineError
-
         if self.running:
             raise EngineError(
                 f"{len(self.running)} requests hold KV slots; call pause_generation with mode 'abort' or "
                 "'retract' before release_memory_occupation"
             )
         if "kv_cache" in tags:
-            self.cache.k.clear()
-            self.cache.v.clear()
+            for r in self.waiting:
+                if r.blocks:
+                    self.drop_kv(r)
+            self.cache.clear()
+            self.pool.reset()
             self.graphs.graphs.clear()
             self.graphs.static.clear()
             self.graphs.pool = None
@@ -267,8 +423,6 @@ class Scheduler:
         """``log p(ids[j] | ids[:j])`` for ``j`` in ``(start, len(ids))`` under the loaded weights (raw
         log-softmax, no temperature: SGLang's ``input_token_logprobs``). One teacher-forced forward of the prompt
         without the KV store; keeps ``len(ids) - start`` positions of logits."""
-        from rlcore.inference.protocol import EngineError
-
         if "weights" in self.released:
             raise EngineError("the weights are released (release_memory_occupation); resume them first")
         n = len(ids) - 1 - start
@@ -279,10 +433,10 @@ class Scheduler:
     def isolate(self, e: BaseException) -> None:
         """A forward (prefill or decode) raised: fail its request when it ran alone, else retry each alone.
 
-        The requests of the step give up their slots and go back to the head of the queue marked ``solo``, so
-        each is prefilled in a batch of its own: the one that breaks the forward then fails alone (HTTP 500) and
-        the others continue. A request in ``_MAX_STRIKES`` failed steps fails even if it never ran alone (a
-        failure only a batch shows). Nothing outside the step is touched.
+        The requests of the step give up their rows and blocks and go back to the head of the queue marked
+        ``solo``, so each is prefilled in a batch of its own: the one that breaks the forward then fails alone
+        (HTTP 500) and the others continue. A request in ``_MAX_STRIKES`` failed steps fails even if it never ran
+        alone (a failure only a batch shows). Nothing outside the step is touched.
         """
         self.error = e
         self.stats["loop_errors"] += 1
@@ -292,7 +446,9 @@ class Scheduler:
         held = [r for r in rows if r.slot >= 0]
         self.release([r.slot for r in held])
         for r in held:
-            r.slot, r.epoch = -1, -1
+            r.slot = -1
+        for r in rows:
+            self.drop_kv(r)
         retry = []
         for r in rows:
             r.strikes += 1
@@ -308,12 +464,20 @@ class Scheduler:
             if r not in self.waiting:
                 self.waiting.appendleft(r)
 
+    # -- admission ---------------------------------------------------------------------------------------------
+
     def should_admit(self) -> bool:
-        """Prefill now? Always when nothing decodes; otherwise once enough joiners wait (see ``EngineConfig``)."""
+        """Prefill now? Always when nothing decodes; otherwise once enough joiners wait (see ``EngineConfig``).
+        Never while the head of the queue cannot get its blocks (it waits; nothing behind it overtakes it)."""
         free = self.cfg.max_batch - len(self.running)
         if free <= 0 or not self.waiting:
             self.deferred = 0
             return False
+        head = self.waiting[0]
+        if not head.parked and self.pool.blocks_for(len(head.prompt) + len(head.out_ids)) + 1 > self.pool.num_free:
+            if not self.parked:
+                self.deferred = 0
+                return False
         m = len(self.running)
         ready = min(free, len(self.waiting))  # joiners that would get a slot now
         if m == 0 or self.deferred >= self.cfg.prefill_defer_steps or ready >= max(1, m // 16):
@@ -322,75 +486,161 @@ class Scheduler:
         self.deferred += 1
         return False
 
-    def pick_prefill(self, free: int) -> list[_Request]:
-        """Take the next prefill batch off the queue: similar lengths, always including the queue's head.
+    def resume_parked(self, free: int) -> None:
+        """Parked (retracted) requests whose KV is current decode again without a prefill, up to ``free`` rows."""
+        keep: collections.deque[_Request] = collections.deque()
+        back: list[_Request] = []
+        for r in self.waiting:
+            if r.parked and r.epoch == self.epoch and len(back) < free:
+                r.parked = False
+                self.parked -= 1
+                self.running.append(r)
+                self.place(r, len(self.running) - 1)
+                back.append(r)
+            else:
+                keep.append(r)
+        self.waiting = keep
+        if back:
+            self.dirty = True
+            self.stats["resumed_without_prefill"] += len(back)
+            if any(r.penalized for r in back):
+                self.reset_counts([r for r in back if r.penalized])
 
-        Candidates are the first ``free`` waiting requests. Sorted by length, the batch is the run around the
-        head request, grown (shorter neighbours first) while ``rows * longest <= max_prefill_tokens`` and the
-        padding stays under half the batch (or the batch is small enough to be launch-bound anyway). The head
-        is always taken, so nothing starves; the rest keep their queue order.
+    def pick_prefill(self, free: int) -> list[_Request]:
+        """Take the next prefill batch off the queue: similar lengths, always including the queue's head, within
+        the token budget and the free KV blocks. Requests with the same tokens count once (they share the
+        prefill); an empty list means the head's blocks are not free yet.
+
+        Candidates are the first ``free`` waiting requests. Their distinct sequences, sorted by length, form the
+        batch around the head's sequence, grown (shorter neighbours first) while ``rows * longest <=
+        max_prefill_tokens``, the padding stays under half the batch (or the batch is small enough to be
+        launch-bound anyway) and the blocks (each sequence's, plus one per request for its next token, plus what
+        the running rows need next) are free. The head is always taken when it fits, so nothing starves; the rest
+        keep their queue order.
         """
+        pool = self.pool
+        room = pool.num_free - self.growth_need()
         if self.waiting[0].solo:
+            r = self.waiting[0]
+            if pool.blocks_for(len(r.prompt) + len(r.out_ids)) + 1 > room:
+                return []
             return [self.waiting.popleft()]
         cand = list(itertools.takewhile(lambda r: not r.solo, itertools.islice(self.waiting, free)))
-        lens = [len(r.prompt) + len(r.out_ids) for r in cand]
-        order = sorted(range(len(cand)), key=lens.__getitem__)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(cand):
+            groups.setdefault(tuple(r.prompt + r.out_ids) if r.out_ids else tuple(r.prompt), []).append(i)
+        members = list(groups.values())
+        lens = [len(cand[g[0]].prompt) + len(cand[g[0]].out_ids) for g in members]
+        need = [pool.blocks_for(n) + len(g) for n, g in zip(lens, members)]
+        order = sorted(range(len(members)), key=lens.__getitem__)
         budget = self.cfg.max_prefill_tokens
-        lo = order.index(0)
-        hi, real = lo + 1, lens[0]
+        lo = order.index(0)  # cand[0] is in the first group
+        if need[0] > room:  # the head's group alone is too big: take as many of its samples as fit
+            k = room - pool.blocks_for(lens[0])
+            if k < 1:
+                return []
+            chosen_idx = members[0][:k]
+        else:
+            hi, real, blocks = lo + 1, lens[0], need[0]
 
-        def fits(rows: int, longest: int, tokens: int) -> bool:
-            padded = rows * longest
-            return padded <= budget and (padded <= 2 * tokens or padded <= budget // 8)
+            def fits(rows: int, longest: int, tokens: int, blk: int) -> bool:
+                padded = rows * longest
+                return blk <= room and padded <= budget and (padded <= 2 * tokens or padded <= budget // 8)
 
-        while True:
-            rows = hi - lo + 1
-            if lo > 0 and fits(rows, lens[order[hi - 1]], real + lens[order[lo - 1]]):
-                lo -= 1
-                real += lens[order[lo]]
-            elif hi < len(order) and fits(rows, lens[order[hi]], real + lens[order[hi]]):
-                real += lens[order[hi]]
-                hi += 1
-            else:
-                break
-        chosen = set(order[lo:hi])
+            while True:
+                rows = hi - lo + 1
+                if lo > 0 and fits(rows, lens[order[hi - 1]], real + lens[order[lo - 1]], blocks + need[order[lo - 1]]):
+                    lo -= 1
+                    real += lens[order[lo]]
+                    blocks += need[order[lo]]
+                elif hi < len(order) and fits(rows, lens[order[hi]], real + lens[order[hi]], blocks + need[order[hi]]):
+                    real += lens[order[hi]]
+                    blocks += need[order[hi]]
+                    hi += 1
+                else:
+                    break
+            chosen_idx = [i for u in order[lo:hi] for i in members[u]]
+        chosen = set(chosen_idx)
         for _ in range(len(cand)):
             self.waiting.popleft()
         self.waiting.extendleft(reversed([r for i, r in enumerate(cand) if i not in chosen]))
-        return [cand[i] for i in order[lo:hi]]
+        return [cand[i] for i in chosen_idx]
 
     def admit(self) -> None:
-        """Prefill one batch of waiting requests into free slots ``[m, m + k)`` (one forward)."""
+        """Resume parked requests, then prefill one batch of waiting requests into free rows ``[m, m + k)`` (one
+        forward; requests with the same tokens share one prefill row and its blocks)."""
         free = self.cfg.max_batch - len(self.running)
+        if self.parked and free > 0:
+            self.resume_parked(free)
+            free = self.cfg.max_batch - len(self.running)
         if free <= 0 or not self.waiting:
             return
         batch = self.step_rows = self.pick_prefill(free)
-        seqs = [r.prompt + r.out_ids for r in batch]
+        if not batch:
+            return
+        groups: dict[tuple[int, ...], list[_Request]] = {}
+        for r in batch:
+            groups.setdefault(tuple(r.prompt + r.out_ids) if r.out_ids else tuple(r.prompt), []).append(r)
+        uniq = list(groups.values())
+        seqs = [g[0].prompt + g[0].out_ids for g in uniq]
         longest = max(len(s) for s in seqs)
-        base = len(self.running)
-        for i, r in enumerate(batch):
-            r.slot, r.epoch = base + i, self.epoch
-            self.running.append(r)
-        self.cache.base = base
-        if self.fwd.head is not None:  # right-padded, no mask (the model's own causal / sliding mask)
+        bs, pool = self.pool.block_size, self.pool
+        rows: list[_Request] = []  # in row order; rows[i] is decode row base + i
+        src: list[int] = []  # prefill row of each request
+        tabs: list[list[int]] = []
+        for u, (g, s) in enumerate(zip(uniq, seqs)):
+            blocks = pool.alloc(pool.blocks_for(len(s)))
+            tabs.append(blocks)
+            for i, r in enumerate(g):
+                if i:
+                    pool.share(blocks)
+                r.blocks, r.epoch = list(blocks), self.epoch
+                r.cow = len(g) > 1 and len(s) % bs != 0
+                self.running.append(r)
+                self.place(r, len(self.running) - 1)
+                rows.append(r)
+                src.append(u)
+        self.note_peak()
+        lens = [len(s) for s in seqs]
+        left = self.fwd.head is None
+        slots = self.prefill_slots(tabs, lens, longest, left=left)
+        if not left:  # right-padded, no mask (the model's own causal / sliding mask)
             ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs], dtype=torch.long)
-            last = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)
-            logits = self.fwd.prefill_right(ids.to(self.device), last.to(self.device), self.cache)
+            last = torch.tensor([n - 1 for n in lens], dtype=torch.long)
+            logits = self.fwd.prefill_right(ids.to(self.device), last.to(self.device), slots, self.cache)
         else:
             ids = torch.tensor([[0] * (longest - len(s)) + s for s in seqs], dtype=torch.long)
-            pad = torch.tensor([longest - len(s) for s in seqs], dtype=torch.long)
-            logits = self.fwd.prefill(ids.to(self.device), pad.to(self.device), self.cache, self.dtype)
-        self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
+            pad = torch.tensor([longest - n for n in lens], dtype=torch.long)
+            logits = self.fwd.prefill(ids.to(self.device), pad.to(self.device), slots, self.cache, self.dtype)
+        if len(uniq) < len(rows):
+            logits = logits.index_select(0, torch.tensor(src, dtype=torch.long, device=logits.device))
+            self.stats["prefix_shared_tokens"] += sum(n * (len(g) - 1) for n, g in zip(lens, uniq))
+        self.stats["prefill_tokens"] += sum(lens)
         self.stats["prefill_padded_tokens"] += longest * len(seqs)
         self.stats["prefill_forwards"] += 1
         self.dirty = True
-        count = torch.tensor([len(r.out_ids) for r in batch], dtype=torch.long, device=self.device)
-        if any(r.penalized for r in batch):
-            self.reset_counts([r for r in batch if r.penalized])
-        pos = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
-        self.sample_and_commit(logits, batch, self.params(batch), count, pos)
-        for r in batch:  # a retried request that got through its own prefill batches normally again
+        self.step_rows = rows
+        count = torch.tensor([len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
+        if any(r.penalized for r in rows):
+            self.reset_counts([r for r in rows if r.penalized])
+        pos = torch.tensor([len(r.prompt) + len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
+        self.sample_and_commit(logits, rows, self.params(rows), count, pos)
+        for r in rows:  # a retried request that got through its own prefill batches normally again
             r.solo = False
+
+    def prefill_slots(self, tabs: list[list[int]], lens: list[int], length: int, left: bool) -> torch.Tensor:
+        """Flat KV slot of every token of a ``(k, length)`` prefill batch, row-major; padding goes to the trash
+        block. Row ``i`` holds ``lens[i]`` tokens whose blocks are ``tabs[i]``, left- or right-padded."""
+        bs = self.pool.block_size
+        nb = max(len(t) for t in tabs)
+        tab = torch.tensor([t + [0] * (nb - len(t)) for t in tabs], dtype=torch.long)  # (k nb)
+        n = torch.tensor(lens, dtype=torch.long)
+        j = torch.arange(length)
+        tok = j[None] - (length - n)[:, None] if left else j[None].expand(len(lens), -1)  # token index per column
+        valid = (tok >= 0) & (tok < n[:, None])
+        t = tok.clamp(0, nb * bs - 1)
+        slot = torch.where(valid, tab.gather(1, t // bs) * bs + t % bs, j[None] % bs)
+        return slot.reshape(-1).to(self.device)
 
     def reset_counts(self, rs: list[_Request]) -> None:
         """Recount the output tokens of penalised requests into their (new) slots' rows of ``_counts``."""
@@ -404,6 +654,8 @@ class Scheduler:
             where = (torch.tensor(slots, device=dev), torch.tensor(ids, device=dev))
             ones = torch.ones(len(ids), dtype=torch.float32, device=dev)
             self.counts.index_put_(where, ones, accumulate=True)
+
+    # -- decode ------------------------------------------------------------------------------------------------
 
     def rebuild(self) -> None:
         rs, dev = self.running, self.device
@@ -421,11 +673,13 @@ class Scheduler:
 
     def decode(self) -> None:
         t0 = time.perf_counter()
+        total_blocks = self.grow()
         self.step_rows = list(self.running)
+        self.flush_tables()
         if self.dirty:
             self.rebuild()
         m = len(self.running)
-        logits = self.decode_logits(m)
+        logits = self.decode_logits(m, total_blocks)
         count = self.pos - self.first  # tokens generated so far, per row
         self.sample_and_commit(logits, list(self.running), self.sp, count, self.pos + 1)
         self.max_pos += 1
@@ -433,18 +687,21 @@ class Scheduler:
         self.stats["decode_tokens"] += m
         self.stats["decode_s"] += time.perf_counter() - t0
 
-    def decode_logits(self, m: int) -> torch.Tensor:
+    def decode_logits(self, m: int, total_blocks: int) -> torch.Tensor:
+        longest = self.max_pos // self.pool.block_size + 1
         if self.static_mode is not None:
             try:
-                return self.graphs.decode(self.tok, self.pos, self.max_pos, graph=self.static_mode == "graph")
+                width = self.graphs.width(m, longest, total_blocks)
+                return self.graphs.decode(self.tok, self.pos, width, graph=self.static_mode == "graph")
             except Exception:
                 traceback.print_exc()
                 print("[rlcore.engine] CUDA graph capture failed; falling back to eager decode (with a trainer on "
                       "this GPU in this process, set EngineConfig.capture_at_start=True)", flush=True)
                 self.static_mode = None
                 self.graphs.graphs.clear()
-        kv_len = min(self.max_seq_len, self.max_pos + 1)
-        return self.fwd.decode(self.tok[:, None], self.pos, self.cache, kv_len, self.dtype)
+        width = total_blocks if self.packed else longest
+        return self.fwd.decode(self.tok[:, None], self.pos, self.tables[:m], self.cache, width, self.packed,
+                               longest * self.pool.block_size, self.dtype)
 
     def sample(
         self, logits: torch.Tensor, p: RowParams, count: torch.Tensor, pos: torch.Tensor
