@@ -588,6 +588,9 @@ class Scheduler:
         rows: list[_Request] = []  # in row order; rows[i] is decode row base + i
         src: list[int] = []  # prefill row of each request
         tabs: list[list[int]] = []
+        for r in batch:  # (a parked request is resumed, not prefilled; never prefill over held blocks)
+            if r.blocks:
+                self.drop_kv(r)
         for u, (g, s) in enumerate(zip(uniq, seqs)):
             blocks = pool.alloc(pool.blocks_for(len(s)))
             tabs.append(blocks)
