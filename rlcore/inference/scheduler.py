@@ -145,6 +145,7 @@ class Scheduler:
         self.by_rid: dict[str, _Request] = {}
         self.arrivals = itertools.count()
         self.parked = 0  # waiting requests that kept their blocks (retract)
+        self.due: list[_Request] = []  # rows whose next decode write may need a block (``grow``)
         self.table_rows: set[_Request] = set()  # requests whose whole table row must be written to `tables`
         self.table_cells: list[tuple[_Request, int, int]] = []  # (request, column, block) writes to `tables`
         self.dirty = True
@@ -233,11 +234,18 @@ class Scheduler:
 
     def grow(self) -> int:
         """Give every running row the block its next token goes to (new block or copy-on-write), preempting the
-        youngest requests while the pool is short; returns the rows' live blocks after the step's write."""
+        youngest requests while the pool is short; returns the rows' live blocks after the step's write (packed
+        decode only; 0 otherwise).
+
+        Only rows in ``due`` can need one: a row is added when a committed token leaves its next write at a block
+        boundary or while it may share its last block, and when it resumes; every other row writes inside a block
+        it owns (each decode step advances every running row by exactly one token)."""
         bs, pool = self.pool.block_size, self.pool
         while True:
             new, cow = [], []
-            for r in self.running:
+            for r in self.due:
+                if r.slot < 0:
+                    continue
                 j = r.kv_tokens // bs
                 if j >= len(r.blocks):
                     new.append(r)
@@ -268,11 +276,12 @@ class Scheduler:
                 pool.release([old])
                 r.blocks[j] = b
                 self.table_cells.append((r, j, b))
+        self.due = []  # settled: new blocks are owned, copies-on-write done
         if src:
             self.cache.copy_blocks(src, dst)
             self.stats["kv_blocks_copied"] += len(src)
         self.note_peak()
-        return sum(len(r.blocks) for r in self.running)
+        return sum(len(r.blocks) for r in self.running) if self.packed else 0
 
     def note_peak(self) -> None:
         self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.pool.num_used)
@@ -496,6 +505,7 @@ class Scheduler:
                 self.parked -= 1
                 self.running.append(r)
                 self.place(r, len(self.running) - 1)
+                self.due.append(r)
                 back.append(r)
             else:
                 keep.append(r)
@@ -758,7 +768,7 @@ class Scheduler:
         ids_l, logp_l = [int(t) for t in host[0]], host[1]
         now = time.perf_counter()
         done: list[tuple[_Request, dict]] = []
-        ver, limit = self.version, self.max_seq_len
+        ver, limit, bs = self.version, self.max_seq_len, self.pool.block_size
         for i, (r, t, lp) in enumerate(zip(rows, ids_l, logp_l)):
             if i in failed or not math.isfinite(lp):
                 e = failed.get(i)
@@ -770,6 +780,8 @@ class Scheduler:
             r.out_ids.append(t)
             r.out_logp.append(lp)
             r.out_ver.append(ver)
+            if r.cow or (len(r.prompt) + len(r.out_ids) - 1) % bs == 0:  # the next write starts a block
+                self.due.append(r)
             if not r.t_first:
                 r.t_first = now
             if r.on_token is not None:
