@@ -109,7 +109,7 @@ def varlen_attention_torch(
 
 def varlen_decode(query, key, value, vl: Varlen, scaling):
     """Packed paged decode attention; ``query (b h 1 d)``, ``key/value (total kvh d)``; returns ``((b 1 h d), None)``."""
-    q = query[:, :, 0]
+    q = query[:, :, 0].contiguous()  # (b h d); a no-op for the usual (b h 1 d) layout
     if vl.kernel == "flash":
         out = torch.ops.aten._flash_attention_forward(
             q,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 import torch
@@ -108,6 +109,7 @@ class DecodeGraphs:
         """The CUDA graph of the decode step for ``b`` rows and key bucket ``width``, captured on first use."""
         g = self.graphs.get((b, width))
         if g is None:
+            t0 = time.perf_counter()
             self._buffers()
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
@@ -122,14 +124,19 @@ class DecodeGraphs:
                 out = self._step(b, width)
             g = self.graphs[(b, width)] = (cg, out)
             self.stats["graphs_captured"] += 1
+            self.stats["graph_capture_s"] += time.perf_counter() - t0
         return g
 
     def buckets(self) -> list[tuple[int, int]]:
-        """Every ``(b, width)`` bucket a step can use."""
+        """Every ``(b, width)`` bucket a step can use (packed: only gathers the pool's blocks can fill)."""
         bs = _powers(1, self.max_batch)
         if not self.packed:
             return [(b, w) for b in bs for w in _powers(self.min_blocks, self.max_blocks)]
-        return [(b, b * w) for b in bs for w in _powers(1, self.max_blocks)]
+        out = []
+        for b in bs:
+            reach = _bucket(-(-(self.cache.num_blocks - 1 + b) // b), self.max_blocks)
+            out += [(b, b * w) for w in _powers(1, reach)]
+        return out
 
     def capture_all(self) -> int:
         """Capture every bucket now (before any request: every table row points at the trash block)."""

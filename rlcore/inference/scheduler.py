@@ -588,6 +588,7 @@ class Scheduler:
         batch = self.step_rows = self.pick_prefill(free)
         if not batch:
             return
+        t0 = time.perf_counter()
         groups: dict[tuple[int, ...], list[_Request]] = {}
         for r in batch:
             groups.setdefault(tuple(r.prompt + r.out_ids) if r.out_ids else tuple(r.prompt), []).append(r)
@@ -637,7 +638,7 @@ class Scheduler:
         if any(r.penalized for r in rows):
             self.reset_counts([r for r in rows if r.penalized])
         pos = torch.tensor([len(r.prompt) + len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
-        self.sample_and_commit(logits, rows, self.params(rows), count, pos)
+        self.sample_and_commit(logits, rows, self.params(rows), count, pos, t_prefill=t0)
         for r in rows:  # a retried request that got through its own prefill batches normally again
             r.solo = False
 
@@ -752,10 +753,17 @@ class Scheduler:
         return torch.cat(ids), torch.cat(logp), failed
 
     def sample_and_commit(
-        self, logits: torch.Tensor, rows: list[_Request], params: RowParams, count: torch.Tensor, pos: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        rows: list[_Request],
+        params: RowParams,
+        count: torch.Tensor,
+        pos: torch.Tensor,
+        t_prefill: float | None = None,
     ) -> None:
         """Sample one token per row (``logits (m v)``, ``pos (m,)`` the new tokens' positions), append it, finish
-        rows that stop. A row whose sampling raises or gives a non-finite log-prob fails alone (HTTP 500)."""
+        rows that stop. A row whose sampling raises or gives a non-finite log-prob fails alone (HTTP 500).
+        ``t_prefill``: when the prefill of these rows started (``stats["prefill_s"]`` gets the time to the sync)."""
         failed: dict[int, BaseException] = {}
         try:
             ids, logp = self.sample(logits, params, count, pos)
@@ -767,6 +775,8 @@ class Scheduler:
         host = torch.stack([ids.to(torch.float64), logp.to(torch.float64)]).tolist()  # one device->host sync
         ids_l, logp_l = [int(t) for t in host[0]], host[1]
         now = time.perf_counter()
+        if t_prefill is not None:
+            self.stats["prefill_s"] += now - t_prefill
         done: list[tuple[_Request, dict]] = []
         ver, limit, bs = self.version, self.max_seq_len, self.pool.block_size
         for i, (r, t, lp) in enumerate(zip(rows, ids_l, logp_l)):
