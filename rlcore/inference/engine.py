@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 from rlcore.inference import architectures
-from rlcore.inference.attention import flash_varlen_available, grouped_heads, install_engine_attention
+from rlcore.inference.attention import grouped_heads, install_engine_attention
+from rlcore.inference.blocks import BlockTables, build_kv_cache
 from rlcore.inference.graphs import DecodeGraphs
-from rlcore.inference.kv_cache import ModelForward, PagedKVCache
+from rlcore.inference.kv_cache import ModelForward
 from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams
 from rlcore.inference.sampling import (
     check_request,
@@ -129,48 +130,20 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.control_workers must be >= 1, got {self.control_workers}; pass e.g. 2.")
         if self.max_waiting < 1:
             raise ValueError(f"EngineConfig.max_waiting must be >= 1, got {self.max_waiting}; pass e.g. 4096.")
-        if self.kv_cache_tokens != "auto" and (
-            isinstance(self.kv_cache_tokens, bool) or not isinstance(self.kv_cache_tokens, int)
-            or self.kv_cache_tokens < 1
-        ):
-            raise ValueError(
-                f"EngineConfig.kv_cache_tokens must be 'auto' or a positive integer, got {self.kv_cache_tokens!r}"
-            )
+        kv = self.kv_cache_tokens
+        if kv != "auto" and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+            raise ValueError(f"EngineConfig.kv_cache_tokens must be 'auto' or a positive integer, got {kv!r}")
         if not (0 < self.kv_memory_fraction <= 1):
-            raise ValueError(
-                f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}; pass e.g. 0.85."
-            )
+            raise ValueError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.block_size < 1:
             raise ValueError(f"EngineConfig.block_size must be >= 1, got {self.block_size}; pass e.g. 16.")
         if self.decode_attention not in ("auto", "gather", "varlen"):
-            raise ValueError(
-                f"EngineConfig.decode_attention must be 'auto', 'gather' or 'varlen', got {self.decode_attention!r}"
-            )
+            raise ValueError(f"EngineConfig.decode_attention must be auto, gather or varlen: {self.decode_attention!r}")
         if self.prefill_defer_steps < 0:
             raise ValueError(
                 f"EngineConfig.prefill_defer_steps must be >= 0, got {self.prefill_defer_steps}; pass e.g. 8 "
                 "(or 0 to prefill joiners at once)."
             )
-
-
-def kv_budget_tokens(cfg: EngineConfig, max_seq_len: int, bytes_per_token: int, free_bytes: int | None) -> int:
-    """Tokens of KV the engine allocates (``EngineConfig.kv_cache_tokens``): the explicit number, or for ``auto``
-    ``min(max_batch * max_seq_len, kv_memory_fraction * free_bytes // bytes_per_token)`` (``free_bytes``: free
-    CUDA memory after the weights; None off CUDA, where it is ``max_batch * max_seq_len``), and never less than
-    one full-length request plus one block."""
-    if cfg.kv_cache_tokens != "auto":
-        return int(cfg.kv_cache_tokens)
-    tokens = cfg.max_batch * max_seq_len
-    if free_bytes is not None and bytes_per_token > 0:
-        tokens = min(tokens, int(cfg.kv_memory_fraction * free_bytes) // bytes_per_token)
-    bs = cfg.block_size
-    return max(tokens, (-(-max_seq_len // bs) + 1) * bs)
-
-
-def _free_cuda_bytes(device: torch.device) -> int:
-    """Free memory of a CUDA device, counting what this process's allocator holds but does not use."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -260,25 +233,12 @@ class Engine:
         self.grouped_attention = cfg.grouped_decode_attention and own_attention and grouped_heads(self.model)
         self._fwd = ModelForward(self.model, self.max_seq_len)
         self._fwd.grouped = self.grouped_attention
-        bs = cfg.block_size
-        probe_cache = PagedKVCache(2, bs)
-        with torch.no_grad():
-            probe = self._fwd.probe(probe_cache, self.device)
-        bytes_per_token = sum(x.bytes_per_token for x in probe_cache.shapes.values())
-        free = _free_cuda_bytes(self.device) if self.device.type == "cuda" else None
-        self.kv_cache_tokens = kv_budget_tokens(cfg, self.max_seq_len, bytes_per_token, free)
-        num_blocks = 1 + -(-self.kv_cache_tokens // bs)
-        max_blocks = -(-self.max_seq_len // bs)
-        if num_blocks - 1 < max_blocks + 1:
-            raise EngineError(
-                f"EngineConfig.kv_cache_tokens={cfg.kv_cache_tokens!r} gives {num_blocks - 1} KV blocks of {bs} "
-                f"tokens but one request of max_seq_len={self.max_seq_len} needs {max_blocks + 1}; raise "
-                "kv_cache_tokens (or kv_memory_fraction) or lower max_seq_len"
-            )
-        self._cache = PagedKVCache(num_blocks, bs)
-        self._cache.shapes = dict(probe_cache.shapes)
-        self.decode_attention = self._pick_decode_attention(cfg, own_attention, probe, probe_cache)
-        self._tables = torch.zeros((cfg.max_batch, max_blocks), dtype=torch.long, device=self.device)
+        self._cache, self.kv_cache_tokens, self.decode_attention = build_kv_cache(
+            cfg, self._fwd, self.device, self.dtype, self.max_seq_len, own_attention
+        )
+        """``decode_attention``: ``gather``, ``varlen-flash`` or ``varlen-torch`` (the resolved config field)."""
+        max_blocks = -(-self.max_seq_len // cfg.block_size)
+        self._tables = BlockTables(cfg.max_batch, max_blocks, self.device)
         self._rng = random.Random(cfg.seed)
         self._inbox: collections.deque = collections.deque()  # ("req", _Request) | ("cmd", fn, future)
         self._wake = threading.Event()
@@ -286,7 +246,7 @@ class Engine:
         self.stats = collections.Counter()
         packed = self.decode_attention != "gather"
         self._graphs = DecodeGraphs(
-            self._fwd, self._cache, self._tables, cfg.max_batch, self.device, self.dtype, self.stats, packed
+            self._fwd, self._cache, self._tables.t, cfg.max_batch, self.device, self.dtype, self.stats, packed
         )
         self._s = Scheduler(
             cfg,
@@ -310,31 +270,6 @@ class Engine:
         self._control_pool = cf.ThreadPoolExecutor(cfg.control_workers, thread_name_prefix="rlcore-control")
         self._control_lock = threading.Lock()
         self._control_busy = 0
-
-    def _pick_decode_attention(self, cfg: EngineConfig, own: bool, probe: Any, cache: PagedKVCache) -> str:
-        """``gather``, ``varlen-flash`` or ``varlen-torch`` (``EngineConfig.decode_attention``), from what the probe
-        forward saw: every layer must call the engine's attention function with nothing unusual."""
-        layers = len(cache.shapes)
-        why = None
-        if not own:
-            why = "the model's attention implementation is not sdpa"
-        elif probe.calls != layers or layers == 0:
-            why = f"{probe.calls} of {layers} KV layers called the engine's attention function"
-        elif probe.unusual or self._fwd.windowed:
-            why = f"the model uses {sorted(probe.unusual) or ['sliding windows']}"
-        elif len({(s.kv_heads, s.head_dim, s.v_heads, s.v_dim) for s in cache.shapes.values()}) != 1:
-            why = "its layers have different KV shapes"
-        dims = {d for pair in probe.head_dims for d in pair}
-        flash = (
-            why is None and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
-            and flash_varlen_available() and len(dims) == 1 and max(dims) % 8 == 0 and max(dims) <= 256
-        )
-        if cfg.decode_attention == "gather" or (cfg.decode_attention == "auto" and not flash):
-            return "gather"
-        if why is not None:
-            raise EngineError(f"EngineConfig.decode_attention='varlen' cannot serve this model: {why}; use 'auto'")
-        self._fwd.varlen_kernel = "flash" if flash else "torch"
-        return f"varlen-{self._fwd.varlen_kernel}"
 
     @property
     def kv_blocks(self) -> int:

@@ -3,7 +3,7 @@
 KV layout. Per layer the store is a pool of fixed-size blocks, ``(num_blocks, block_size, kv_heads, head_dim)``
 for keys and the same for values. A request owns a *block table* (a list of block ids, one per ``block_size``
 tokens), so token ``j`` of a request lives at row ``blocks[j // block_size]``, offset ``j % block_size``.
-Blocks are reference counted (``BlockPool``): the samples of a group share their prompt's blocks, and a shared
+Blocks are reference counted (``blocks.BlockPool``): the samples of a group share their prompt's blocks, and a shared
 partial block is copied before the first write into it (copy-on-write). Block 0 is never handed out: it is the
 *trash* block that idle rows of a fixed-shape decode and prefill padding write into.
 
@@ -35,70 +35,6 @@ from transformers.cache_utils import DynamicCache
 
 from rlcore.inference import attention
 from rlcore.inference.architectures import uses_row_positions
-
-
-class BlockPool:
-    """Host-side accounting of the KV blocks: a free list and a reference count per block.
-
-    Block 0 is the trash block (never allocated). ``alloc`` hands out the lowest free id; ``share`` adds a
-    reference to blocks another request already holds; ``release`` drops one reference per block and frees the
-    blocks that reach zero. Pure Python, owned by the engine's loop thread.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"BlockPool needs at least 2 blocks (one is the trash block), got {num_blocks}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.ref = [0] * num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() returns the lowest id
-        self.peak = 0
-        """Most blocks in use at once since construction."""
-
-    @property
-    def usable(self) -> int:
-        """Blocks that can be handed out (all but the trash block)."""
-        return self.num_blocks - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
-    def num_used(self) -> int:
-        return self.usable - len(self.free)
-
-    def blocks_for(self, tokens: int) -> int:
-        """Blocks that hold ``tokens`` tokens."""
-        return -(-tokens // self.block_size)
-
-    def alloc(self, n: int = 1) -> list[int]:
-        """``n`` fresh blocks (reference count 1); the caller checked ``num_free >= n``."""
-        if n > len(self.free):
-            raise RuntimeError(f"KV block pool exhausted: {n} wanted, {len(self.free)} free")
-        out = [self.free.pop() for _ in range(n)]
-        for b in out:
-            self.ref[b] = 1
-        self.peak = max(self.peak, self.num_used)
-        return out
-
-    def share(self, blocks: list[int]) -> None:
-        """One more reference to each of ``blocks``."""
-        for b in blocks:
-            self.ref[b] += 1
-
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each of ``blocks``; blocks that reach zero go back to the free list."""
-        for b in blocks:
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free.append(b)
-            elif self.ref[b] < 0:
-                raise RuntimeError(f"KV block {b} released more often than referenced")
-
-    def reset(self) -> None:
-        """Everything free again (the KV buffers were dropped)."""
-        self.ref = [0] * self.num_blocks
-        self.free = list(range(self.num_blocks - 1, 0, -1))
 
 
 @dataclass(frozen=True)

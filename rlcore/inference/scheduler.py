@@ -2,10 +2,10 @@
 
 Only the engine's loop thread calls a ``Scheduler`` (the engine hands it every command between two forward
 passes), so nothing here takes a lock. Running requests are the decode rows ``[0, m)``: ``running[s]`` is row
-(slot) ``s``; its KV lives in the blocks of its block table (``_Request.blocks``, mirrored row by row in the
-device tensor ``tables``).
+(slot) ``s``; its KV lives in the blocks of its block table (``_Request.blocks``, mirrored row by row on the
+device by ``blocks.BlockTables``).
 
-KV memory (``kv_cache.BlockPool``). A request is admitted only when the blocks of its prefill (plus one block of
+KV memory (``blocks.BlockPool``). A request is admitted only when the blocks of its prefill (plus one block of
 headroom per request and the blocks the running rows need for their next token) are free; otherwise it waits.
 Before each decode step every row whose next token starts a new block gets one, and a row that still shares the
 last, partial block of a group prompt copies it first (copy-on-write). When there are not enough free blocks the
@@ -25,67 +25,25 @@ which the server answers with HTTP 500; real aborts carry no ``status_code``.
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import itertools
 import math
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from rlcore.inference import blocks
+from rlcore.inference.blocks import BlockPool, BlockTables
 from rlcore.inference.graphs import DecodeGraphs
-from rlcore.inference.kv_cache import BlockPool, ModelForward, PagedKVCache
-from rlcore.inference.protocol import EngineError, GenerateOutput, SamplingParams
+from rlcore.inference.kv_cache import ModelForward, PagedKVCache
+from rlcore.inference.protocol import EngineError, GenerateOutput
+from rlcore.inference.requests import Request as _Request
 from rlcore.inference.sampling import RowParams, counter_uniform, process_logits, row_params, sample_tokens
 from rlcore.inference.weights import commit_weights
 
 PauseMode = Literal["abort", "retract", "in_place"]
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: str
-    prompt: list[int]
-    sampling: SamplingParams
-    seed: int
-    future: cf.Future
-    out_ids: list[int] = field(default_factory=list)
-    out_logp: list[float] = field(default_factory=list)
-    out_ver: list[int] = field(default_factory=list)
-    slot: int = -1
-    epoch: int = -1
-    """Weight epoch its KV was computed under (-1: it has none, a prefill is due)."""
-    blocks: list[int] = field(default_factory=list)
-    """Block table: block ``j`` holds KV of tokens ``[j * block_size, (j + 1) * block_size)`` of
-    ``prompt + out_ids`` (the newest token's KV is written by the next decode step)."""
-    cow: bool = False
-    """May still share its last, partial block with group members: copied before the first write into it."""
-    parked: bool = False
-    """Retracted while keeping its blocks: resumes decoding without a prefill if the weights did not change."""
-    order: int = 0
-    """Arrival order (the youngest running request is preempted first)."""
-    t_submit: float = field(default_factory=time.perf_counter)
-    t_first: float = 0.0
-    stops: tuple[str, ...] = ()
-    """Stop strings (normalised from ``sampling.stop``)."""
-    stop_window: int = 0
-    """Output tokens decoded per step to look for a stop string (0: the request has none)."""
-    penalized: bool = False
-    """Uses a frequency / presence / repetition penalty (its token counts live in ``Scheduler.counts``)."""
-    on_token: Callable[[int, float, int], None] | None = None
-    """Called on the loop thread with ``(token id, log-prob, version)`` after each committed token."""
-    solo: bool = False
-    """Was in a forward that raised: prefilled alone next time, so a request that breaks the forward fails alone."""
-    strikes: int = 0
-    """Failed forwards this request was part of; at ``_MAX_STRIKES`` it fails even when not alone."""
-
-    @property
-    def kv_tokens(self) -> int:
-        """Tokens whose KV a prefilled request holds: all but the newest, ``len(prompt + out_ids) - 1``."""
-        return len(self.prompt) + len(self.out_ids) - 1
 
 
 _MAX_STRIKES = 3
@@ -112,7 +70,7 @@ class Scheduler:
         *,
         fwd: ModelForward,
         cache: PagedKVCache,
-        tables: torch.Tensor,
+        tables: BlockTables,
         graphs: DecodeGraphs,
         packed: bool,
         stats: collections.Counter,
@@ -130,7 +88,7 @@ class Scheduler:
         self.max_seq_len, self.tokenizer = max_seq_len, tokenizer
         self.pool = BlockPool(cache.num_blocks, cache.block_size)
         self.tables = tables
-        """``(max_batch, max_blocks)`` int64 on the device: row ``s`` is ``running[s].blocks`` (then stale)."""
+        """Row ``s`` of ``tables.t`` (on the device) is ``running[s].blocks``; changes are queued and flushed."""
         self.packed = packed
         """Decode gathers only live blocks and attends with per-row lengths (``attention.varlen_decode``)."""
         self.version = int(version)
@@ -146,8 +104,6 @@ class Scheduler:
         self.arrivals = itertools.count()
         self.parked = 0  # waiting requests that kept their blocks (retract)
         self.due: list[_Request] = []  # rows whose next decode write may need a block (``grow``)
-        self.table_rows: set[_Request] = set()  # requests whose whole table row must be written to `tables`
-        self.table_cells: list[tuple[_Request, int, int]] = []  # (request, column, block) writes to `tables`
         self.dirty = True
         self.tok: Any = None
         self.pos: Any = None
@@ -194,7 +150,7 @@ class Scheduler:
     def place(self, r: _Request, slot: int) -> None:
         """``r`` now decodes in row ``slot``: its table row is written before the next decode step."""
         r.slot = slot
-        self.table_rows.add(r)
+        self.tables.row(r)
 
     def drop_kv(self, r: _Request) -> None:
         """Free ``r``'s blocks; its KV is recomputed (prompt + tokens so far) if it decodes again."""
@@ -263,7 +219,7 @@ class Scheduler:
         for r in new:
             (b,) = pool.alloc()
             r.blocks.append(b)
-            self.table_cells.append((r, len(r.blocks) - 1, b))
+            self.tables.cell(r, len(r.blocks) - 1, b)
         src, dst = [], []
         for r in cow:
             j = r.kv_tokens // bs
@@ -275,7 +231,7 @@ class Scheduler:
                 dst.append(b)
                 pool.release([old])
                 r.blocks[j] = b
-                self.table_cells.append((r, j, b))
+                self.tables.cell(r, j, b)
         self.due = []  # settled: new blocks are owned, copies-on-write done
         if src:
             self.cache.copy_blocks(src, dst)
@@ -285,27 +241,6 @@ class Scheduler:
 
     def note_peak(self) -> None:
         self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.pool.num_used)
-
-    def flush_tables(self) -> None:
-        """Write pending block-table changes to the device (one indexed store)."""
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[int] = []
-        for r in self.table_rows:
-            if r.slot >= 0:
-                rows += [r.slot] * len(r.blocks)
-                cols += range(len(r.blocks))
-                vals += r.blocks
-        for r, j, b in self.table_cells:
-            if r.slot >= 0 and r not in self.table_rows:
-                rows.append(r.slot)
-                cols.append(j)
-                vals.append(b)
-        self.table_rows.clear()
-        self.table_cells.clear()
-        if rows:
-            t = torch.tensor([rows, cols, vals], dtype=torch.long).to(self.device)
-            self.tables[t[0], t[1]] = t[2]
 
     def commit(self, staged: list[tuple[torch.Tensor, torch.Tensor]], version: int | None) -> None:
         commit_weights(staged)
@@ -517,64 +452,9 @@ class Scheduler:
                 self.reset_counts([r for r in back if r.penalized])
 
     def pick_prefill(self, free: int) -> list[_Request]:
-        """Take the next prefill batch off the queue: similar lengths, always including the queue's head, within
-        the token budget and the free KV blocks. Requests with the same tokens count once (they share the
-        prefill); an empty list means the head's blocks are not free yet.
-
-        Candidates are the first ``free`` waiting requests. Their distinct sequences, sorted by length, form the
-        batch around the head's sequence, grown (shorter neighbours first) while ``rows * longest <=
-        max_prefill_tokens``, the padding stays under half the batch (or the batch is small enough to be
-        launch-bound anyway) and the blocks (each sequence's, plus one per request for its next token, plus what
-        the running rows need next) are free. The head is always taken when it fits, so nothing starves; the rest
-        keep their queue order.
-        """
-        pool = self.pool
-        room = pool.num_free - self.growth_need()
-        if self.waiting[0].solo:
-            r = self.waiting[0]
-            if pool.blocks_for(len(r.prompt) + len(r.out_ids)) + 1 > room:
-                return []
-            return [self.waiting.popleft()]
-        cand = list(itertools.takewhile(lambda r: not r.solo, itertools.islice(self.waiting, free)))
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, r in enumerate(cand):
-            groups.setdefault(tuple(r.prompt + r.out_ids) if r.out_ids else tuple(r.prompt), []).append(i)
-        members = list(groups.values())
-        lens = [len(cand[g[0]].prompt) + len(cand[g[0]].out_ids) for g in members]
-        need = [pool.blocks_for(n) + len(g) for n, g in zip(lens, members)]
-        order = sorted(range(len(members)), key=lens.__getitem__)
-        budget = self.cfg.max_prefill_tokens
-        lo = order.index(0)  # cand[0] is in the first group
-        if need[0] > room:  # the head's group alone is too big: take as many of its samples as fit
-            k = room - pool.blocks_for(lens[0])
-            if k < 1:
-                return []
-            chosen_idx = members[0][:k]
-        else:
-            hi, real, blocks = lo + 1, lens[0], need[0]
-
-            def fits(rows: int, longest: int, tokens: int, blk: int) -> bool:
-                padded = rows * longest
-                return blk <= room and padded <= budget and (padded <= 2 * tokens or padded <= budget // 8)
-
-            while True:
-                rows = hi - lo + 1
-                if lo > 0 and fits(rows, lens[order[hi - 1]], real + lens[order[lo - 1]], blocks + need[order[lo - 1]]):
-                    lo -= 1
-                    real += lens[order[lo]]
-                    blocks += need[order[lo]]
-                elif hi < len(order) and fits(rows, lens[order[hi]], real + lens[order[hi]], blocks + need[order[hi]]):
-                    real += lens[order[hi]]
-                    blocks += need[order[hi]]
-                    hi += 1
-                else:
-                    break
-            chosen_idx = [i for u in order[lo:hi] for i in members[u]]
-        chosen = set(chosen_idx)
-        for _ in range(len(cand)):
-            self.waiting.popleft()
-        self.waiting.extendleft(reversed([r for i, r in enumerate(cand) if i not in chosen]))
-        return [cand[i] for i in chosen_idx]
+        """The next prefill batch (``blocks.pick_prefill``) within the blocks the running rows leave free."""
+        room = self.pool.num_free - self.growth_need()
+        return blocks.pick_prefill(self.waiting, free, self.pool, room, self.cfg.max_prefill_tokens)
 
     def admit(self) -> None:
         """Resume parked requests, then prefill one batch of waiting requests into free rows ``[m, m + k)`` (one
@@ -591,7 +471,7 @@ class Scheduler:
         t0 = time.perf_counter()
         groups: dict[tuple[int, ...], list[_Request]] = {}
         for r in batch:
-            groups.setdefault(tuple(r.prompt + r.out_ids) if r.out_ids else tuple(r.prompt), []).append(r)
+            groups.setdefault(blocks.seq_key(r), []).append(r)
         uniq = list(groups.values())
         seqs = [g[0].prompt + g[0].out_ids for g in uniq]
         longest = max(len(s) for s in seqs)
@@ -603,12 +483,12 @@ class Scheduler:
             if r.blocks:
                 self.drop_kv(r)
         for u, (g, s) in enumerate(zip(uniq, seqs)):
-            blocks = pool.alloc(pool.blocks_for(len(s)))
-            tabs.append(blocks)
+            own = pool.alloc(pool.blocks_for(len(s)))
+            tabs.append(own)
             for i, r in enumerate(g):
                 if i:
-                    pool.share(blocks)
-                r.blocks, r.epoch = list(blocks), self.epoch
+                    pool.share(own)
+                r.blocks, r.epoch = list(own), self.epoch
                 r.cow = len(g) > 1 and len(s) % bs != 0
                 self.running.append(r)
                 self.place(r, len(self.running) - 1)
@@ -617,7 +497,7 @@ class Scheduler:
         self.note_peak()
         lens = [len(s) for s in seqs]
         left = self.fwd.head is None
-        slots = self.prefill_slots(tabs, lens, longest, left=left)
+        slots = blocks.prefill_slots(tabs, lens, longest, bs, left, self.device)
         if not left:  # right-padded, no mask (the model's own causal / sliding mask)
             ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs], dtype=torch.long)
             last = torch.tensor([n - 1 for n in lens], dtype=torch.long)
@@ -641,20 +521,6 @@ class Scheduler:
         self.sample_and_commit(logits, rows, self.params(rows), count, pos, t_prefill=t0)
         for r in rows:  # a retried request that got through its own prefill batches normally again
             r.solo = False
-
-    def prefill_slots(self, tabs: list[list[int]], lens: list[int], length: int, left: bool) -> torch.Tensor:
-        """Flat KV slot of every token of a ``(k, length)`` prefill batch, row-major; padding goes to the trash
-        block. Row ``i`` holds ``lens[i]`` tokens whose blocks are ``tabs[i]``, left- or right-padded."""
-        bs = self.pool.block_size
-        nb = max(len(t) for t in tabs)
-        tab = torch.tensor([t + [0] * (nb - len(t)) for t in tabs], dtype=torch.long)  # (k nb)
-        n = torch.tensor(lens, dtype=torch.long)
-        j = torch.arange(length)
-        tok = j[None] - (length - n)[:, None] if left else j[None].expand(len(lens), -1)  # token index per column
-        valid = (tok >= 0) & (tok < n[:, None])
-        t = tok.clamp(0, nb * bs - 1)
-        slot = torch.where(valid, tab.gather(1, t // bs) * bs + t % bs, j[None] % bs)
-        return slot.reshape(-1).to(self.device)
 
     def reset_counts(self, rs: list[_Request]) -> None:
         """Recount the output tokens of penalised requests into their (new) slots' rows of ``_counts``."""
@@ -689,7 +555,7 @@ class Scheduler:
         t0 = time.perf_counter()
         total_blocks = self.grow()
         self.step_rows = list(self.running)
-        self.flush_tables()
+        self.tables.flush()
         if self.dirty:
             self.rebuild()
         m = len(self.running)
@@ -714,7 +580,7 @@ class Scheduler:
                 self.static_mode = None
                 self.graphs.graphs.clear()
         width = total_blocks if self.packed else longest
-        return self.fwd.decode(self.tok[:, None], self.pos, self.tables[:m], self.cache, width, self.packed,
+        return self.fwd.decode(self.tok[:, None], self.pos, self.tables.t[:m], self.cache, width, self.packed,
                                longest * self.pool.block_size, self.dtype)
 
     def sample(

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from rlcore.inference.attention import grouped_decode_attention
+from rlcore.inference.blocks import prefill_slots
 from rlcore.inference.engine import Engine, EngineConfig, EngineError
 from rlcore.inference.protocol import SamplingParams
 from rlcore.inference.sampling import apply_penalties, counter_uniform, mask_banned, sample_tokens
@@ -463,10 +464,10 @@ def test_batched_prefill_equals_one_at_a_time_prefill(kind):
         return [x.view(-1, *x.shape[2:])[idx] for kv in zip(eng._cache.k, eng._cache.v) for x in kv]
 
     with torch.no_grad():
-        slots = eng._s.prefill_slots(tabs, lens, longest, left=False)
+        slots = prefill_slots(tabs, lens, longest, 4, False, torch.device("cpu"))
         batched = eng._fwd.prefill_right(ids, last, slots, eng._cache)
         for i, p in enumerate(PREFILL_PROMPTS):
-            one = eng._s.prefill_slots([alone[i]], [len(p)], len(p), left=False)
+            one = prefill_slots([alone[i]], [len(p)], len(p), 4, False, torch.device("cpu"))
             single = eng._fwd.prefill_right(torch.tensor([p]), torch.tensor([len(p) - 1]), one, eng._cache)
             torch.testing.assert_close(batched[i : i + 1], single, atol=1e-5, rtol=0)
             full = ref(torch.tensor([p])).logits[:, -1]

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from rlcore.inference.attention import varlen_attention_torch
-from rlcore.inference.engine import Engine, EngineConfig, EngineError, kv_budget_tokens
+from rlcore.inference.blocks import kv_budget_tokens
+from rlcore.inference.engine import Engine, EngineConfig, EngineError
 from rlcore.inference.protocol import SamplingParams
 from rlcore.inference.scheduler import _Request
 from tests.inference.test_engine import PROMPTS, V, greedy, teacher_forced, tiny_model, wait_for
