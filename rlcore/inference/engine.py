@@ -478,8 +478,9 @@ class Engine:
         """Pause generation; returns how many requests were affected.
 
         ``abort``: every queued and running request returns now with its partial output (finish ``abort``).
-        ``retract``: running requests give up their KV slot and wait (re-prefilled on continue).
-        ``in_place``: running requests keep their slot and KV and wait.
+        ``retract``: running requests give up their decode row and wait, keeping their KV blocks (they resume without
+        a prefill unless the weights changed or the blocks were needed).
+        ``in_place``: running requests keep their row and KV and wait.
         Requests submitted while paused queue until ``continue_generation``.
         """
         if mode not in ("abort", "retract", "in_place"):
