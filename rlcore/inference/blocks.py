@@ -142,9 +142,28 @@ def prefill_slots(
     return slot.reshape(-1).to(device)
 
 
+def prompt_key(r: Any) -> tuple[int, ...]:
+    """``tuple(r.prompt)``, cached on the request."""
+    if r.key is None:
+        r.key = tuple(r.prompt)
+    return r.key
+
+
 def seq_key(r: Any) -> tuple[int, ...]:
     """The tokens a prefill of ``r`` computes (``prompt + out_ids``): requests with equal keys share one prefill."""
-    return tuple(r.prompt + r.out_ids) if r.out_ids else tuple(r.prompt)
+    return tuple(r.prompt + r.out_ids) if r.out_ids else prompt_key(r)
+
+
+def join_blocks(holder: list[int], prompt_len: int, block_size: int) -> tuple[list[int], int | None]:
+    """How a fresh request of ``prompt_len`` tokens decodes from the blocks of a request holding its prompt's KV.
+
+    Its first decode step feeds the last prompt token (position ``L - 1``) and needs the KV of positions
+    ``[0, L - 1)``: it shares the holder's blocks that end before ``L - 1`` and gets its own block for position
+    ``L - 1``, a copy of the holder's block when that one also holds earlier prompt positions. Returns
+    ``(shared blocks, holder block to copy or None)``.
+    """
+    j = (prompt_len - 1) // block_size
+    return holder[:j], (holder[j] if (prompt_len - 1) % block_size else None)
 
 
 def pick_prefill(waiting: collections.deque, free: int, pool: BlockPool, room: int, budget: int) -> list:

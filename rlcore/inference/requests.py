@@ -33,6 +33,8 @@ class Request:
     """Retracted while keeping its blocks: resumes decoding without a prefill if the weights did not change."""
     order: int = 0
     """Arrival order (the youngest running request is preempted first)."""
+    key: tuple[int, ...] | None = None
+    """``tuple(prompt)``, computed once when first needed (prefill grouping, the live-prefix index)."""
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
     stops: tuple[str, ...] = ()

@@ -5,15 +5,10 @@ passes), so nothing here takes a lock. Running requests are the decode rows ``[0
 (slot) ``s``; its KV lives in the blocks of its block table (``_Request.blocks``, mirrored row by row on the
 device by ``blocks.BlockTables``).
 
-KV memory (``blocks.BlockPool``). A request is admitted only when the blocks of its prefill (plus one block of
-headroom per request and the blocks the running rows need for their next token) are free; otherwise it waits.
-Before each decode step every row whose next token starts a new block gets one, and a row that still shares the
-last, partial block of a group prompt copies it first (copy-on-write). When there are not enough free blocks the
-youngest running request is preempted: its blocks are freed and it goes back to the head of the queue, keeping
-its tokens, log-probs and versions, and is re-prefilled (prompt + tokens so far) when blocks are free again.
-Requests of one prefill batch with the same tokens (the samples of a group) are prefilled once and share the
-blocks. A retracted request keeps its blocks while it waits; if the weights did not change it resumes decoding
-without a prefill, else its blocks are freed and it is re-prefilled.
+KV memory (``blocks.BlockPool``; docs/engine.md, "KV store: paged blocks"): admission by free blocks, a block per
+``block_size`` tokens as rows grow, copy-on-write of a shared partial block, preemption of the youngest request
+(re-prefilled later, tokens kept), group prompts prefilled once (``admit``) or joined from a live request
+(``join_live``), retracted requests that keep their blocks (``resume_parked``).
 
 Failure isolation: a step that raises fails only its own requests. A sampling step that raises is redone row by
 row (``sample_rows``), so only the rows that fail are lost; a forward that raises sends its requests back to the
@@ -41,7 +36,7 @@ from rlcore.inference.kv_cache import ModelForward, PagedKVCache
 from rlcore.inference.protocol import EngineError, GenerateOutput
 from rlcore.inference.requests import Request as _Request
 from rlcore.inference.sampling import RowParams, counter_uniform, process_logits, row_params, sample_tokens
-from rlcore.inference.weights import commit_weights
+from rlcore.inference.weights import commit_weights, move_tensors
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -104,6 +99,7 @@ class Scheduler:
         self.arrivals = itertools.count()
         self.parked = 0  # waiting requests that kept their blocks (retract)
         self.due: list[_Request] = []  # rows whose next decode write may need a block (``grow``)
+        self.live: dict[tuple[int, ...], _Request] = {}  # prompt -> a request holding its KV (``join_live``)
         self.dirty = True
         self.tok: Any = None
         self.pos: Any = None
@@ -160,16 +156,15 @@ class Scheduler:
         if r.blocks:
             self.pool.release(r.blocks)
             r.blocks = []
+        if r.key is not None and self.live.get(r.key) is r:
+            del self.live[r.key]
         r.epoch, r.cow = -1, False
 
     def growth_need(self) -> int:
-        """Blocks the running rows need for their next decode step (a new block or a copy-on-write)."""
-        bs, ref, n = self.pool.block_size, self.pool.ref, 0
-        for r in self.running:
-            j = r.kv_tokens // bs
-            if j >= len(r.blocks) or (r.cow and ref[r.blocks[j]] > 1):
-                n += 1
-        return n
+        """Blocks the running rows need for their next decode step (a new block or a copy-on-write; see ``grow``)."""
+        bs, ref = self.pool.block_size, self.pool.ref
+        due = [(r, r.kv_tokens // bs) for r in dict.fromkeys(self.due) if r.slot >= 0]
+        return sum(1 for r, j in due if j >= len(r.blocks) or (r.cow and ref[r.blocks[j]] > 1))
 
     def reclaim_parked(self) -> bool:
         """Free the blocks of the most recently parked request (it is re-prefilled instead); False if none."""
@@ -199,7 +194,7 @@ class Scheduler:
         bs, pool = self.pool.block_size, self.pool
         while True:
             new, cow = [], []
-            for r in self.due:
+            for r in dict.fromkeys(self.due):  # (a request can be listed twice: committed, then resumed)
                 if r.slot < 0:
                     continue
                 j = r.kv_tokens // bs
@@ -325,13 +320,10 @@ class Scheduler:
     def release_memory(self, tags: frozenset[str]) -> list[str]:
         """Hand memory back for colocated training (SGLang's ``/release_memory_occupation``); returns the tags.
 
-        ``kv_cache`` frees the KV pools (reallocated on the next prefill; retracted requests that kept blocks are
-        re-prefilled) and the CUDA graphs that point into them; ``weights`` moves every parameter and buffer to
-        host memory, keeping the tensor objects (so staged loads and tied weights still find them); on a CPU
-        engine it has nothing to move. Nothing is scheduled until ``resume_memory`` has brought back every
-        released tag; requests queue meanwhile. Refused while a request is running (pause with mode ``abort`` or
-        ``retract`` first).
-        """
+        ``kv_cache`` frees the KV pools (retracted requests that kept blocks are re-prefilled) and the CUDA graphs
+        that read them; ``weights`` moves every parameter and buffer to host memory, keeping the tensor objects
+        (so staged loads and tied weights still find them). Nothing is scheduled until ``resume_memory`` has
+        brought back every tag. Refused while a request is running (pause with ``abort`` or ``retract`` first)."""
         if self.running:
             raise EngineError(
                 f"{len(self.running)} requests hold KV slots; call pause_generation with mode 'abort' or "
@@ -348,7 +340,7 @@ class Scheduler:
             self.graphs.pool = None
             self.dirty = True
         if "weights" in tags and self.device.type != "cpu":
-            _move_tensors(self.fwd.model, torch.device("cpu"))
+            move_tensors(self.fwd.model, torch.device("cpu"))
             self.graphs.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -359,7 +351,7 @@ class Scheduler:
         """Bring back released memory (SGLang's ``/resume_memory_occupation``); generation restarts once no tag
         is released any more. The KV buffers come back lazily, on the next prefill."""
         if "weights" in tags and "weights" in self.released and self.device.type != "cpu":
-            _move_tensors(self.fwd.model, self.device)
+            move_tensors(self.fwd.model, self.device)
         self.released = self.released - tags
         return sorted(tags)
 
@@ -451,6 +443,36 @@ class Scheduler:
             if any(r.penalized for r in back):
                 self.reset_counts([r for r in back if r.penalized])
 
+    def join_live(self, free: int) -> None:
+        """Fresh waiting requests (among the first ``free``) whose prompt a live request holds under the current
+        weights decode from its blocks without a prefill (``blocks.join_blocks``): the next decode step feeds their
+        last prompt token and samples their first token (the samples of a group that missed its admission)."""
+        bs, pool, keep, joined = self.pool.block_size, self.pool, collections.deque(), []
+        room = pool.num_free - self.growth_need() - 1
+        for i, r in enumerate(self.waiting):
+            h = self.live.get(blocks.prompt_key(r)) if i < free and not r.out_ids and not r.solo else None
+            if h is None or len(joined) >= room or not h.blocks or h.epoch != self.epoch:
+                keep.append(r)
+                continue
+            shared, tail = blocks.join_blocks(h.blocks, len(r.prompt), bs)
+            pool.share(shared)
+            (b,) = pool.alloc()
+            if tail is not None:
+                self.cache.copy_blocks([tail], [b])
+                self.stats["kv_blocks_copied"] += 1
+            r.blocks, r.epoch = shared + [b], self.epoch
+            self.running.append(r)
+            self.place(r, len(self.running) - 1)
+            joined.append(r)
+            self.stats["prefix_shared_tokens"] += len(r.prompt) - 1
+        self.waiting = keep
+        if joined:
+            self.dirty = True
+            self.stats["prefix_joins"] += len(joined)
+            self.note_peak()
+            if any(r.penalized for r in joined):
+                self.reset_counts([r for r in joined if r.penalized])
+
     def pick_prefill(self, free: int) -> list[_Request]:
         """The next prefill batch (``blocks.pick_prefill``) within the blocks the running rows leave free."""
         room = self.pool.num_free - self.growth_need()
@@ -462,6 +484,9 @@ class Scheduler:
         free = self.cfg.max_batch - len(self.running)
         if self.parked and free > 0:
             self.resume_parked(free)
+            free = self.cfg.max_batch - len(self.running)
+        if self.live and free > 0:
+            self.join_live(free)
             free = self.cfg.max_batch - len(self.running)
         if free <= 0 or not self.waiting:
             return
@@ -490,6 +515,8 @@ class Scheduler:
                     pool.share(own)
                 r.blocks, r.epoch = list(own), self.epoch
                 r.cow = len(g) > 1 and len(s) % bs != 0
+                if i == 0 and not r.out_ids and len(s) > bs:
+                    self.live[blocks.prompt_key(r)] = r
                 self.running.append(r)
                 self.place(r, len(self.running) - 1)
                 rows.append(r)
@@ -539,7 +566,7 @@ class Scheduler:
 
     def rebuild(self) -> None:
         rs, dev = self.running, self.device
-        self.tok = torch.tensor([r.out_ids[-1] for r in rs], dtype=torch.long, device=dev)
+        self.tok = torch.tensor([(r.out_ids or r.prompt)[-1] for r in rs], dtype=torch.long, device=dev)
         pos = [len(r.prompt) + len(r.out_ids) - 1 for r in rs]
         self.pos = torch.tensor(pos, dtype=torch.long, device=dev)
         self.first = torch.tensor([len(r.prompt) - 1 for r in rs], dtype=torch.long, device=dev)
@@ -691,11 +718,3 @@ class Scheduler:
             if self.hook_errors <= 3:
                 traceback.print_exc()
 
-
-def _move_tensors(model: torch.nn.Module, device: torch.device) -> None:
-    """Move every parameter and buffer of ``model`` to ``device`` in place of its data (the objects stay)."""
-    seen: set[int] = set()
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            t.data = t.data.to(device)

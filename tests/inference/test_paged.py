@@ -177,6 +177,47 @@ def test_copy_on_write_keeps_each_sample_exact_when_groups_and_singles_mix():
         assert_exact(model, p, o)
 
 
+@pytest.mark.parametrize("prompt_len", [21, 22])  # block size 4: position L - 1 starts a block, or shares one
+def test_a_request_whose_prompt_is_live_joins_its_blocks_without_a_prefill(prompt_len):
+    model = tiny_model("qwen2", seed=13)
+    prompt = [(7 * j) % (V - 1) + 1 for j in range(prompt_len)]
+    cfg = EngineConfig(max_batch=4, max_seq_len=64, block_size=4, prefill_defer_steps=0)
+    with Engine(copy.deepcopy(model), cfg) as eng:
+        a = eng.submit(prompt, sampled(30, 1), rid="a")
+        wait_for(lambda: (eng.num_generated("a") or 0) >= 2)
+        b = eng.submit(prompt, sampled(12, 2), rid="b")  # a later admission: the same prompt is live in "a"
+        out_b = b.result(30)
+        st = dict(eng.stats)
+        a.result(30)
+        alone = eng.generate(prompt, sampled(12, 2), timeout=30)  # nothing live any more: a prefill
+        assert eng.stats["prefill_tokens"] == 2 * prompt_len
+    assert st["prefix_joins"] == 1 and st["prefill_tokens"] == prompt_len
+    assert st["prefix_shared_tokens"] == prompt_len - 1
+    assert st.get("kv_blocks_copied", 0) == (1 if (prompt_len - 1) % 4 else 0)
+    assert out_b.output_ids == alone.output_ids
+    torch.testing.assert_close(
+        torch.tensor(out_b.output_logprobs), torch.tensor(alone.output_logprobs), atol=1e-5, rtol=0
+    )
+    assert_exact(model, prompt, out_b)
+
+
+def test_no_join_across_a_weight_update():
+    old, new = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=3)
+    prompt = list(range(1, 22))
+    with Engine(copy.deepcopy(old), EngineConfig(max_batch=4, max_seq_len=64, block_size=4)) as eng:
+        a = eng.submit(prompt, sampled(30, 1), rid="a")
+        wait_for(lambda: (eng.num_generated("a") or 0) >= 2)
+        eng.pause("in_place")
+        eng.update_weights_from_state_dict(new.state_dict(), version=1)
+        b = eng.submit(prompt, sampled(10, 2), rid="b")
+        eng.continue_generation()
+        out_b = b.result(30)
+        a.result(30)
+        assert eng.stats["prefix_joins"] == 0
+    assert out_b.output_versions == [1] * 10
+    assert_exact(new, prompt, out_b)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Preemption
 
