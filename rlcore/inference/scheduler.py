@@ -335,6 +335,7 @@ class Scheduler:
                     self.drop_kv(r)
             self.cache.clear()
             self.pool.reset()
+            self.live.clear()
             self.graphs.graphs.clear()
             self.graphs.static.clear()
             self.graphs.pool = None
@@ -440,8 +441,7 @@ class Scheduler:
         if back:
             self.dirty = True
             self.stats["resumed_without_prefill"] += len(back)
-            if any(r.penalized for r in back):
-                self.reset_counts([r for r in back if r.penalized])
+            self.reset_counts([r for r in back if r.penalized])
 
     def join_live(self, free: int) -> None:
         """Fresh waiting requests (among the first ``free``) whose prompt a live request holds under the current
@@ -470,8 +470,7 @@ class Scheduler:
             self.dirty = True
             self.stats["prefix_joins"] += len(joined)
             self.note_peak()
-            if any(r.penalized for r in joined):
-                self.reset_counts([r for r in joined if r.penalized])
+            self.reset_counts([r for r in joined if r.penalized])
 
     def pick_prefill(self, free: int) -> list[_Request]:
         """The next prefill batch (``blocks.pick_prefill``) within the blocks the running rows leave free."""
@@ -542,8 +541,7 @@ class Scheduler:
         self.dirty = True
         self.step_rows = rows
         count = torch.tensor([len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
-        if any(r.penalized for r in rows):
-            self.reset_counts([r for r in rows if r.penalized])
+        self.reset_counts([r for r in rows if r.penalized])
         pos = torch.tensor([len(r.prompt) + len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
         self.sample_and_commit(logits, rows, self.params(rows), count, pos, t_prefill=t0)
         for r in rows:  # a retried request that got through its own prefill batches normally again
@@ -551,6 +549,8 @@ class Scheduler:
 
     def reset_counts(self, rs: list[_Request]) -> None:
         """Recount the output tokens of penalised requests into their (new) slots' rows of ``_counts``."""
+        if not rs:
+            return
         dev = self.device
         if self.counts is None:
             self.counts = torch.zeros((self.cfg.max_batch, self.vocab_size), dtype=torch.float32, device=dev)
