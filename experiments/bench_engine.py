@@ -1,15 +1,24 @@
-"""Decode throughput of the embedded engine vs Hugging Face ``generate``, same model, same prompts, same process.
+"""Embedded-engine benchmarks: decode throughput vs HF ``generate``, a long-tailed 1,024-request load on the
+paged KV cache, and GRPO-group prefill with shared prompts. Same model, same process.
 
-Run:    python experiments/bench_engine.py                      # H200: Qwen2-0.5B shapes, bf16, 256 x 256 tokens
-Smoke:  python experiments/bench_engine.py --smoke              # CPU, tiny model, a few seconds
-Output: a table on stdout and JSON at --out (default $OUT/bench_engine.json when OUT is set).
+Run:    python experiments/bench_engine.py                      # H200: Qwen2-0.5B shapes, bf16 (< 8 min)
+Smoke:  python experiments/bench_engine.py --smoke              # CPU, tiny model, every section, seconds
+Output: a table on stdout and JSON at --out (default $OUT/bench_engine.json when OUT is set); with CUDA also the
+        profiler table of the decode step at --profile-out (default $OUT/bench_engine_profile.txt).
+
+Sections (each in its own try/except, so one failure still leaves the other numbers):
+- ``engine`` (and ``engine_gather``, ``engine_eager``, ``engine_repeat_kv`` ablations, ``hf_generate``): 256
+  concurrent requests x 256 new tokens, prompt 128. "decode tok/s" excludes prefill: for the engine it is measured
+  inside its scheduler (tokens of decode steps / time in decode steps, including sampling and host bookkeeping);
+  for HF it is (new_tokens - 1) * batch / (time of the full generate - time of a 1-token generate).
+- ``long_tail``: 1,024 concurrent requests, output lengths lognormal (median 1k, sigma 1, capped at 16k), prompt
+  128; ``kv_cache_tokens=auto``. Reports KV blocks (total, peak used), preemptions, tok/s.
+- ``group_prefill``: one GRPO group (16 samples of one 1k-token prompt) vs one request of that prompt vs 16
+  different prompts: prefill seconds per admission (median of reps; each request generates one token).
+- ``profile`` (CUDA): torch.profiler over decode steps of the 256-request run: kernels and GPU time per step.
 
 The model is randomly initialised (no hub access); throughput does not depend on the weights. Every request
-generates exactly ``new_tokens`` tokens (ignore_eos / min_new_tokens) at temperature 1 with top_p = 1, so both
-sides do the same work. "decode tok/s" excludes prefill: for the engine it is measured inside its scheduler
-(tokens of decode steps / time in decode steps, including sampling and host bookkeeping); for HF it is
-(new_tokens - 1) * batch / (time of the full generate - time of a 1-token generate). Each section runs in its own
-try/except so one failure still leaves the other numbers.
+generates exactly its target length (ignore_eos / min_new_tokens) at temperature 1 with top_p = 1.
 """
 
 from __future__ import annotations
@@ -57,7 +66,37 @@ class Config:
     hf: bool = True
     """Time the HF generate baseline."""
     ablate_grouped: bool = True
-    """Also time the engine with HF's repeat_kv sdpa decode attention (grouped_decode_attention=False)."""
+    """Also time the engine with HF's repeat_kv sdpa decode attention (gather path, grouped_decode_attention=False)."""
+    ablate_gather: bool = True
+    """Also time the engine with dense gather decode attention (decode_attention="gather")."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    long_tail: bool = True
+    """Run the 1,024-request long-tailed section."""
+    lt_requests: int = 1024
+    """Concurrent requests of the long-tailed section (also its max_batch)."""
+    lt_median: int = 1024
+    """Median output length (lognormal)."""
+    lt_sigma: float = 1.0
+    """Sigma of log(output length)."""
+    lt_cap: int = 16384
+    """Longest output."""
+    lt_prompt_len: int = 128
+    """Prompt tokens per request of the long-tailed section."""
+    lt_timeout_s: float = 240.0
+    """Give up waiting after this long (the rest is aborted and the partial numbers are reported)."""
+    group: bool = True
+    """Run the GRPO-group prefill section."""
+    group_size: int = 16
+    """Samples per group."""
+    group_prompt_len: int = 1024
+    """Prompt tokens of the group."""
+    group_reps: int = 5
+    """Timed repetitions (the median is reported)."""
+    profile: bool = True
+    """Profile decode steps of the 256-request run (CUDA only)."""
+    profile_out: str | None = None
+    """Profiler table path; default $OUT/bench_engine_profile.txt if OUT is set."""
     out: str | None = None
     """JSON output path; default $OUT/bench_engine.json if OUT is set."""
     smoke: bool = False
@@ -76,6 +115,13 @@ SMOKE = dict(
     kv_heads=2,
     intermediate=128,
     vocab=1000,
+    lt_requests=24,
+    lt_median=12,
+    lt_cap=48,
+    lt_prompt_len=8,
+    group_size=4,
+    group_prompt_len=48,
+    group_reps=2,
 )
 
 
@@ -113,8 +159,23 @@ def reset_attention(model) -> None:
             c._attn_implementation = "sdpa"
 
 
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+def engine_stats(eng, base: dict) -> dict:
+    """The engine's counters since ``base`` (a copy of ``eng.stats`` taken before the timed run)."""
+    return {k: eng.stats[k] - base.get(k, 0) for k in eng.stats}
+
+
 def bench_engine(
-    cfg: Config, model, prompts: list[list[int]], device, cuda_graph: bool, grouped: bool = True
+    cfg: Config,
+    model,
+    prompts: list[list[int]],
+    device,
+    cuda_graph: bool,
+    grouped: bool = True,
+    attention: str = "auto",
+    profile_to: str | None = None,
 ) -> dict:
     from rlcore.inference.engine import Engine, EngineConfig
     from rlcore.inference.protocol import SamplingParams
@@ -124,9 +185,11 @@ def bench_engine(
         max_seq_len=cfg.prompt_len + cfg.new_tokens + 8,
         max_prefill_tokens=max(16384, cfg.requests * cfg.prompt_len),
         device=str(device),
-        dtype={torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[model.dtype],
+        dtype=DTYPE_NAMES[model.dtype],
         cuda_graph=cuda_graph,
         grouped_decode_attention=grouped,
+        decode_attention=attention,
+        block_size=cfg.block_size,
     )
     reset_attention(model)
     sp = SamplingParams(max_new_tokens=cfg.new_tokens, temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=True)
@@ -149,7 +212,7 @@ def bench_engine(
         res["warmup_s"] = time.perf_counter() - t0
         base = dict(eng.stats)
         outs, wall = run(eng, sp)
-        st = {k: eng.stats[k] - base.get(k, 0) for k in eng.stats}
+        st = engine_stats(eng, base)
         res.update(
             wall_s=wall,
             generated_tokens=sum(len(o.output_ids) for o in outs),
@@ -158,11 +221,209 @@ def bench_engine(
             decode_steps=st.get("decode_steps", 0),
             decode_ms_per_step=1e3 * st.get("decode_s", 0) / max(st.get("decode_steps", 1), 1),
             prefill_forwards=st.get("prefill_forwards", 0),
+            prefill_s=st.get("prefill_s", 0.0),
             graphs_captured=eng.stats.get("graphs_captured", 0),
+            graph_capture_s_in_timed_run=st.get("graph_capture_s", 0.0),
             cuda_graph_active=eng._static_mode == "graph",
             grouped_attention=eng.grouped_attention,
+            decode_attention=eng.decode_attention,
+            kv_blocks=eng.kv_blocks,
+            kv_blocks_peak=eng.stats.get("kv_blocks_peak", 0),
+            block_size=cfg.block_size,
             all_full_length=all(len(o.output_ids) == cfg.new_tokens for o in outs),
         )
+        if profile_to is not None:
+            res["profile"] = profile_decode(eng, prompts, sp, device, profile_to)
+    return res
+
+
+def profile_decode(eng, prompts: list[list[int]], sp, device, path: str, steps: int = 24) -> dict:
+    """torch.profiler over ``steps`` decode steps of the full batch (after its prefill): kernels and GPU time per
+    step; the table of the top kernels goes to ``path``."""
+    import dataclasses as dc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = min(steps, eng.max_seq_len - max(len(p) for p in prompts) - 1)
+    short = dc.replace(sp, max_new_tokens=steps + 1, min_new_tokens=steps + 1)
+    eng.pause("in_place")
+    futs = [eng.submit(p, short) for p in prompts]
+    eng.continue_generation()
+    [f.result() for f in futs]  # warm-up: every graph the profiled run uses is captured
+    eng.pause("in_place")
+    futs = [eng.submit(p, short) for p in prompts]
+    sync(device)
+    base = dict(eng.stats)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.continue_generation()
+        [f.result() for f in futs]
+        sync(device)
+    st = engine_stats(eng, base)
+    n = max(st.get("decode_steps", 1), 1)
+    by_name: dict[str, list[float]] = {}
+    try:  # every device activity (kernels launched by CUDA graphs too), from the raw kineto events
+        kev = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
+        n_ops, gpu_us = len(kev), sum(e.duration_ns() for e in kev) / 1e3
+        for e in kev:
+            c = by_name.setdefault(e.name()[:100], [0, 0.0])
+            c[0] += 1
+            c[1] += e.duration_ns() / 1e3
+    except Exception:
+        n_ops, gpu_us = -1, -1.0
+    lines = [f"{'us/step':>10} {'calls/step':>10}  kernel"]
+    for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]:
+        lines.append(f"{us / n:>10.1f} {calls / n:>10.1f}  {name}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(
+            f"{n} decode steps + {st.get('prefill_forwards', 0)} prefill of {len(prompts)} requests: "
+            f"{n_ops / n:.0f} device ops and {gpu_us / 1e3 / n:.3f} ms device time per decode step "
+            f"(wall {1e3 * st.get('decode_s', 0) / n:.3f} ms)\n\n" + "\n".join(lines) + "\n"
+        )
+    return {
+        "decode_steps": n,
+        "prefill_forwards": st.get("prefill_forwards", 0),
+        "gpu_kernels_per_step": n_ops / n,
+        "gpu_busy_ms_per_step": gpu_us / 1e3 / n,
+        "wall_ms_per_decode_step": 1e3 * st.get("decode_s", 0) / n,
+        "table": path,
+    }
+
+
+def bench_long_tail(cfg: Config, model, device) -> dict:
+    """1,024 concurrent requests with lognormal output lengths on the paged cache (``kv_cache_tokens=auto``)."""
+    import math
+    import random
+
+    from rlcore.inference.engine import Engine, EngineConfig
+    from rlcore.inference.protocol import SamplingParams
+
+    rng = random.Random(cfg.seed + 1)
+    mu = math.log(cfg.lt_median)
+    lens = [max(1, min(cfg.lt_cap, int(round(rng.lognormvariate(mu, cfg.lt_sigma))))) for _ in range(cfg.lt_requests)]
+    g = torch.Generator().manual_seed(cfg.seed + 2)
+    prompts = torch.randint(1, cfg.vocab, (cfg.lt_requests, cfg.lt_prompt_len), generator=g).tolist()
+    ecfg = EngineConfig(
+        max_batch=cfg.lt_requests,
+        max_seq_len=cfg.lt_prompt_len + cfg.lt_cap + 8,
+        device=str(device),
+        dtype=DTYPE_NAMES[model.dtype],
+        block_size=cfg.block_size,
+    )
+    reset_attention(model)
+    res: dict = {
+        "requests": cfg.lt_requests,
+        "output_tokens_planned": sum(lens),
+        "output_len_median": sorted(lens)[len(lens) // 2],
+        "output_len_max": max(lens),
+        "output_len_mean": sum(lens) / len(lens),
+    }
+    with Engine(model, ecfg) as eng:
+        static_tokens = cfg.lt_requests * ecfg.max_seq_len  # what a max_batch x max_seq_len cache would hold
+        res.update(
+            kv_cache_tokens=eng.kv_cache_tokens,
+            kv_blocks=eng.kv_blocks,
+            static_cache_tokens_needed=static_tokens,
+            decode_attention=eng.decode_attention,
+        )
+        eng.pause("in_place")
+        sps = [
+            SamplingParams(max_new_tokens=n, min_new_tokens=n, temperature=1.0, top_p=1.0, ignore_eos=True)
+            for n in lens
+        ]
+        futs = [eng.submit(p, s) for p, s in zip(prompts, sps)]
+        sync(device)
+        base = dict(eng.stats)
+        t0 = time.perf_counter()
+        eng.continue_generation()
+        outs, timed_out = [], False
+        for f in futs:
+            left = cfg.lt_timeout_s - (time.perf_counter() - t0)
+            try:
+                outs.append(f.result(max(left, 0.001)))
+            except Exception:
+                timed_out = True
+                break
+        if timed_out:
+            eng.abort()
+            outs = [f.result(60) for f in futs]
+        sync(device)
+        wall = time.perf_counter() - t0
+        st = engine_stats(eng, base)
+        done = sum(1 for o, n in zip(outs, lens) if len(o.output_ids) == n)
+        gen = sum(len(o.output_ids) for o in outs)
+        decode_s = st.get("decode_s", 0.0) - st.get("graph_capture_s", 0.0)
+        res.update(
+            wall_s=wall,
+            timed_out=timed_out,
+            completed_requests=done,
+            errors=sum(1 for o in outs if o.finish_reason.get("status_code")),
+            generated_tokens=gen,
+            e2e_tok_s=gen / wall,
+            decode_tok_s=st.get("decode_tokens", 0) / max(decode_s, 1e-9),
+            decode_steps=st.get("decode_steps", 0),
+            prefill_forwards=st.get("prefill_forwards", 0),
+            prefill_s=st.get("prefill_s", 0.0),
+            graph_capture_s=st.get("graph_capture_s", 0.0),
+            kv_blocks_peak=eng.stats.get("kv_blocks_peak", 0),
+            kv_peak_fraction=eng.stats.get("kv_blocks_peak", 0) / max(eng.kv_blocks, 1),
+            preemptions=st.get("preemptions", 0),
+        )
+    return res
+
+
+def bench_group_prefill(cfg: Config, model, device) -> dict:
+    """Prefill of one GRPO group (G samples of one prompt, one admission) vs one request vs G different prompts."""
+    import statistics
+
+    from rlcore.inference.engine import Engine, EngineConfig
+    from rlcore.inference.protocol import SamplingParams
+
+    G, L = cfg.group_size, cfg.group_prompt_len
+    g = torch.Generator().manual_seed(cfg.seed + 3)
+    ecfg = EngineConfig(
+        max_batch=max(G, 16),
+        max_seq_len=L + 16,
+        max_prefill_tokens=G * L,
+        device=str(device),
+        dtype=DTYPE_NAMES[model.dtype],
+        block_size=cfg.block_size,
+    )
+    reset_attention(model)
+    sp = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0, ignore_eos=True)
+
+    def admit(eng, prompts) -> tuple[float, dict]:
+        eng.pause("in_place")
+        futs = [eng.submit(p, sp) for p in prompts]
+        sync(device)
+        base = dict(eng.stats)
+        eng.continue_generation()
+        [f.result() for f in futs]
+        st = engine_stats(eng, base)
+        return st.get("prefill_s", 0.0), st
+
+    res: dict = {"group_size": G, "prompt_len": L}
+    with Engine(model, ecfg) as eng:
+        cases = {
+            "single": lambda: [torch.randint(1, cfg.vocab, (L,), generator=g).tolist()],
+            "group": lambda: [torch.randint(1, cfg.vocab, (L,), generator=g).tolist()] * G,
+            "distinct": lambda: torch.randint(1, cfg.vocab, (G, L), generator=g).tolist(),
+        }
+        for name, make in cases.items():
+            admit(eng, make())  # warm-up (kernels, allocator)
+            times, st = [], {}
+            for _ in range(cfg.group_reps):
+                t, st = admit(eng, make())
+                times.append(t)
+            res[name] = {
+                "prefill_s_median": statistics.median(times),
+                "prefill_s_all": times,
+                "prefill_tokens": st.get("prefill_tokens", 0),
+                "prefill_forwards": st.get("prefill_forwards", 0),
+                "prefix_shared_tokens": st.get("prefix_shared_tokens", 0),
+            }
+    res["group_over_single"] = res["group"]["prefill_s_median"] / max(res["single"]["prefill_s_median"], 1e-9)
+    res["distinct_over_single"] = res["distinct"]["prefill_s_median"] / max(res["single"]["prefill_s_median"], 1e-9)
     return res
 
 
@@ -256,34 +517,71 @@ def main(cfg: Config) -> dict:
     model = build_model(cfg, device, dtype)
     g = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(1, cfg.vocab, (cfg.requests, cfg.prompt_len), generator=g).tolist()
-    section("engine", lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True))
+    prof_path = cfg.profile_out or (
+        os.path.join(os.environ["OUT"], "bench_engine_profile.txt") if os.environ.get("OUT") else None
+    )
+    if cfg.profile and device.type == "cuda" and prof_path is None:
+        prof_path = "bench_engine_profile.txt"
+    prof = prof_path if (cfg.profile and device.type == "cuda") else None
+    section("engine", lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True, profile_to=prof))
+    if cfg.ablate_gather:
+        section(
+            "engine_gather",
+            lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True, attention="gather"),
+        )
     if cfg.eager_engine and device.type == "cuda":
         section("engine_eager", lambda: bench_engine(cfg, model, prompts, device, cuda_graph=False))
     if cfg.ablate_grouped:
         section(
             "engine_repeat_kv",
-            lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True, grouped=False),
+            lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True, grouped=False, attention="gather"),
         )
     if cfg.hf:
         section("hf_generate", lambda: bench_hf(cfg, model, prompts, device))
     if "engine" in result and "hf_generate" in result:
         result["speedup_decode"] = result["engine"]["decode_tok_s"] / result["hf_generate"]["decode_tok_s"]
         result["speedup_e2e"] = result["engine"]["e2e_tok_s"] / result["hf_generate"]["e2e_tok_s"]
+    if cfg.long_tail:
+        section("long_tail", lambda: bench_long_tail(cfg, model, device))
+    if cfg.group:
+        section("group_prefill", lambda: bench_group_prefill(cfg, model, device))
     save()
 
     print(
         f"\n{cfg.requests} requests x {cfg.new_tokens} new tokens, prompt {cfg.prompt_len}, {result['env']['device']}, {dtype}"
     )
-    print(f"{'system':<16}{'decode tok/s':>14}{'e2e tok/s':>12}{'ms/step':>10}{'wall s':>9}")
-    for name in ("engine", "engine_eager", "engine_repeat_kv", "hf_generate"):
+    print(f"{'system':<18}{'decode tok/s':>14}{'e2e tok/s':>12}{'ms/step':>10}{'wall s':>9}  attention")
+    for name in ("engine", "engine_gather", "engine_eager", "engine_repeat_kv", "hf_generate"):
         r = result.get(name)
         if r:
             print(
-                f"{name:<16}{r['decode_tok_s']:>14.0f}{r['e2e_tok_s']:>12.0f}{r['decode_ms_per_step']:>10.2f}{r['wall_s']:>9.2f}"
+                f"{name:<18}{r['decode_tok_s']:>14.0f}{r['e2e_tok_s']:>12.0f}{r['decode_ms_per_step']:>10.2f}"
+                f"{r['wall_s']:>9.2f}  {r.get('decode_attention', '')}"
             )
     if "speedup_decode" in result:
         print(
             f"speedup (decode) engine / HF generate: {result['speedup_decode']:.2f}x  (e2e {result['speedup_e2e']:.2f}x)"
+        )
+    if "profile" in result.get("engine", {}):
+        p = result["engine"]["profile"]
+        print(
+            f"decode step profile: {p['gpu_kernels_per_step']:.0f} kernels, {p['gpu_busy_ms_per_step']:.2f} ms GPU "
+            f"busy per step ({p['wall_ms_per_decode_step']:.2f} ms wall); table in {p['table']}"
+        )
+    lt = result.get("long_tail")
+    if lt:
+        print(
+            f"long tail: {lt['completed_requests']}/{lt['requests']} requests done, {lt['generated_tokens']} tokens "
+            f"(max {lt['output_len_max']}), {lt['e2e_tok_s']:.0f} tok/s e2e, {lt['decode_tok_s']:.0f} decode tok/s, "
+            f"peak {lt['kv_blocks_peak']}/{lt['kv_blocks']} KV blocks, {lt['preemptions']} preemptions, "
+            f"{lt['wall_s']:.1f} s"
+        )
+    gp = result.get("group_prefill")
+    if gp:
+        print(
+            f"group prefill ({gp['group_size']} x {gp['prompt_len']} tokens): group / single = "
+            f"{gp['group_over_single']:.2f}x, {gp['group_size']} distinct / single = {gp['distinct_over_single']:.2f}x "
+            f"(single {1e3 * gp['single']['prefill_s_median']:.1f} ms)"
         )
     for name, tb in result["errors"].items():
         print(f"[bench_engine] section {name} FAILED:\n{tb}")

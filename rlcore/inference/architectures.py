@@ -1,8 +1,8 @@
-"""Per-architecture adapters that let the engine's batched, slot-cached forward match a one-sequence HF forward.
+"""Per-architecture adapters that let the engine's batched, paged-cache forward match a one-sequence HF forward.
 
 The engine drives the unmodified HF forward with explicit positions and a 4-D additive mask (``kv_cache.py``).
 A few architectures decide something from the whole batch or expect a 2-D mask; ``adapt(model)`` fixes those at
-load, and refuses (``EngineError`` naming the architecture and why) the ones the KV-slot cache cannot hold:
+load, and refuses (``EngineError`` naming the architecture and why) the ones the paged KV cache cannot hold:
 
 - **LongRoPE** (Phi-3/Phi-3.5/Phi-4-mini ``rope_type: longrope``): HF picks the long or short factors from the
   largest position in the *batch*, so one long prompt switched every other row to the long factors. The rotary
@@ -14,7 +14,7 @@ load, and refuses (``EngineError`` naming the architecture and why) the ones the
   query row (the keys that query may see), which yields the same key positions HF uses, and leaves 2-D masks to
   the original function.
 - **Recurrent or convolutional layers** (LFM2's ``conv``, Mamba, linear attention): they keep per-sequence state
-  outside the KV cache, which the slot cache does not store, so they are refused at load.
+  outside the KV cache, which the paged cache does not store, so they are refused at load.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from rlcore.inference.protocol import EngineError
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
-"""``config.layer_types`` entries the slot cache serves; any other layer kind keeps state it cannot hold."""
+"""``config.layer_types`` entries the paged cache serves; any other layer kind keeps state it cannot hold."""
 
 
 def adapt(model: nn.Module) -> dict[str, int]:
@@ -40,7 +40,7 @@ def adapt(model: nn.Module) -> dict[str, int]:
         what = f"layers of type {other}" if other else "recurrent layers"
         raise EngineError(
             f"{name} has {what} that keep per-sequence state outside the attention KV cache; the embedded "
-            "engine's KV-slot cache cannot hold it, so it is not supported. Serve this model with SGLang or vLLM "
+            "engine's paged KV cache cannot hold it, so it is not supported. Serve this model with SGLang or vLLM "
             "(rlcore.inference.sglang) instead."
         )
     return {"longrope_rows": _per_row_longrope(model), "alibi_4d": _alibi_accepts_4d_masks(model)}

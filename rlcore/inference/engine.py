@@ -5,10 +5,11 @@ thread owns the model and runs the scheduler loop; everything else (submitting, 
 weights) hands the loop a command and waits on a future, so every state change happens between two forward
 passes and a token is always tagged with the weight version that produced its logits.
 
-The loop-thread state and the step (admit -> decode -> sample -> commit, failure isolation) live in
-``scheduler.py``, the fixed-shape decode and its CUDA graphs in ``graphs.py``, the KV store and the HF-forward
-adapter in ``kv_cache.py``, the pure sampling math and request checks in ``sampling.py``, the grouped-KV decode
-attention in ``attention.py``, and weight reading, staged (atomic) loads and the update group in ``weights.py``.
+The loop-thread state and the step (admit -> decode -> sample -> commit, block accounting, preemption, failure
+isolation) live in ``scheduler.py``, the fixed-shape decode and its CUDA graphs in ``graphs.py``, the paged KV
+store and the HF-forward adapter in ``kv_cache.py``, the pure sampling math and request checks in
+``sampling.py``, the engine's attention function (packed paged decode, grouped-KV decode) in ``attention.py``,
+and weight reading, staged (atomic) loads and the update group in ``weights.py``.
 
 Concurrency invariants:
 - only the loop thread touches the model, the KV store and the request tables;
@@ -27,7 +28,7 @@ import random
 import threading
 import traceback
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,10 +36,11 @@ import torch
 from torch import nn
 
 from rlcore.inference import architectures
-from rlcore.inference.attention import install_grouped_attention
+from rlcore.inference.attention import grouped_heads, install_engine_attention
+from rlcore.inference.blocks import BlockTables, build_kv_cache
 from rlcore.inference.graphs import DecodeGraphs
-from rlcore.inference.kv_cache import ModelForward, SlotCache
-from rlcore.inference.lora import LoraAdapter, LoraSlots
+from rlcore.inference.kv_cache import ModelForward
+from rlcore.inference.lora import LoraSlots
 from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams
 from rlcore.inference.sampling import (
     check_request,
@@ -46,13 +48,10 @@ from rlcore.inference.sampling import (
     uses_penalty,
 )
 from rlcore.inference.scheduler import PauseMode, Scheduler, _Request
+from rlcore.inference.weight_updates import WeightUpdates
 from rlcore.inference.weights import (
     DTYPES,
-    check_specs,
     init_custom_process_group,
-    parse_dtype,
-    read_safetensors,
-    stage_weights,
 )
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -64,9 +63,26 @@ class EngineConfig:
     """Settings of one embedded engine."""
 
     max_batch: int = 256
-    """Number of KV slots, i.e. the most requests decoded together; more wait in a FIFO queue."""
+    """The most requests decoded together (decode rows); more wait in a FIFO queue."""
     max_seq_len: int = 2048
-    """Tokens of context per slot (prompt + output); clipped to the model's ``max_position_embeddings``."""
+    """Tokens of context per request (prompt + output); clipped to the model's ``max_position_embeddings``."""
+    kv_cache_tokens: int | Literal["auto"] = "auto"
+    """KV memory budget in tokens (rounded up to whole blocks) shared by all requests: a request uses blocks for
+    the tokens it has, so many short requests or a few long ones fit. ``auto``: on CUDA, ``kv_memory_fraction``
+    of the device memory free after loading the weights, at most ``max_batch * max_seq_len``; elsewhere
+    ``max_batch * max_seq_len``. Requests wait for free blocks; when running ones cannot grow, the youngest is
+    preempted and recomputed later."""
+    kv_memory_fraction: float = 0.85
+    """Share of the free CUDA memory that ``kv_cache_tokens="auto"`` gives to KV blocks (the rest holds
+    activations, logits and graphs); unused on CPU or with an explicit ``kv_cache_tokens``."""
+    block_size: int = 16
+    """Tokens per KV block: the unit of allocation, of prefix sharing and of copy-on-write."""
+    decode_attention: Literal["auto", "gather", "varlen"] = "auto"
+    """How decode attends over the paged KV: ``gather`` copies each row's blocks into a dense
+    ``(batch, heads, longest, dim)`` tensor with a 4-D mask (any attention implementation); ``varlen`` gathers
+    only live blocks and attends with per-row lengths (flash-attention varlen on CUDA half precision, a
+    pure-torch kernel elsewhere; needs the engine's attention function, i.e. an sdpa model without sliding
+    windows or soft-capping); ``auto`` is ``varlen`` where flash applies, else ``gather``."""
     max_prefill_tokens: int = 16384
     """Padded-token budget of one prefill forward (joiners are batched up to this; one always fits)."""
     prefill_defer_steps: int = 8
@@ -93,8 +109,9 @@ class EngineConfig:
     """Most requests queued for a slot (paused or not); one more is refused with ``EngineBusy`` (HTTP 503 with
     ``Retry-After``), so a client backs off instead of growing the queue without bound."""
     grouped_decode_attention: bool = True
-    """For sdpa models with grouped KV heads, run one-token decode attention with the query heads folded per KV
-    head instead of HF's ``repeat_kv`` copies (same math; every other call goes to HF's sdpa unchanged)."""
+    """For sdpa models with grouped KV heads, run one-token dense (``gather``) decode attention with the query
+    heads folded per KV head instead of HF's ``repeat_kv`` copies (same math; every other call goes to HF's sdpa
+    unchanged). The ``varlen`` path handles grouped heads in its kernel."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -111,6 +128,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.control_workers must be >= 1, got {self.control_workers}; pass e.g. 2.")
         if self.max_waiting < 1:
             raise ValueError(f"EngineConfig.max_waiting must be >= 1, got {self.max_waiting}; pass e.g. 4096.")
+        kv = self.kv_cache_tokens
+        if kv != "auto" and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+            raise ValueError(f"EngineConfig.kv_cache_tokens must be 'auto' or a positive integer, got {kv!r}")
+        if not (0 < self.kv_memory_fraction <= 1):
+            raise ValueError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.block_size < 1:
+            raise ValueError(f"EngineConfig.block_size must be >= 1, got {self.block_size}; pass e.g. 16.")
+        if self.decode_attention not in ("auto", "gather", "varlen"):
+            raise ValueError(f"EngineConfig.decode_attention must be auto, gather or varlen: {self.decode_attention!r}")
         if self.prefill_defer_steps < 0:
             raise ValueError(
                 f"EngineConfig.prefill_defer_steps must be >= 0, got {self.prefill_defer_steps}; pass e.g. 8 "
@@ -139,7 +165,7 @@ def memory_tags(tags: Iterable[str] | None) -> frozenset[str]:
 # The engine
 
 
-class Engine:
+class Engine(WeightUpdates):
     """Continuous-batching generator over an HF causal LM, driven by a background scheduler thread.
 
     Use as a context manager (``with Engine(model) as eng:``) or call ``start()`` / ``close()``.
@@ -200,24 +226,34 @@ class Engine:
             else int(mcfg.vocab_size)
         )
 
-        self.adapters = architectures.adapt(self.model)  # refuses what the slot cache cannot serve
-        self.grouped_attention = cfg.grouped_decode_attention and install_grouped_attention(self.model)
+        self.adapters = architectures.adapt(self.model)  # refuses what the paged cache cannot serve
+        own_attention = install_engine_attention(self.model)
+        self.grouped_attention = cfg.grouped_decode_attention and own_attention and grouped_heads(self.model)
         self._fwd = ModelForward(self.model, self.max_seq_len)
-        self._cache = SlotCache(cfg.max_batch, self.max_seq_len)
+        self._fwd.grouped = self.grouped_attention
+        self._cache, self.kv_cache_tokens, self.decode_attention = build_kv_cache(
+            cfg, self._fwd, self.device, self.dtype, self.max_seq_len, own_attention
+        )
+        """``decode_attention``: ``gather``, ``varlen-flash`` or ``varlen-torch`` (the resolved config field)."""
+        max_blocks = -(-self.max_seq_len // cfg.block_size)
+        self._tables = BlockTables(cfg.max_batch, max_blocks, self.device)
         self._rng = random.Random(cfg.seed)
         self._inbox: collections.deque = collections.deque()  # ("req", _Request) | ("cmd", fn, future)
         self._wake = threading.Event()
         self._groups: dict[str, Any] = {}
         self._lora = LoraSlots(self.model)
         self.stats = collections.Counter()
+        packed = self.decode_attention != "gather"
         self._graphs = DecodeGraphs(
-            self._fwd, self._cache, cfg.max_batch, self.max_seq_len, self.device, self.dtype, self.stats
+            self._fwd, self._cache, self._tables.t, cfg.max_batch, self.device, self.dtype, self.stats, packed
         )
         self._s = Scheduler(
             cfg,
             fwd=self._fwd,
             cache=self._cache,
+            tables=self._tables,
             graphs=self._graphs,
+            packed=packed,
             stats=self.stats,
             device=self.device,
             dtype=self.dtype,
@@ -233,6 +269,16 @@ class Engine:
         self._control_pool = cf.ThreadPoolExecutor(cfg.control_workers, thread_name_prefix="rlcore-control")
         self._control_lock = threading.Lock()
         self._control_busy = 0
+
+    @property
+    def kv_blocks(self) -> int:
+        """KV blocks requests can use (``kv_cache_tokens / block_size``, rounded up)."""
+        return self._s.pool.usable
+
+    @property
+    def kv_blocks_used(self) -> int:
+        """KV blocks held by requests now (shared blocks once)."""
+        return self._s.pool.num_used
 
     # -- lifetime ------------------------------------------------------------------------------------------------
 
@@ -339,7 +385,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        """Requests holding a KV slot."""
+        """Requests decoding now (holding a decode row and KV blocks)."""
         return len(self._s.running)
 
     @property
@@ -431,8 +477,9 @@ class Engine:
         """Pause generation; returns how many requests were affected.
 
         ``abort``: every queued and running request returns now with its partial output (finish ``abort``).
-        ``retract``: running requests give up their KV slot and wait (re-prefilled on continue).
-        ``in_place``: running requests keep their slot and KV and wait.
+        ``retract``: running requests give up their decode row and wait, keeping their KV blocks (they resume without
+        a prefill unless the weights changed or the blocks were needed).
+        ``in_place``: running requests keep their row and KV and wait.
         Requests submitted while paused queue until ``continue_generation``.
         """
         if mode not in ("abort", "retract", "in_place"):
@@ -452,128 +499,6 @@ class Engine:
     def set_version(self, version: int) -> None:
         """Relabel the loaded weights (SGLang's /update_weight_version)."""
         self._call(lambda: setattr(self._s, "version", int(version)))
-
-    def update_weights_from_state_dict(
-        self, state_dict: dict[str, torch.Tensor], version: int | None = None
-    ) -> None:
-        """Copy HF-named tensors into the model (cast to the engine dtype) and set ``version``; atomic: every
-        name, shape and dtype is checked first (``weights.stage_weights``), a failed load changes nothing. Refused
-        while a LoRA adapter is loaded (``load_lora_adapter``)."""
-        with self._lora.full_load():
-            staged = stage_weights(self.model, state_dict.items())
-            self._call(lambda: self._s.commit(staged, version))
-
-    def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
-        """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``.
-
-        The files are read and checked on the calling thread (generation continues meanwhile); the loop thread
-        only copies the staged tensors in. A failed load (bad path, unknown name, wrong shape) changes nothing.
-        Refused while a LoRA adapter is loaded.
-        """
-        with self._lora.full_load():
-            staged = stage_weights(self.model, read_safetensors(path))
-            self._call(lambda: self._s.commit(staged, version))
-
-    def update_weights_from_tensors(
-        self, named: Sequence[tuple[str, torch.Tensor]], version: int | None = None
-    ) -> None:
-        """Copy tensors that another process shares with this one (CUDA IPC or shared memory, see
-        :mod:`rlcore.inference.tensor_ipc`) into the model and set ``version``; atomic like a disk load.
-
-        Returns only when the copies are complete (a device synchronisation on CUDA), so the sender may reuse its
-        buffers as soon as the call returns."""
-        staged = stage_weights(self.model, named)
-        self._call(lambda: self._s.commit(staged, version))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        staged.clear()  # drop the references to the sender's memory
-
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int | str,
-        rank_offset: int,
-        world_size: int,
-        backend: str = "gloo",
-        group_name: str = "update_weight_group",
-        timeout_s: float = 300.0,
-    ) -> None:
-        """Join the trainer's broadcast group as rank ``rank_offset`` (blocks until every rank joined, at most
-        ``timeout_s``). Runs in the calling thread (not the loop) so generation continues during the rendezvous.
-        """
-        if group_name in self._groups:
-            raise EngineError(
-                f"group_name {group_name!r} already exists; destroy it first or pick another name"
-            )
-        init = f"tcp://{master_address}:{int(master_port)}"
-        self._groups[group_name] = init_custom_process_group(
-            backend, init, int(world_size), int(rank_offset), group_name, timeout_s
-        )
-
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "update_weight_group",
-        version: int | None = None,
-    ) -> None:
-        """Receive ``names`` by ``broadcast(src=0)`` in order into staging buffers, then load them all and set
-        ``version``. Names, dtypes and shapes are checked before anything is received (so a bad request fails
-        fast instead of deadlocking the broadcast); a failed receive changes nothing."""
-        if group_name not in self._groups:
-            raise EngineError(f"group_name {group_name!r} is unknown; call init_weights_update_group first")
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise EngineError("names, dtypes and shapes must have the same length")
-        specs = [(n, parse_dtype(d), tuple(int(x) for x in shp)) for n, d, shp in zip(names, dtypes, shapes)]
-        check_specs(self.model, specs)
-        self._lora.refuse_full_load()
-        pg = self._groups[group_name]
-        import torch.distributed as dist
-
-        dev = self.device if dist.get_backend(pg) != "gloo" else torch.device("cpu")
-        received = []
-        for n, dt, shp in specs:
-            buf = torch.empty(shp, dtype=dt, device=dev)
-            dist.broadcast(buf, src=0, group=pg)
-            received.append((n, buf))
-        with self._lora.full_load():
-            staged = stage_weights(self.model, received)
-            self._call(lambda: self._s.commit(staged, version))
-
-    # -- LoRA adapters (rlcore.inference.lora: merged into the live weights from a kept base copy) -----------------
-
-    @property
-    def lora_adapters(self) -> dict[str, str]:
-        """Loaded adapters ``{lora_name: lora_path}`` (SGLang's ``loaded_adapters``), oldest first."""
-        return self._lora.paths()
-
-    @property
-    def lora_applied(self) -> str | None:
-        """The adapter merged into the weights: the most recently loaded one (None: the base weights)."""
-        return self._lora.applied
-
-    def load_lora_adapter(
-        self, name: str, adapter: str | os.PathLike | LoraAdapter, version: int | None = None
-    ) -> dict[str, str]:
-        """Load an adapter (a PEFT directory or an in-memory ``LoraAdapter``) and apply it; returns the loaded set.
-
-        The adapter is read, checked against the model and merged (``W_base + s · B @ A``) on the calling thread
-        while generation continues; the loop thread then copies the new weights in between two forward passes and
-        sets ``version`` (when given), like a full weight load: requests whose KV predates it are re-prefilled, so
-        no token mixes two adapters. It becomes the applied adapter (the previous one stays loaded, superseded).
-        A failed load (bad path, unknown module, wrong shape, name already loaded) changes nothing.
-        """
-        return self._lora.load(name, adapter, lambda staged, done: self._call(
-            lambda: (self._s.commit(staged, version) if staged else None, done())))
-
-    def unload_lora_adapter(self, name: str, version: int | None = None) -> dict[str, str]:
-        """Unload an adapter; returns the loaded set. Unloading the applied one applies the newest remaining adapter,
-        or copies the base weights back (exactly) when none is left; committed between two forward passes, with
-        ``version`` set when given. Unloading a superseded adapter changes no weight (nor the version). Unknown names
-        raise."""
-        return self._lora.unload(name, lambda staged, done: self._call(
-            lambda: (self._s.commit(staged, version) if staged else None, done())))
 
     def destroy_weights_update_group(self, group_name: str = "update_weight_group") -> None:
         """Leave and destroy a weight-update group."""
@@ -678,8 +603,8 @@ class Engine:
     def capture_graphs(self) -> int:
         """Capture the decode step of every (batch, key-length) bucket now; returns how many graphs exist.
 
-        Called by ``start`` when ``cfg.capture_at_start`` (before any request, so the idle rows' writes to column 0
-        of free slots are harmless). Needed when a trainer runs on the same GPU in the same process: CUDA forbids
+        Called by ``start`` when ``cfg.capture_at_start`` (before any request, so every row writes into the trash
+        block). Needed when a trainer runs on the same GPU in the same process: CUDA forbids
         a capture while another thread synchronises the legacy default stream (``.item()``, ``.tolist()``), so
         lazy capture next to a training step fails (and the engine falls back to slower eager decode).
         """

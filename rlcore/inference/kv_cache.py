@@ -1,13 +1,24 @@
-"""The engine's KV store behind transformers' ``Cache`` interface, and the adapter that drives the HF forward.
+"""The engine's paged KV store behind transformers' ``Cache`` interface, and the adapter that drives the HF forward.
 
-KV layout. The engine keeps its own per-slot KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer,
-behind a ``transformers`` ``Cache`` subclass, and drives the unmodified HF forward with explicit
-``position_ids`` and an explicit 4-D additive attention mask. Slot ``s`` holds its sequence at columns
-``[0, n_s)``; a decode step writes each row's new key/value at that row's own position. Requests join by a
-batched prefill (rows of similar length, right-padded, no padding mask: the model's own causal mask) whose
-keys/values are copied into free slots with one copy per layer, and leave by having the last busy slot
-moved into their place, so the busy slots are always ``[0, m)``. No architecture-specific attention code is
-involved: any model whose attention calls ``cache.update(k, v, layer_idx)`` and honours a 4-D mask works.
+KV layout. Per layer the store is a pool of fixed-size blocks, ``(num_blocks, block_size, kv_heads, head_dim)``
+for keys and the same for values. A request owns a *block table* (a list of block ids, one per ``block_size``
+tokens), so token ``j`` of a request lives at row ``blocks[j // block_size]``, offset ``j % block_size``.
+Blocks are reference counted (``blocks.BlockPool``): the samples of a group share their prompt's blocks, and a shared
+partial block is copied before the first write into it (copy-on-write). Block 0 is never handed out: it is the
+*trash* block that idle rows of a fixed-shape decode and prefill padding write into.
+
+The engine drives the *unmodified* HF forward with explicit ``position_ids`` through a ``Cache`` subclass
+(``PagedKVCache``); no architecture-specific attention code is involved, any model whose attention calls
+``cache.update(k, v, layer_idx)`` works:
+
+- *prefill* (``mode = "prefill"``): the forward's keys/values ``(k, h, L, d)`` are written to the slots in
+  ``slots`` (one flat slot per token; padding goes to the trash block) and returned unchanged, so the chunk
+  attends to itself with the model's own causal mask.
+- *decode* (``mode = "decode"``): each row's new key/value is written at its slot, then the rows' blocks are
+  gathered and returned. Two layouts: *dense* (``(b, h, T, d)``, ``T = blocks * block_size``, with the engine's
+  4-D mask hiding columns past each row's position; any attention implementation can read it) and *packed*
+  (only each row's live blocks, concatenated, ``(total, h, d)``, read by ``attention.engine_attention`` with
+  per-row offsets and lengths: flash-attention varlen on CUDA, no mask, traffic proportional to live tokens).
 """
 
 from __future__ import annotations
@@ -15,63 +26,125 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
+from rlcore.inference import attention
 from rlcore.inference.architectures import uses_row_positions
 
 
-class SlotCache(DynamicCache):
-    """Per-slot static KV store, ``(slots, heads, max_seq_len, head_dim)`` per layer, allocated on first use.
+@dataclass(frozen=True)
+class LayerShape:
+    """Per-layer KV geometry recorded by ``ModelForward.probe``."""
 
-    The engine sets the mode before each forward:
-      - ``prefill``: the forward's keys ``(k, h, L, d)`` belong to joiners going to slots ``[base, base + k)``
-        and are written to columns ``[0, L)`` with one copy per layer; attention runs over the chunk. Rows are
-        right-padded (``shift is None``: column ``j`` is token ``j``; padding lands past each row's end, where
-        no query looks and decoding overwrites it) or, on the fallback path, left-padded (``shift (k L)``
-        gathers each row's tokens to the front first).
-      - ``decode``: the forward covers slots ``[0, m)`` with one query each; row ``i`` writes at column
-        ``pos[i]`` and attends over columns ``[0, kv_len)`` of its slot (the mask hides the rest).
+    kv_heads: int
+    head_dim: int
+    v_heads: int
+    v_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return (self.kv_heads * self.head_dim + self.v_heads * self.v_dim) * item
+
+
+class PagedKVCache(DynamicCache):
+    """Paged KV store: per layer ``(num_blocks, block_size, kv_heads, head_dim)`` keys and values, allocated on
+    first use (``k`` / ``v`` are the per-layer pools; empty after ``release_memory``).
+
+    The engine sets the mode and the index tensors before each forward (``ModelForward``):
+      - ``slots (n,)``: the flat slot (``block * block_size + offset``) each written token goes to;
+      - ``gather (g,)``: the block ids to read in decode, row-major (dense: ``b * nb``; packed: the live blocks);
+      - ``rows``: the decode batch size ``b``; ``packed``: the layout returned in decode (module docstring).
     Only ``update`` is used by the models; positions and masks come from the engine.
     """
 
-    def __init__(self, slots: int, max_seq_len: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__()
-        self.slots, self.max_seq_len = slots, max_seq_len
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.mode = "decode"
-        self.base = 0
-        self.shift: torch.Tensor | None = None
-        self.pos: torch.Tensor | None = None
-        self.kv_len = max_seq_len
+        self.slots: torch.Tensor | None = None
+        self.gather: torch.Tensor | None = None
+        self.rows = 0
+        self.packed = False
+        self.shapes: dict[int, LayerShape] = {}
+
+    def _pools(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        while len(self.k) <= layer_idx:
+            i = len(self.k)
+            s = self.shapes.get(i)
+            if s is None:  # no probe (or a layer it did not see): this layer's own shapes
+                s = LayerShape(
+                    key_states.shape[1],
+                    key_states.shape[-1],
+                    value_states.shape[1],
+                    value_states.shape[-1],
+                    key_states.dtype,
+                )
+            dev = key_states.device
+            self.k.append(
+                torch.zeros(
+                    (self.num_blocks, self.block_size, s.kv_heads, s.head_dim), dtype=s.dtype, device=dev
+                )
+            )
+            self.v.append(
+                torch.zeros((self.num_blocks, self.block_size, s.v_heads, s.v_dim), dtype=s.dtype, device=dev)
+            )
+        return self.k[layer_idx], self.v[layer_idx]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        while len(self.k) <= layer_idx:
-            b, h, _, d = key_states.shape
-            shape_k = (self.slots, h, self.max_seq_len, d)
-            shape_v = (self.slots, value_states.shape[1], self.max_seq_len, value_states.shape[-1])
-            self.k.append(torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device))
-            self.v.append(torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device))
-        kc, vc = self.k[layer_idx], self.v[layer_idx]
-        if self.mode == "prefill":
-            k, length = key_states.shape[0], key_states.shape[2]
-            ks, vs = key_states, value_states
-            if self.shift is not None:
-                idx = self.shift[:, None, :, None]
-                ks = ks.gather(2, idx.expand(-1, ks.shape[1], -1, ks.shape[3]))
-                vs = vs.gather(2, idx.expand(-1, vs.shape[1], -1, vs.shape[3]))
-            kc[self.base : self.base + k, :, :length].copy_(ks)
-            vc[self.base : self.base + k, :, :length].copy_(vs)
+        if self.mode == "probe":
+            self.shapes[layer_idx] = LayerShape(
+                key_states.shape[1],
+                key_states.shape[-1],
+                value_states.shape[1],
+                value_states.shape[-1],
+                key_states.dtype,
+            )
             return key_states, value_states
-        m = key_states.shape[0]
-        rows = torch.arange(m, device=key_states.device)
-        kc[:m][rows, :, self.pos] = key_states[:, :, 0]
-        vc[:m][rows, :, self.pos] = value_states[:, :, 0]
-        return kc[:m, :, : self.kv_len], vc[:m, :, : self.kv_len]
+        kp, vp = self._pools(key_states, value_states, layer_idx)
+        kflat = kp.view(-1, kp.shape[2], kp.shape[3])  # (slots h d)
+        vflat = vp.view(-1, vp.shape[2], vp.shape[3])
+        if self.mode == "prefill":
+            kflat.index_copy_(0, self.slots, key_states.transpose(1, 2).reshape(-1, kp.shape[2], kp.shape[3]))
+            vflat.index_copy_(
+                0, self.slots, value_states.transpose(1, 2).reshape(-1, vp.shape[2], vp.shape[3])
+            )
+            return key_states, value_states
+        # decode: one query per row; key_states (b h 1 d)
+        kflat.index_copy_(0, self.slots, key_states[:, :, 0])
+        vflat.index_copy_(0, self.slots, value_states[:, :, 0])
+        kg, vg = kp.index_select(0, self.gather), vp.index_select(0, self.gather)  # (g bs h d)
+        if self.packed:
+            return kg.view(-1, kp.shape[2], kp.shape[3]), vg.view(-1, vp.shape[2], vp.shape[3])
+        b = self.rows
+        return (
+            kg.view(b, -1, kp.shape[2], kp.shape[3]).transpose(1, 2),
+            vg.view(b, -1, vp.shape[2], vp.shape[3]).transpose(1, 2),
+        )  # (b h T d)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks ``src[i]`` into ``dst[i]`` in every layer (copy-on-write of a shared block)."""
+        if not src or not self.k:
+            return
+        dev = self.k[0].device
+        s = torch.tensor(src, dtype=torch.long, device=dev)
+        d = torch.tensor(dst, dtype=torch.long, device=dev)
+        for kp, vp in zip(self.k, self.v):
+            kp.index_copy_(0, d, kp.index_select(0, s))
+            vp.index_copy_(0, d, vp.index_select(0, s))
+
+    def clear(self) -> None:
+        """Drop the KV buffers (reallocated on the next forward)."""
+        self.k.clear()
+        self.v.clear()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always passed explicitly
         return 0
@@ -81,18 +154,13 @@ class SlotCache(DynamicCache):
         """False on every transformers 5.x (lets HF skip the causal mask for SDPA: ``is_causal`` / flash)."""
         return False
 
-    def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int = 0, *args, **kwargs) -> tuple[int, int]:
+    def get_mask_sizes(
+        self, query: int | torch.Tensor, layer_idx: int = 0, *args, **kwargs
+    ) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for HF-built prefill masks: the keys are the chunk itself. ``query`` is the
         chunk length (transformers 5.24) or its ``cache_position`` tensor (older 5.x). Decode passes its own
         4-D mask, so HF never asks there."""
         return (query if isinstance(query, int) else int(query.shape[-1])), 0
-
-    def move_slot(self, src: int, dst: int) -> None:
-        """Copy slot ``src`` into slot ``dst`` in every layer (used to keep busy slots contiguous)."""
-        for kc, vc in zip(self.k, self.v):
-            kc[dst].copy_(kc[src])
-            vc[dst].copy_(vc[src])
-
 
 
 class ModelForward:
@@ -119,6 +187,15 @@ class ModelForward:
         """Padding of a right-padded prefill takes its row's last position (per-row LongRoPE reads the max)."""
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.head: nn.Module | None = head if isinstance(head, nn.Module) else None
+        self.grouped = False
+        """Fold one-token decode queries per KV head (``attention.grouped_decode_attention``) in dense decode."""
+        self.varlen_kernel: str | None = None
+        """``flash`` / ``torch``: the kernel of packed decode attention (``attention.varlen_decode``)."""
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer attends over a sliding window."""
+        return any(w is not None for w in self.types.values())
 
     def _masks(self, allowed: Callable[[int | None], torch.Tensor], dtype: torch.dtype):
         neg = torch.finfo(dtype).min
@@ -130,7 +207,7 @@ class ModelForward:
             return out["full_attention"]
         return out
 
-    def __call__(self, ids, pos, mask, cache: SlotCache, keep_last: bool) -> torch.Tensor:
+    def __call__(self, ids, pos, mask, cache: PagedKVCache, keep_last: bool) -> torch.Tensor:
         kwargs: dict[str, Any] = {
             "input_ids": ids,
             "position_ids": pos,
@@ -143,6 +220,26 @@ class ModelForward:
         logits = self.model(**kwargs).logits
         return logits[:, -1]
 
+    def probe(self, cache: PagedKVCache, device: torch.device) -> attention.Probe:
+        """One one-token forward that records every layer's KV shape (``cache.shapes``) and what the engine's
+        attention function saw (``attention.Probe``: calls and unusual keyword arguments)."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+        seen = attention.Probe()
+        cache.mode = "probe"
+        attention.CTX.probe = seen
+        try:
+            self.model(
+                input_ids=ids,
+                position_ids=torch.zeros_like(ids),
+                attention_mask=None,
+                use_cache=True,
+                **{self.cache_kw: cache},
+            )
+        finally:
+            attention.CTX.probe = None
+            cache.mode = "decode"
+        return seen
+
     def prompt_logprobs(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Teacher-forced ``log_softmax`` of the prompt ``ids (L,)`` at each token ``j > start`` given ``ids[:j]``;
         returns ``(L - 1 - start,)`` float32. A plain forward (no cache), keeping only the logits it needs."""
@@ -153,8 +250,11 @@ class ModelForward:
         logits = self.model(**kwargs).logits[0, -(n + 1) : -1].float()  # (n v): predicts ids[start+1:]
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[start + 1 :, None])[:, 0]
 
-    def prefill_right(self, ids: torch.Tensor, last: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """Right-padded prefill: row ``i`` of ``ids (k L)`` is real at columns ``[0, last[i]]``.
+    def prefill_right(
+        self, ids: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
+    ) -> torch.Tensor:
+        """Right-padded prefill: row ``i`` of ``ids (k L)`` is real at columns ``[0, last[i]]``; token ``(i, j)``
+        is written to flat slot ``slots[i * L + j]`` (padding: the trash block).
 
         Every row sits at positions ``0..L-1``, so no padding mask is needed: the model builds its own causal
         (or sliding-window) mask exactly as for one unpadded sequence, which on CUDA lets SDPA take the
@@ -164,7 +264,7 @@ class ModelForward:
         """
         k, length = ids.shape
         pos = torch.arange(length, device=ids.device)[None].expand(k, length)
-        if self.row_positions:  # padding (after each row's end, never attended) must not look like a longer row
+        if self.row_positions:  # padding must not look like a longer row (it is never attended)
             pos = torch.minimum(pos, last[:, None])
         hit: list[bool] = []
         owner = threading.get_ident()  # leave calls from other threads (a trainer sharing the module) alone
@@ -178,7 +278,7 @@ class ModelForward:
             hit.append(True)
             return (h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1])), *args[1:])
 
-        cache.mode, cache.shift = "prefill", None
+        cache.mode, cache.slots = "prefill", slots
         handle = self.head.register_forward_pre_hook(keep_last)
         try:
             logits = self.model(
@@ -191,10 +291,15 @@ class ModelForward:
         return logits.gather(1, last[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
 
     def prefill(
-        self, ids: torch.Tensor, pad: torch.Tensor, cache: SlotCache, dtype: torch.dtype
+        self,
+        ids: torch.Tensor,
+        pad: torch.Tensor,
+        slots: torch.Tensor,
+        cache: PagedKVCache,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         """Fallback (no output-embedding module): ``ids (k L)`` left-padded by ``pad (k,)`` with an explicit
-        4-D mask; returns next-token logits ``(k v)``."""
+        4-D mask; token ``(i, j)`` goes to flat slot ``slots[i * L + j]``. Returns next-token logits ``(k v)``."""
         length = ids.shape[1]
         ar = torch.arange(length, device=ids.device)
         pos = (ar[None] - pad[:, None]).clamp(min=0)  # (k L)
@@ -206,21 +311,67 @@ class ModelForward:
                 ok &= (q - c) < w
             return (ok | (c == q))[:, None]  # (k 1 L L); padded queries see themselves (no empty rows)
 
-        cache.mode = "prefill"
-        cache.shift = (ar[None] + pad[:, None]).clamp(max=length - 1)
+        cache.mode, cache.slots = "prefill", slots
         return self(ids, pos, self._masks(allowed, dtype), cache, keep_last=True)
 
     def decode(
-        self, ids: torch.Tensor, pos: torch.Tensor, cache: SlotCache, kv_len: int, dtype
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        tables: torch.Tensor,
+        cache: PagedKVCache,
+        width: int,
+        packed: bool,
+        max_k: int,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """``ids (m 1)`` at positions ``pos (m,)`` of slots ``[0, m)``; returns logits ``(m v)``."""
-        cols = torch.arange(kv_len, device=ids.device)
+        """One decode step over the paged store; returns logits ``(b v)``.
 
-        def allowed(w):
-            ok = cols[None] <= pos[:, None]
-            if w is not None:
-                ok &= (pos[:, None] - cols[None]) < w
-            return ok[:, None, None]  # (m 1 1 kv)
+        Args:
+          ids: ``(b 1)`` each row's last token, written at position ``pos (b,)``.
+          tables: ``(b, max_blocks)`` block tables (row ``i``'s block ``j`` holds its tokens
+            ``[j * block_size, (j + 1) * block_size)``); entries past a row's last block are never attended.
+          width: dense: blocks gathered per row (``T = width * block_size`` key columns, all rows); packed: the
+            length of the packed gather in blocks (``>=`` the rows' live blocks, the rest reads the trash block).
+          packed: gather only live blocks and attend with per-row lengths (``attention.varlen_decode``).
+          max_k: an upper bound on any row's key count (packed only; the kernel's ``max_seqlen_k``).
+        Everything is computed from tensors (no host synchronisation), so the step can be captured in a CUDA graph.
+        """
+        bs = cache.block_size
+        b = ids.shape[0]
+        rows = torch.arange(b, device=ids.device)
+        col = pos // bs
+        cache.slots = tables[rows, col] * bs + pos % bs
+        cache.mode, cache.rows, cache.packed = "decode", b, packed
+        if packed:
+            nblk = col + 1  # live blocks per row, after this step's write
+            ends = nblk.cumsum(0)
+            j = torch.arange(tables.shape[1], device=ids.device)
+            start = (ends - nblk)[:, None]
+            dest = torch.where(j[None] < nblk[:, None], start + j[None], width)  # (b, max_blocks); rest: dump
+            gather = torch.zeros(width + 1, dtype=torch.long, device=ids.device)
+            cache.gather = gather.scatter_(0, dest.reshape(-1), tables.reshape(-1))[:width]
+            zero = torch.zeros(1, dtype=torch.int32, device=ids.device)
+            cu_k = torch.cat([zero, (ends * bs).to(torch.int32)])
+            cu_q = torch.arange(b + 1, dtype=torch.int32, device=ids.device)
+            attention.CTX.varlen = attention.Varlen(
+                cu_q, cu_k, (pos + 1).to(torch.int32), max_k, self.varlen_kernel
+            )
+            mask = torch.zeros((b, 1, 1, 1), dtype=dtype, device=ids.device)  # unused by the varlen kernel
+        else:
+            cache.gather = tables[:, :width].reshape(-1)
+            cols = torch.arange(width * bs, device=ids.device)
 
-        cache.mode, cache.pos, cache.kv_len = "decode", pos, kv_len
-        return self(ids, pos[:, None], self._masks(allowed, dtype), cache, keep_last=False)
+            def allowed(w):
+                ok = cols[None] <= pos[:, None]
+                if w is not None:
+                    ok &= (pos[:, None] - cols[None]) < w
+                return ok[:, None, None]  # (b 1 1 T)
+
+            mask = self._masks(allowed, dtype)
+        attention.CTX.grouped = self.grouped
+        try:
+            return self(ids, pos[:, None], mask, cache, keep_last=False)
+        finally:
+            attention.CTX.varlen = None
+            attention.CTX.grouped = False

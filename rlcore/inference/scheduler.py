@@ -1,7 +1,14 @@
 """The engine's loop-thread state and one scheduling step: admit (batched prefill) -> decode -> sample -> commit.
 
 Only the engine's loop thread calls a ``Scheduler`` (the engine hands it every command between two forward
-passes), so nothing here takes a lock. Busy KV slots are always ``[0, m)``: ``running[s]`` holds slot ``s``.
+passes), so nothing here takes a lock. Running requests are the decode rows ``[0, m)``: ``running[s]`` is row
+(slot) ``s``; its KV lives in the blocks of its block table (``_Request.blocks``, mirrored row by row on the
+device by ``blocks.BlockTables``).
+
+KV memory (``blocks.BlockPool``; docs/engine.md, "KV store: paged blocks"): admission by free blocks, a block per
+``block_size`` tokens as rows grow, copy-on-write of a shared partial block, preemption of the youngest request
+(re-prefilled later, tokens kept), group prompts prefilled once (``admit``) or joined from a live request
+(``join_live``), retracted requests that keep their blocks (``resume_parked``).
 
 Failure isolation: a step that raises fails only its own requests. A sampling step that raises is redone row by
 row (``sample_rows``), so only the rows that fail are lost; a forward that raises sends its requests back to the
@@ -13,52 +20,25 @@ which the server answers with HTTP 500; real aborts carry no ``status_code``.
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import itertools
 import math
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from rlcore.inference import blocks
+from rlcore.inference.blocks import BlockPool, BlockTables
 from rlcore.inference.graphs import DecodeGraphs
-from rlcore.inference.kv_cache import ModelForward, SlotCache
-from rlcore.inference.protocol import GenerateOutput, SamplingParams
+from rlcore.inference.kv_cache import ModelForward, PagedKVCache
+from rlcore.inference.protocol import EngineError, GenerateOutput
+from rlcore.inference.requests import Request as _Request
 from rlcore.inference.sampling import RowParams, counter_uniform, process_logits, row_params, sample_tokens
-from rlcore.inference.weights import commit_weights
+from rlcore.inference.weights import commit_weights, move_tensors
 
 PauseMode = Literal["abort", "retract", "in_place"]
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: str
-    prompt: list[int]
-    sampling: SamplingParams
-    seed: int
-    future: cf.Future
-    out_ids: list[int] = field(default_factory=list)
-    out_logp: list[float] = field(default_factory=list)
-    out_ver: list[int] = field(default_factory=list)
-    slot: int = -1
-    epoch: int = -1
-    t_submit: float = field(default_factory=time.perf_counter)
-    t_first: float = 0.0
-    stops: tuple[str, ...] = ()
-    """Stop strings (normalised from ``sampling.stop``)."""
-    stop_window: int = 0
-    """Output tokens decoded per step to look for a stop string (0: the request has none)."""
-    penalized: bool = False
-    """Uses a frequency / presence / repetition penalty (its token counts live in ``Scheduler.counts``)."""
-    on_token: Callable[[int, float, int], None] | None = None
-    """Called on the loop thread with ``(token id, log-prob, version)`` after each committed token."""
-    solo: bool = False
-    """Was in a forward that raised: prefilled alone next time, so a request that breaks the forward fails alone."""
-    strikes: int = 0
-    """Failed forwards this request was part of; at ``_MAX_STRIKES`` it fails even when not alone."""
 
 
 _MAX_STRIKES = 3
@@ -74,7 +54,7 @@ def _error_reason(message: str, status: int = 500) -> dict:
 
 
 class Scheduler:
-    """Waiting queue, running slots, weight version and epoch, and the step that advances them.
+    """Waiting queue, running rows, KV blocks, weight version and epoch, and the step that advances them.
 
     Built and owned by ``Engine``; every method runs on the engine's loop thread.
     """
@@ -84,8 +64,10 @@ class Scheduler:
         cfg: Any,
         *,
         fwd: ModelForward,
-        cache: SlotCache,
+        cache: PagedKVCache,
+        tables: BlockTables,
         graphs: DecodeGraphs,
+        packed: bool,
         stats: collections.Counter,
         device: torch.device,
         dtype: torch.dtype,
@@ -99,6 +81,11 @@ class Scheduler:
         self.cfg, self.fwd, self.cache, self.graphs, self.stats = cfg, fwd, cache, graphs, stats
         self.device, self.dtype, self.eos_ids, self.vocab_size = device, dtype, eos_ids, vocab_size
         self.max_seq_len, self.tokenizer = max_seq_len, tokenizer
+        self.pool = BlockPool(cache.num_blocks, cache.block_size)
+        self.tables = tables
+        """Row ``s`` of ``tables.t`` (on the device) is ``running[s].blocks``; changes are queued and flushed."""
+        self.packed = packed
+        """Decode gathers only live blocks and attends with per-row lengths (``attention.varlen_decode``)."""
         self.version = int(version)
         self.epoch = 0
         self.static_mode = static_mode
@@ -109,6 +96,10 @@ class Scheduler:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []  # index == slot
         self.by_rid: dict[str, _Request] = {}
+        self.arrivals = itertools.count()
+        self.parked = 0  # waiting requests that kept their blocks (retract)
+        self.due: list[_Request] = []  # rows whose next decode write may need a block (``grow``)
+        self.live: dict[tuple[int, ...], _Request] = {}  # prompt -> a request holding its KV (``join_live``)
         self.dirty = True
         self.tok: Any = None
         self.pos: Any = None
@@ -124,6 +115,7 @@ class Scheduler:
     def accept(self, r: _Request) -> None:
         """A new request from the inbox (its rid is not in flight)."""
         self.by_rid[r.rid] = r
+        r.order = next(self.arrivals)
         if r.sampling.max_new_tokens == 0:
             self.finish(r, {"type": "length", "length": 0})
         else:
@@ -140,6 +132,7 @@ class Scheduler:
             self.release([r.slot for r in stale])
             for r in reversed(stale):
                 r.slot = -1
+                self.drop_kv(r)
                 self.waiting.appendleft(r)
         if self.should_admit():
             self.admit()
@@ -148,16 +141,115 @@ class Scheduler:
             return True
         return False
 
+    # -- KV blocks -------------------------------------------------------------------------------------------------
+
+    def place(self, r: _Request, slot: int) -> None:
+        """``r`` now decodes in row ``slot``: its table row is written before the next decode step."""
+        r.slot = slot
+        self.tables.row(r)
+
+    def drop_kv(self, r: _Request) -> None:
+        """Free ``r``'s blocks; its KV is recomputed (prompt + tokens so far) if it decodes again."""
+        if r.parked:
+            r.parked = False
+            self.parked -= 1
+        if r.blocks:
+            self.pool.release(r.blocks)
+            r.blocks = []
+        if r.key is not None and self.live.get(r.key) is r:
+            del self.live[r.key]
+        r.epoch, r.cow = -1, False
+
+    def growth_need(self) -> int:
+        """Blocks the running rows need for their next decode step (a new block or a copy-on-write; see ``grow``)."""
+        bs, ref = self.pool.block_size, self.pool.ref
+        due = [(r, r.kv_tokens // bs) for r in dict.fromkeys(self.due) if r.slot >= 0]
+        return sum(1 for r, j in due if j >= len(r.blocks) or (r.cow and ref[r.blocks[j]] > 1))
+
+    def reclaim_parked(self) -> bool:
+        """Free the blocks of the most recently parked request (it is re-prefilled instead); False if none."""
+        for r in reversed(self.waiting):
+            if r.parked:
+                self.drop_kv(r)
+                self.stats["parked_reclaimed"] += 1
+                return True
+        return False
+
+    def preempt(self, r: _Request) -> None:
+        """Take running ``r`` off the GPU: free its blocks, requeue it at the head (tokens kept, recomputed later)."""
+        self.release([r.slot])
+        r.slot = -1
+        self.drop_kv(r)
+        self.waiting.appendleft(r)
+        self.stats["preemptions"] += 1
+
+    def grow(self) -> int:
+        """Give every running row the block its next token goes to (new block or copy-on-write), preempting the
+        youngest requests while the pool is short; returns the rows' live blocks after the step's write (packed
+        decode only; 0 otherwise).
+
+        Only rows in ``due`` can need one: a row is added when a committed token leaves its next write at a block
+        boundary or while it may share its last block, and when it resumes; every other row writes inside a block
+        it owns (each decode step advances every running row by exactly one token)."""
+        bs, pool = self.pool.block_size, self.pool
+        while True:
+            new, cow = [], []
+            for r in dict.fromkeys(self.due):  # (a request can be listed twice: committed, then resumed)
+                if r.slot < 0:
+                    continue
+                j = r.kv_tokens // bs
+                if j >= len(r.blocks):
+                    new.append(r)
+                elif r.cow:
+                    if pool.ref[r.blocks[j]] > 1:
+                        cow.append(r)
+                    else:
+                        r.cow = False  # the other sharers copied (or left): the block is its own now
+            if len(new) + len(cow) <= pool.num_free:
+                break
+            if not self.reclaim_parked():
+                if len(self.running) == 1:
+                    raise EngineError("the KV cache cannot hold one request; raise EngineConfig.kv_cache_tokens")
+                self.preempt(max(self.running, key=lambda x: x.order))
+        for r in new:
+            (b,) = pool.alloc()
+            r.blocks.append(b)
+            self.tables.cell(r, len(r.blocks) - 1, b)
+        src, dst = [], []
+        for r in cow:
+            j = r.kv_tokens // bs
+            old = r.blocks[j]
+            r.cow = False
+            if pool.ref[old] > 1:
+                (b,) = pool.alloc()
+                src.append(old)
+                dst.append(b)
+                pool.release([old])
+                r.blocks[j] = b
+                self.tables.cell(r, j, b)
+        self.due = []  # settled: new blocks are owned, copies-on-write done
+        if src:
+            self.cache.copy_blocks(src, dst)
+            self.stats["kv_blocks_copied"] += len(src)
+        self.note_peak()
+        return sum(len(r.blocks) for r in self.running) if self.packed else 0
+
+    def note_peak(self) -> None:
+        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.pool.num_used)
 
     def commit(self, staged: list[tuple[torch.Tensor, torch.Tensor]], version: int | None) -> None:
         commit_weights(staged)
         self.epoch += 1
         if version is not None:
             self.version = int(version)
+        for r in self.waiting:  # parked KV predates the new weights
+            if r.blocks:
+                self.drop_kv(r)
         self.stats["weight_loads"] += 1
 
     def finish(self, r: _Request, reason: dict) -> None:
         self.by_rid.pop(r.rid, None)
+        self.drop_kv(r)
         now = time.perf_counter()
         out = GenerateOutput(
             rid=r.rid,
@@ -174,16 +266,16 @@ class Scheduler:
             r.future.set_result(out)
 
     def release(self, slots: list[int]) -> None:
-        """Free KV slots, moving the last busy slot into each hole so busy slots stay ``[0, m)``."""
+        """Free decode rows, moving the last running request into each hole so the rows stay ``[0, m)`` (its block
+        table row moves with it; the KV itself stays where it is)."""
         for s in sorted(slots, reverse=True):
             last = len(self.running) - 1
             if s != last:
                 moved = self.running[last]
-                self.cache.move_slot(last, s)
                 if moved.penalized and self.counts is not None:
                     self.counts[s].copy_(self.counts[last])
                 self.running[s] = moved
-                moved.slot = s
+                self.place(moved, s)
             self.running.pop()
         if slots:
             self.dirty = True
@@ -213,8 +305,9 @@ class Scheduler:
             n = len(self.running)
             retracted = list(self.running)
             self.release([r.slot for r in self.running])
-            for r in reversed(retracted):
-                r.slot, r.epoch = -1, -1
+            for r in reversed(retracted):  # they keep their blocks (and KV epoch) while they wait
+                r.slot, r.parked = -1, True
+                self.parked += 1
                 self.waiting.appendleft(r)
         else:
             n = len(self.running)
@@ -227,28 +320,28 @@ class Scheduler:
     def release_memory(self, tags: frozenset[str]) -> list[str]:
         """Hand memory back for colocated training (SGLang's ``/release_memory_occupation``); returns the tags.
 
-        ``kv_cache`` frees every slot's KV buffers (reallocated on the next prefill) and the CUDA graphs that
-        point into them; ``weights`` moves every parameter and buffer to host memory, keeping the tensor objects
-        (so staged loads and tied weights still find them); on a CPU engine it has nothing to move. Nothing is
-        scheduled until ``resume_memory`` has brought back every released tag; requests queue meanwhile. Refused
-        while a request holds a KV slot (pause with mode ``abort`` or ``retract`` first).
-        """
-        from rlcore.inference.protocol import EngineError
-
+        ``kv_cache`` frees the KV pools (retracted requests that kept blocks are re-prefilled) and the CUDA graphs
+        that read them; ``weights`` moves every parameter and buffer to host memory, keeping the tensor objects
+        (so staged loads and tied weights still find them). Nothing is scheduled until ``resume_memory`` has
+        brought back every tag. Refused while a request is running (pause with ``abort`` or ``retract`` first)."""
         if self.running:
             raise EngineError(
                 f"{len(self.running)} requests hold KV slots; call pause_generation with mode 'abort' or "
                 "'retract' before release_memory_occupation"
             )
         if "kv_cache" in tags:
-            self.cache.k.clear()
-            self.cache.v.clear()
+            for r in self.waiting:
+                if r.blocks:
+                    self.drop_kv(r)
+            self.cache.clear()
+            self.pool.reset()
+            self.live.clear()
             self.graphs.graphs.clear()
             self.graphs.static.clear()
             self.graphs.pool = None
             self.dirty = True
         if "weights" in tags and self.device.type != "cpu":
-            _move_tensors(self.fwd.model, torch.device("cpu"))
+            move_tensors(self.fwd.model, torch.device("cpu"))
             self.graphs.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -259,7 +352,7 @@ class Scheduler:
         """Bring back released memory (SGLang's ``/resume_memory_occupation``); generation restarts once no tag
         is released any more. The KV buffers come back lazily, on the next prefill."""
         if "weights" in tags and "weights" in self.released and self.device.type != "cpu":
-            _move_tensors(self.fwd.model, self.device)
+            move_tensors(self.fwd.model, self.device)
         self.released = self.released - tags
         return sorted(tags)
 
@@ -267,8 +360,6 @@ class Scheduler:
         """``log p(ids[j] | ids[:j])`` for ``j`` in ``(start, len(ids))`` under the loaded weights (raw
         log-softmax, no temperature: SGLang's ``input_token_logprobs``). One teacher-forced forward of the prompt
         without the KV store; keeps ``len(ids) - start`` positions of logits."""
-        from rlcore.inference.protocol import EngineError
-
         if "weights" in self.released:
             raise EngineError("the weights are released (release_memory_occupation); resume them first")
         n = len(ids) - 1 - start
@@ -279,10 +370,10 @@ class Scheduler:
     def isolate(self, e: BaseException) -> None:
         """A forward (prefill or decode) raised: fail its request when it ran alone, else retry each alone.
 
-        The requests of the step give up their slots and go back to the head of the queue marked ``solo``, so
-        each is prefilled in a batch of its own: the one that breaks the forward then fails alone (HTTP 500) and
-        the others continue. A request in ``_MAX_STRIKES`` failed steps fails even if it never ran alone (a
-        failure only a batch shows). Nothing outside the step is touched.
+        The requests of the step give up their rows and blocks and go back to the head of the queue marked
+        ``solo``, so each is prefilled in a batch of its own: the one that breaks the forward then fails alone
+        (HTTP 500) and the others continue. A request in ``_MAX_STRIKES`` failed steps fails even if it never ran
+        alone (a failure only a batch shows). Nothing outside the step is touched.
         """
         self.error = e
         self.stats["loop_errors"] += 1
@@ -292,7 +383,9 @@ class Scheduler:
         held = [r for r in rows if r.slot >= 0]
         self.release([r.slot for r in held])
         for r in held:
-            r.slot, r.epoch = -1, -1
+            r.slot = -1
+        for r in rows:
+            self.drop_kv(r)
         retry = []
         for r in rows:
             r.strikes += 1
@@ -308,12 +401,20 @@ class Scheduler:
             if r not in self.waiting:
                 self.waiting.appendleft(r)
 
+    # -- admission ---------------------------------------------------------------------------------------------
+
     def should_admit(self) -> bool:
-        """Prefill now? Always when nothing decodes; otherwise once enough joiners wait (see ``EngineConfig``)."""
+        """Prefill now? Always when nothing decodes; otherwise once enough joiners wait (see ``EngineConfig``).
+        Never while the head of the queue cannot get its blocks (it waits; nothing behind it overtakes it)."""
         free = self.cfg.max_batch - len(self.running)
         if free <= 0 or not self.waiting:
             self.deferred = 0
             return False
+        head = self.waiting[0]
+        if not head.parked and self.pool.blocks_for(len(head.prompt) + len(head.out_ids)) + 1 > self.pool.num_free:
+            if not self.parked:
+                self.deferred = 0
+                return False
         m = len(self.running)
         ready = min(free, len(self.waiting))  # joiners that would get a slot now
         if m == 0 or self.deferred >= self.cfg.prefill_defer_steps or ready >= max(1, m // 16):
@@ -322,78 +423,134 @@ class Scheduler:
         self.deferred += 1
         return False
 
-    def pick_prefill(self, free: int) -> list[_Request]:
-        """Take the next prefill batch off the queue: similar lengths, always including the queue's head.
-
-        Candidates are the first ``free`` waiting requests. Sorted by length, the batch is the run around the
-        head request, grown (shorter neighbours first) while ``rows * longest <= max_prefill_tokens`` and the
-        padding stays under half the batch (or the batch is small enough to be launch-bound anyway). The head
-        is always taken, so nothing starves; the rest keep their queue order.
-        """
-        if self.waiting[0].solo:
-            return [self.waiting.popleft()]
-        cand = list(itertools.takewhile(lambda r: not r.solo, itertools.islice(self.waiting, free)))
-        lens = [len(r.prompt) + len(r.out_ids) for r in cand]
-        order = sorted(range(len(cand)), key=lens.__getitem__)
-        budget = self.cfg.max_prefill_tokens
-        lo = order.index(0)
-        hi, real = lo + 1, lens[0]
-
-        def fits(rows: int, longest: int, tokens: int) -> bool:
-            padded = rows * longest
-            return padded <= budget and (padded <= 2 * tokens or padded <= budget // 8)
-
-        while True:
-            rows = hi - lo + 1
-            if lo > 0 and fits(rows, lens[order[hi - 1]], real + lens[order[lo - 1]]):
-                lo -= 1
-                real += lens[order[lo]]
-            elif hi < len(order) and fits(rows, lens[order[hi]], real + lens[order[hi]]):
-                real += lens[order[hi]]
-                hi += 1
+    def resume_parked(self, free: int) -> None:
+        """Parked (retracted) requests whose KV is current decode again without a prefill, up to ``free`` rows."""
+        keep: collections.deque[_Request] = collections.deque()
+        back: list[_Request] = []
+        for r in self.waiting:
+            if r.parked and r.epoch == self.epoch and len(back) < free:
+                r.parked = False
+                self.parked -= 1
+                self.running.append(r)
+                self.place(r, len(self.running) - 1)
+                self.due.append(r)
+                back.append(r)
             else:
-                break
-        chosen = set(order[lo:hi])
-        for _ in range(len(cand)):
-            self.waiting.popleft()
-        self.waiting.extendleft(reversed([r for i, r in enumerate(cand) if i not in chosen]))
-        return [cand[i] for i in order[lo:hi]]
+                keep.append(r)
+        self.waiting = keep
+        if back:
+            self.dirty = True
+            self.stats["resumed_without_prefill"] += len(back)
+            self.reset_counts([r for r in back if r.penalized])
+
+    def join_live(self, free: int) -> None:
+        """Fresh waiting requests (among the first ``free``) whose prompt a live request holds under the current
+        weights decode from its blocks without a prefill (``blocks.join_blocks``): the next decode step feeds their
+        last prompt token and samples their first token (the samples of a group that missed its admission)."""
+        bs, pool, keep, joined = self.pool.block_size, self.pool, collections.deque(), []
+        room = pool.num_free - self.growth_need() - 1
+        for i, r in enumerate(self.waiting):
+            h = self.live.get(blocks.prompt_key(r)) if i < free and not r.out_ids and not r.solo else None
+            if h is None or len(joined) >= room or not h.blocks or h.epoch != self.epoch:
+                keep.append(r)
+                continue
+            shared, tail = blocks.join_blocks(h.blocks, len(r.prompt), bs)
+            pool.share(shared)
+            (b,) = pool.alloc()
+            if tail is not None:
+                self.cache.copy_blocks([tail], [b])
+                self.stats["kv_blocks_copied"] += 1
+            r.blocks, r.epoch = shared + [b], self.epoch
+            self.running.append(r)
+            self.place(r, len(self.running) - 1)
+            joined.append(r)
+            self.stats["prefix_shared_tokens"] += len(r.prompt) - 1
+        self.waiting = keep
+        if joined:
+            self.dirty = True
+            self.stats["prefix_joins"] += len(joined)
+            self.note_peak()
+            self.reset_counts([r for r in joined if r.penalized])
+
+    def pick_prefill(self, free: int) -> list[_Request]:
+        """The next prefill batch (``blocks.pick_prefill``) within the blocks the running rows leave free."""
+        room = self.pool.num_free - self.growth_need()
+        return blocks.pick_prefill(self.waiting, free, self.pool, room, self.cfg.max_prefill_tokens)
 
     def admit(self) -> None:
-        """Prefill one batch of waiting requests into free slots ``[m, m + k)`` (one forward)."""
+        """Resume parked requests, then prefill one batch of waiting requests into free rows ``[m, m + k)`` (one
+        forward; requests with the same tokens share one prefill row and its blocks)."""
         free = self.cfg.max_batch - len(self.running)
+        if self.parked and free > 0:
+            self.resume_parked(free)
+            free = self.cfg.max_batch - len(self.running)
+        if self.live and free > 0:
+            self.join_live(free)
+            free = self.cfg.max_batch - len(self.running)
         if free <= 0 or not self.waiting:
             return
         batch = self.step_rows = self.pick_prefill(free)
-        seqs = [r.prompt + r.out_ids for r in batch]
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        groups: dict[tuple[int, ...], list[_Request]] = {}
+        for r in batch:
+            groups.setdefault(blocks.seq_key(r), []).append(r)
+        uniq = list(groups.values())
+        seqs = [g[0].prompt + g[0].out_ids for g in uniq]
         longest = max(len(s) for s in seqs)
-        base = len(self.running)
-        for i, r in enumerate(batch):
-            r.slot, r.epoch = base + i, self.epoch
-            self.running.append(r)
-        self.cache.base = base
-        if self.fwd.head is not None:  # right-padded, no mask (the model's own causal / sliding mask)
+        bs, pool = self.pool.block_size, self.pool
+        rows: list[_Request] = []  # in row order; rows[i] is decode row base + i
+        src: list[int] = []  # prefill row of each request
+        tabs: list[list[int]] = []
+        for r in batch:  # (a parked request is resumed, not prefilled; never prefill over held blocks)
+            if r.blocks:
+                self.drop_kv(r)
+        for u, (g, s) in enumerate(zip(uniq, seqs)):
+            own = pool.alloc(pool.blocks_for(len(s)))
+            tabs.append(own)
+            for i, r in enumerate(g):
+                if i:
+                    pool.share(own)
+                r.blocks, r.epoch = list(own), self.epoch
+                r.cow = len(g) > 1 and len(s) % bs != 0
+                if i == 0 and not r.out_ids and len(s) > bs:
+                    self.live[blocks.prompt_key(r)] = r
+                self.running.append(r)
+                self.place(r, len(self.running) - 1)
+                rows.append(r)
+                src.append(u)
+        self.note_peak()
+        lens = [len(s) for s in seqs]
+        left = self.fwd.head is None
+        slots = blocks.prefill_slots(tabs, lens, longest, bs, left, self.device)
+        if not left:  # right-padded, no mask (the model's own causal / sliding mask)
             ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs], dtype=torch.long)
-            last = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)
-            logits = self.fwd.prefill_right(ids.to(self.device), last.to(self.device), self.cache)
+            last = torch.tensor([n - 1 for n in lens], dtype=torch.long)
+            logits = self.fwd.prefill_right(ids.to(self.device), last.to(self.device), slots, self.cache)
         else:
             ids = torch.tensor([[0] * (longest - len(s)) + s for s in seqs], dtype=torch.long)
-            pad = torch.tensor([longest - len(s) for s in seqs], dtype=torch.long)
-            logits = self.fwd.prefill(ids.to(self.device), pad.to(self.device), self.cache, self.dtype)
-        self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
+            pad = torch.tensor([longest - n for n in lens], dtype=torch.long)
+            logits = self.fwd.prefill(ids.to(self.device), pad.to(self.device), slots, self.cache, self.dtype)
+        if len(uniq) < len(rows):
+            logits = logits.index_select(0, torch.tensor(src, dtype=torch.long, device=logits.device))
+            self.stats["prefix_shared_tokens"] += sum(n * (len(g) - 1) for n, g in zip(lens, uniq))
+        self.stats["prefill_tokens"] += sum(lens)
         self.stats["prefill_padded_tokens"] += longest * len(seqs)
         self.stats["prefill_forwards"] += 1
         self.dirty = True
-        count = torch.tensor([len(r.out_ids) for r in batch], dtype=torch.long, device=self.device)
-        if any(r.penalized for r in batch):
-            self.reset_counts([r for r in batch if r.penalized])
-        pos = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
-        self.sample_and_commit(logits, batch, self.params(batch), count, pos)
-        for r in batch:  # a retried request that got through its own prefill batches normally again
+        self.step_rows = rows
+        count = torch.tensor([len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
+        self.reset_counts([r for r in rows if r.penalized])
+        pos = torch.tensor([len(r.prompt) + len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
+        self.sample_and_commit(logits, rows, self.params(rows), count, pos, t_prefill=t0)
+        for r in rows:  # a retried request that got through its own prefill batches normally again
             r.solo = False
 
     def reset_counts(self, rs: list[_Request]) -> None:
         """Recount the output tokens of penalised requests into their (new) slots' rows of ``_counts``."""
+        if not rs:
+            return
         dev = self.device
         if self.counts is None:
             self.counts = torch.zeros((self.cfg.max_batch, self.vocab_size), dtype=torch.float32, device=dev)
@@ -405,9 +562,11 @@ class Scheduler:
             ones = torch.ones(len(ids), dtype=torch.float32, device=dev)
             self.counts.index_put_(where, ones, accumulate=True)
 
+    # -- decode ------------------------------------------------------------------------------------------------
+
     def rebuild(self) -> None:
         rs, dev = self.running, self.device
-        self.tok = torch.tensor([r.out_ids[-1] for r in rs], dtype=torch.long, device=dev)
+        self.tok = torch.tensor([(r.out_ids or r.prompt)[-1] for r in rs], dtype=torch.long, device=dev)
         pos = [len(r.prompt) + len(r.out_ids) - 1 for r in rs]
         self.pos = torch.tensor(pos, dtype=torch.long, device=dev)
         self.first = torch.tensor([len(r.prompt) - 1 for r in rs], dtype=torch.long, device=dev)
@@ -421,11 +580,13 @@ class Scheduler:
 
     def decode(self) -> None:
         t0 = time.perf_counter()
+        total_blocks = self.grow()
         self.step_rows = list(self.running)
+        self.tables.flush()
         if self.dirty:
             self.rebuild()
         m = len(self.running)
-        logits = self.decode_logits(m)
+        logits = self.decode_logits(m, total_blocks)
         count = self.pos - self.first  # tokens generated so far, per row
         self.sample_and_commit(logits, list(self.running), self.sp, count, self.pos + 1)
         self.max_pos += 1
@@ -433,18 +594,21 @@ class Scheduler:
         self.stats["decode_tokens"] += m
         self.stats["decode_s"] += time.perf_counter() - t0
 
-    def decode_logits(self, m: int) -> torch.Tensor:
+    def decode_logits(self, m: int, total_blocks: int) -> torch.Tensor:
+        longest = self.max_pos // self.pool.block_size + 1
         if self.static_mode is not None:
             try:
-                return self.graphs.decode(self.tok, self.pos, self.max_pos, graph=self.static_mode == "graph")
+                width = self.graphs.width(m, longest, total_blocks)
+                return self.graphs.decode(self.tok, self.pos, width, graph=self.static_mode == "graph")
             except Exception:
                 traceback.print_exc()
                 print("[rlcore.engine] CUDA graph capture failed; falling back to eager decode (with a trainer on "
                       "this GPU in this process, set EngineConfig.capture_at_start=True)", flush=True)
                 self.static_mode = None
                 self.graphs.graphs.clear()
-        kv_len = min(self.max_seq_len, self.max_pos + 1)
-        return self.fwd.decode(self.tok[:, None], self.pos, self.cache, kv_len, self.dtype)
+        width = total_blocks if self.packed else longest
+        return self.fwd.decode(self.tok[:, None], self.pos, self.tables.t[:m], self.cache, width, self.packed,
+                               longest * self.pool.block_size, self.dtype)
 
     def sample(
         self, logits: torch.Tensor, p: RowParams, count: torch.Tensor, pos: torch.Tensor
@@ -482,10 +646,17 @@ class Scheduler:
         return torch.cat(ids), torch.cat(logp), failed
 
     def sample_and_commit(
-        self, logits: torch.Tensor, rows: list[_Request], params: RowParams, count: torch.Tensor, pos: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        rows: list[_Request],
+        params: RowParams,
+        count: torch.Tensor,
+        pos: torch.Tensor,
+        t_prefill: float | None = None,
     ) -> None:
         """Sample one token per row (``logits (m v)``, ``pos (m,)`` the new tokens' positions), append it, finish
-        rows that stop. A row whose sampling raises or gives a non-finite log-prob fails alone (HTTP 500)."""
+        rows that stop. A row whose sampling raises or gives a non-finite log-prob fails alone (HTTP 500).
+        ``t_prefill``: when the prefill of these rows started (``stats["prefill_s"]`` gets the time to the sync)."""
         failed: dict[int, BaseException] = {}
         try:
             ids, logp = self.sample(logits, params, count, pos)
@@ -497,8 +668,10 @@ class Scheduler:
         host = torch.stack([ids.to(torch.float64), logp.to(torch.float64)]).tolist()  # one device->host sync
         ids_l, logp_l = [int(t) for t in host[0]], host[1]
         now = time.perf_counter()
+        if t_prefill is not None:
+            self.stats["prefill_s"] += now - t_prefill
         done: list[tuple[_Request, dict]] = []
-        ver, limit = self.version, self.max_seq_len
+        ver, limit, bs = self.version, self.max_seq_len, self.pool.block_size
         for i, (r, t, lp) in enumerate(zip(rows, ids_l, logp_l)):
             if i in failed or not math.isfinite(lp):
                 e = failed.get(i)
@@ -510,6 +683,8 @@ class Scheduler:
             r.out_ids.append(t)
             r.out_logp.append(lp)
             r.out_ver.append(ver)
+            if r.cow or (len(r.prompt) + len(r.out_ids) - 1) % bs == 0:  # the next write starts a block
+                self.due.append(r)
             if not r.t_first:
                 r.t_first = now
             if r.on_token is not None:
@@ -543,11 +718,3 @@ class Scheduler:
             if self.hook_errors <= 3:
                 traceback.print_exc()
 
-
-def _move_tensors(model: torch.nn.Module, device: torch.device) -> None:
-    """Move every parameter and buffer of ``model`` to ``device`` in place of its data (the objects stay)."""
-    seen: set[int] = set()
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            t.data = t.data.to(device)

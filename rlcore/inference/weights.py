@@ -198,3 +198,12 @@ def commit_weights(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy staged values into the live tensors (in place, so CUDA graphs stay valid)."""
     for p, new in pairs:
         p.copy_(new.to(device=p.device))
+
+
+def move_tensors(model: torch.nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of ``model`` to ``device`` in place of its data (the objects stay)."""
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            t.data = t.data.to(device)

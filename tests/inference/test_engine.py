@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from rlcore.inference.attention import grouped_decode_attention
+from rlcore.inference.blocks import prefill_slots
 from rlcore.inference.engine import Engine, EngineConfig, EngineError
 from rlcore.inference.protocol import SamplingParams
 from rlcore.inference.sampling import apply_penalties, counter_uniform, mask_banned, sample_tokens
@@ -449,23 +450,35 @@ def test_batched_prefill_equals_one_at_a_time_prefill(kind):
     """
     model = tiny_model(kind, seed=5)
     ref = copy.deepcopy(model)  # untouched attention implementation, for the full-forward reference
-    eng = Engine(model, EngineConfig(max_batch=8, max_seq_len=32))
+    eng = Engine(model, EngineConfig(max_batch=8, max_seq_len=32, block_size=4))
     longest = max(len(p) for p in PREFILL_PROMPTS)
     ids = torch.tensor([p + [0] * (longest - len(p)) for p in PREFILL_PROMPTS])
     last = torch.tensor([len(p) - 1 for p in PREFILL_PROMPTS])
+    lens = [len(p) for p in PREFILL_PROMPTS]
+    pool = eng._s.pool
+    tabs = [pool.alloc(pool.blocks_for(n)) for n in lens]  # the batch's blocks
+    alone = [pool.alloc(pool.blocks_for(n)) for n in lens]  # each row's blocks when prefilled alone
+
+    def kv(tab: list[int], n: int) -> list[torch.Tensor]:  # a row's first n keys and values, layer by layer
+        idx = torch.tensor([tab[j // 4] * 4 + j % 4 for j in range(n)])
+        return [x.view(-1, *x.shape[2:])[idx] for kv in zip(eng._cache.k, eng._cache.v) for x in kv]
+
     with torch.no_grad():
-        eng._cache.base = 0
-        batched = eng._fwd.prefill_right(ids, last, eng._cache)
-        kv_b = [(k[: len(ids)].clone(), v[: len(ids)].clone()) for k, v in zip(eng._cache.k, eng._cache.v)]
+        slots = prefill_slots(tabs, lens, longest, 4, False, torch.device("cpu"))
+        batched = eng._fwd.prefill_right(ids, last, slots, eng._cache)
         for i, p in enumerate(PREFILL_PROMPTS):
-            eng._cache.base = i
-            single = eng._fwd.prefill_right(torch.tensor([p]), torch.tensor([len(p) - 1]), eng._cache)
+            one = prefill_slots([alone[i]], [len(p)], len(p), 4, False, torch.device("cpu"))
+            single = eng._fwd.prefill_right(torch.tensor([p]), torch.tensor([len(p) - 1]), one, eng._cache)
             torch.testing.assert_close(batched[i : i + 1], single, atol=1e-5, rtol=0)
             full = ref(torch.tensor([p])).logits[:, -1]
             torch.testing.assert_close(batched[i : i + 1], full, atol=1e-5, rtol=0)
-            for (kb, vb), kc, vc in zip(kv_b, eng._cache.k, eng._cache.v):
-                torch.testing.assert_close(kb[i, :, : len(p)], kc[i, :, : len(p)], atol=1e-5, rtol=0)
-                torch.testing.assert_close(vb[i, :, : len(p)], vc[i, :, : len(p)], atol=1e-5, rtol=0)
+            for a, b in zip(kv(tabs[i], len(p)), kv(alone[i], len(p))):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        # the rows did not write into each other's blocks: the first row's KV is still its own
+        for a, b in zip(kv(tabs[0], lens[0]), kv(alone[0], lens[0])):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for t in tabs + alone:
+        pool.release(t)
     # Through the engine: all joiners queued while paused go in ONE prefill forward; sampled log-probs and
     # the greedy continuations equal the one-at-a-time reference.
     sp = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)]
@@ -507,7 +520,7 @@ def test_prefill_batches_respect_budget_keep_the_head_and_queue_order(lens, free
     from rlcore.inference.scheduler import _Request
 
     eng = Engine(_PICK_MODEL, EngineConfig(max_batch=16, max_seq_len=64, max_prefill_tokens=budget))
-    reqs = [_Request(f"r{i}", [1] * n, SamplingParams(), 0, None) for i, n in enumerate(lens)]
+    reqs = [_Request(f"r{i}", [i + 1] + [1] * (n - 1), SamplingParams(), 0, None) for i, n in enumerate(lens)]
     eng._s.waiting.extend(reqs)
     seen: list[str] = []
     while eng._s.waiting:

@@ -1,0 +1,56 @@
+"""One generation request as the engine's scheduler holds it: the prompt, the sampling settings, the tokens so far
+with their log-probs and versions, and its KV state (decode row, block table, weight epoch)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlcore.inference.protocol import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    future: cf.Future
+    out_ids: list[int] = field(default_factory=list)
+    out_logp: list[float] = field(default_factory=list)
+    out_ver: list[int] = field(default_factory=list)
+    slot: int = -1
+    epoch: int = -1
+    """Weight epoch its KV was computed under (-1: it has none, a prefill is due)."""
+    blocks: list[int] = field(default_factory=list)
+    """Block table: block ``j`` holds KV of tokens ``[j * block_size, (j + 1) * block_size)`` of
+    ``prompt + out_ids`` (the newest token's KV is written by the next decode step)."""
+    cow: bool = False
+    """May still share its last, partial block with group members: copied before the first write into it."""
+    parked: bool = False
+    """Retracted while keeping its blocks: resumes decoding without a prefill if the weights did not change."""
+    order: int = 0
+    """Arrival order (the youngest running request is preempted first)."""
+    key: tuple[int, ...] | None = None
+    """``tuple(prompt)``, computed once when first needed (prefill grouping, the live-prefix index)."""
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+    stops: tuple[str, ...] = ()
+    """Stop strings (normalised from ``sampling.stop``)."""
+    stop_window: int = 0
+    """Output tokens decoded per step to look for a stop string (0: the request has none)."""
+    penalized: bool = False
+    """Uses a frequency / presence / repetition penalty (its token counts live in ``Scheduler.counts``)."""
+    on_token: Callable[[int, float, int], None] | None = None
+    """Called on the loop thread with ``(token id, log-prob, version)`` after each committed token."""
+    solo: bool = False
+    """Was in a forward that raised: prefilled alone next time, so a request that breaks the forward fails alone."""
+    strikes: int = 0
+    """Failed forwards this request was part of; at ``_MAX_STRIKES`` it fails even when not alone."""
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV a prefilled request holds: all but the newest, ``len(prompt + out_ids) - 1``."""
+        return len(self.prompt) + len(self.out_ids) - 1
