@@ -207,16 +207,24 @@ class TokenBatch:
             raise ValueError("TokenBatch.n_tokens/n_seqs are unset; train_step fills them (or call step.with_global_counts)")
         return d
 
-    def select(self, rows: Sequence[int], *, trim: bool = True) -> TokenBatch:
-        """Rows ``rows`` as a new batch; with ``trim`` the width shrinks to the longest selected row."""
-        b, width = self.input_ids.shape
+    def select(self, rows: Sequence[int], *, trim: bool = True, width: int | None = None) -> TokenBatch:
+        """Rows ``rows`` as a new batch; with ``trim`` the width shrinks to the longest selected row.
+
+        ``width``: the trimmed width when the caller knows it on the host (the train step does), so selecting
+        reads no tensor value (no device sync for a batch on a GPU); it must be >= the longest selected row.
+        """
+        b, full = self.input_ids.shape
         index = torch.as_tensor(list(rows), dtype=torch.long)
-        w = max(int(self.attention_mask[index].sum(1).max()), 1) if trim and len(rows) else width
+        if width is not None:
+            w = min(int(width), full)
+        else:
+            w = max(int(self.attention_mask[index].sum(1).max()), 1) if trim and len(rows) else full
+        width = full
 
         def take(v: Any) -> Any:
             if not isinstance(v, Tensor) or v.dim() == 0 or v.shape[0] != b:
                 return v
-            v = v.index_select(0, index.to(v.device))
+            v = v.index_select(0, index.to(v.device, non_blocking=v.device.type == "cuda"))
             return v[:, :w] if v.dim() >= 2 and v.shape[1] == width else v
 
         kw = {f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extras"}

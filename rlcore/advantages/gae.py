@@ -122,16 +122,36 @@ def outcome_rewards(reward: Tensor, lengths: Tensor, truncated: Tensor, width: i
 
 
 def _scan(rho: Tensor, value: Tensor, valid: Tensor, lam: Tensor, gamma: float, v_boot: Tensor) -> Tensor:
-    """Masked reverse GAE scan over all columns of ``(b s)``; invalid columns carry the running value."""
-    g = torch.zeros_like(v_boot)
-    v_next = v_boot
-    cols = []
-    for t in range(rho.shape[1] - 1, -1, -1):
-        m = valid[:, t]
-        g = torch.where(m, rho[:, t] + gamma * v_next - value[:, t] + gamma * lam * g, g)
-        v_next = torch.where(m, value[:, t], v_next)
-        cols.append(g)
-    return torch.stack(cols[::-1], dim=1) if cols else torch.zeros_like(rho)
+    """Masked reverse GAE scan over all columns of ``(b s)``; invalid columns carry the running value.
+
+    The recursion ``g_t = δ_t + γλ_b g_{t+1}`` (valid ``t``; ``g_t = g_{t+1}`` otherwise, ``g_s = 0``) is a
+    first-order linear recurrence, i.e. the composition of the affine maps ``g -> a_t g + b_t`` with
+    ``(a_t, b_t) = (γλ_b, δ_t)`` on valid columns and ``(1, 0)`` elsewhere. It runs as a log-depth
+    (Hillis-Steele) scan: ``ceil(log2 s)`` rounds of a few whole-tensor ops, so the op count does not grow
+    with the width (a per-column loop issued ~10 ops per column: ~80k host ops at 8k tokens). ``V_next`` is
+    the value at the next valid column (``v_boot`` past the last one), found with a reverse running minimum;
+    an invalid column takes the value of the next valid one (0 past the last).
+    """
+    b, s = rho.shape
+    if s == 0:
+        return torch.zeros_like(rho)
+    valid = valid.bool()
+    col = torch.arange(s, device=rho.device).expand(b, s)
+    idx = torch.where(valid, col, torch.full((), s, device=rho.device))
+    first_at_or_after = idx.flip(1).cummin(1).values.flip(1)  # (b s): first valid column >= t (s if none)
+    nxt = torch.cat([first_at_or_after[:, 1:], torch.full((b, 1), s, device=rho.device)], 1)
+    v_next = torch.cat([value, v_boot.to(value.dtype)[:, None]], 1).gather(1, nxt)
+    zero = torch.zeros((), dtype=rho.dtype, device=rho.device)
+    coef = (gamma * lam).to(rho.dtype)[:, None].expand(b, s)
+    bias = torch.where(valid, rho + gamma * v_next - value, zero)  # δ_t (0 off-mask: no garbage leaks)
+    mult = torch.where(valid, coef, torch.ones((), dtype=rho.dtype, device=rho.device))
+    shift = 1
+    while shift < s:  # compose each column's map with the one `shift` columns to its right
+        bias = torch.cat([bias[:, :-shift] + mult[:, :-shift] * bias[:, shift:], bias[:, -shift:]], 1)
+        mult = torch.cat([mult[:, :-shift] * mult[:, shift:], mult[:, -shift:]], 1)
+        shift *= 2
+    # invalid columns carry the next valid column's value exactly (the same number, not a re-summed one)
+    return torch.cat([bias, torch.zeros_like(bias[:, :1])], 1).gather(1, first_at_or_after)
 
 
 def _bootstrap(value: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:

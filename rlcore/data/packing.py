@@ -71,30 +71,52 @@ def _is_token_key(k: str, v: torch.Tensor, b: int, width: int) -> bool:
     return v.dim() >= 2 and v.shape[0] == b and v.shape[1] == width and k != "rewards"
 
 
-def pack(traj: dict[str, torch.Tensor], *, pad_to_multiple: int | None = None) -> PackedBatch:
+def _stream_index(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host ``(row, column)`` of every real token of a right-padded batch, ``(Σ l_i,)`` each (no per-row loop)."""
+    len_t = torch.tensor(lengths, dtype=torch.long)
+    total = int(sum(lengths))
+    row_idx = torch.repeat_interleave(torch.arange(len(lengths)), len_t, output_size=total)
+    starts = torch.cumsum(len_t, 0) - len_t
+    col_idx = torch.arange(total) - torch.repeat_interleave(starts, len_t, output_size=total)
+    return row_idx, col_idx
+
+
+def pack(
+    traj: dict[str, torch.Tensor], *, pad_to_multiple: int | None = None, lengths: list[int] | None = None
+) -> PackedBatch:
     """Pack a right-padded trajectory dict into one stream.
 
     Args:
       traj: per-token tensors ``(b l, ...)`` and per-row tensors ``(b, ...)``; must hold ``attention_mask``.
       pad_to_multiple: if set, append one dummy sequence so that ``T`` is a multiple of it.
+      lengths: the rows' real lengths when the caller already has them on the host (the train step does): skips
+        reading and validating ``attention_mask`` again, so packing reads no tensor value (no device sync when
+        ``traj`` lives on a GPU). They must equal ``attention_mask.sum(1)``.
 
     Returns:
-      A :class:`PackedBatch`; per-token keys become ``(T, ...)``.
+      A :class:`PackedBatch`; per-token keys become ``(T, ...)``. The number of tensor ops does not depend on
+      the number of rows.
     """
     if pad_to_multiple is not None and pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1 or None, got {pad_to_multiple}")
-    lengths = seq_lengths(traj)
     b, width = traj["attention_mask"].shape
+    if lengths is None:
+        lengths = seq_lengths(traj)
+    elif len(lengths) != b:
+        raise ValueError(f"pack: got {len(lengths)} lengths for {b} rows")
+    lengths = [int(x) for x in lengths]
     total = sum(lengths)
     pad = 0 if pad_to_multiple is None else (-total) % pad_to_multiple
-    row_idx = torch.repeat_interleave(torch.arange(b), torch.tensor(lengths, dtype=torch.long))
-    starts = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
-    col_idx = torch.arange(total) - torch.repeat_interleave(starts[:-1], torch.tensor(lengths, dtype=torch.long))
+    row_idx, col_idx = _stream_index(lengths)
     tokens: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
+    idx_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for k, v in traj.items():
         if _is_token_key(k, v, b, width):
-            flat = v[row_idx, col_idx]
+            if v.device not in idx_on:
+                idx_on[v.device] = (row_idx.to(v.device, non_blocking=True), col_idx.to(v.device, non_blocking=True))
+            r, c = idx_on[v.device]
+            flat = v[r, c]
             if pad:
                 fill = torch.full((pad, *v.shape[2:]), PAD_VALUES.get(k, 0), dtype=v.dtype, device=v.device)
                 flat = torch.cat([flat, fill], 0)
@@ -102,12 +124,14 @@ def pack(traj: dict[str, torch.Tensor], *, pad_to_multiple: int | None = None) -
         else:
             rows[k] = v
     seqs = [*lengths, pad] if pad else list(lengths)
-    cu = torch.tensor([0, *seqs], dtype=torch.long).cumsum(0).to(torch.int32)
-    pos = torch.cat([torch.arange(n) for n in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
+    cu = torch.tensor([0, *seqs], dtype=torch.long).cumsum(0)
+    n_all = total + pad
+    # positions restart per sequence: t - start(sequence of t), one vectorised op for any number of sequences
+    pos = torch.arange(n_all) - torch.repeat_interleave(cu[:-1], torch.tensor(seqs, dtype=torch.long), output_size=n_all)
     return PackedBatch(
         tokens=tokens,
         rows=rows,
-        cu_seqlens=cu,
+        cu_seqlens=cu.to(torch.int32),
         position_ids=pos.long(),
         max_seqlen=max(seqs) if seqs else 0,
         lengths=tuple(lengths),
@@ -119,7 +143,8 @@ def pack(traj: dict[str, torch.Tensor], *, pad_to_multiple: int | None = None) -
 def unpack_tensor(x: torch.Tensor, packed: PackedBatch, *, fill: float | int | bool = 0) -> torch.Tensor:
     """Scatter a stream ``(T, ...)`` (dummy padding included or not) back to ``(b l, ...)``.
 
-    Positions beyond each row's length get ``fill``.
+    Positions beyond each row's length get ``fill``. The scatter index is built on the host and copied without
+    blocking, so unpacking a GPU stream issues no device sync.
     """
     lengths = packed.lengths
     total = sum(lengths)
@@ -127,11 +152,9 @@ def unpack_tensor(x: torch.Tensor, packed: PackedBatch, *, fill: float | int | b
         raise ValueError(f"stream length {x.shape[0]} matches neither {total} real tokens nor {total + packed.pad}")
     b = len(lengths)
     out = torch.full((b, packed.width, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
-    len_t = torch.tensor(lengths, dtype=torch.long, device=x.device)
-    row_idx = torch.repeat_interleave(torch.arange(b, device=x.device), len_t)
-    starts = torch.cat([len_t.new_zeros(1), len_t.cumsum(0)])
-    col_idx = torch.arange(total, device=x.device) - torch.repeat_interleave(starts[:-1], len_t)
-    out[row_idx, col_idx] = x[:total]
+    row_idx, col_idx = _stream_index(list(lengths))
+    nb = x.device.type == "cuda"
+    out[row_idx.to(x.device, non_blocking=nb), col_idx.to(x.device, non_blocking=nb)] = x[:total]
     return out
 
 

@@ -124,7 +124,11 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     hf = [m for m in model.modules() if hasattr(m, "gradient_checkpointing_enable")]
     if not hf:
         raise ValueError(f"{type(model).__name__} holds no HF PreTrainedModel; cannot enable activation checkpointing")
-    hf[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kw = {"use_reentrant": False}
+    if hasattr(hf[0], "activation_checkpointing_enable"):  # transformers >= 5.2x name (the old one warns there)
+        hf[0].activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        hf[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
 def shard_model(model: nn.Module, cfg: FSDPConfig = FSDPConfig(), *, mesh: object | None = None) -> nn.Module:

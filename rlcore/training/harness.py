@@ -56,9 +56,9 @@ class RunConfig:
     """Seed of torch, the prompt order and the engine's sampling."""
     threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
-    compile: bool = False
-    """Training experiments: ``torch.compile`` each decoder layer of the trainer (GPU runs: ~1.3-1.5x faster
-    packed train step on Qwen2-0.5B shapes, ~10 s of compilation first; docs/benchmarks.md)."""
+    compile: bool | None = None
+    """Training experiments: ``torch.compile`` each decoder layer of the trainer. None (default): on CUDA, off on
+    CPU (``train_state.ModelConfig.compile_layers='auto'``); True/False force it (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.resume and not self.ckpt_dir:

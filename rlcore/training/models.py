@@ -355,6 +355,22 @@ def register_varlen_attention() -> str:
     return VARLEN_ATTN
 
 
+_MASK_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _mask_placeholder(device: torch.device) -> torch.Tensor:
+    """A ``(1, 1, 1, 1)`` tensor passed as the "prepared 4D mask" of a packed varlen forward.
+
+    transformers' ``create_causal_mask`` returns a 4D mask as it is, so it skips its packed-sequence detection,
+    which reads a device tensor on the host (``(...).all()`` in ``find_packed_sequence_indices``): a device sync
+    per forward, i.e. per micro-batch. :func:`_hf_varlen_attention` ignores the mask (``cu_seqlens`` carries it).
+    """
+    t = _MASK_PLACEHOLDERS.get(device)
+    if t is None:
+        t = _MASK_PLACEHOLDERS[device] = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device)
+    return t
+
+
 def varlen_supported(hf: nn.Module) -> bool:
     """Whether ``hf`` can run the packed varlen path (a :data:`VARLEN_MODEL_TYPES` decoder, full attention only)."""
     cfg = getattr(hf, "config", None)
@@ -411,6 +427,7 @@ def backbone_hidden(
         try:
             out = _backbone(hf)(
                 input_ids=input_ids.reshape(1, -1),
+                attention_mask=_mask_placeholder(input_ids.device),
                 position_ids=position_ids.reshape(1, -1),
                 use_cache=False,
                 cu_seq_lens_q=cu,

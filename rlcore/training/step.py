@@ -137,14 +137,22 @@ def _h2d(x: Tensor, dev: torch.device) -> Tensor:
 
 
 def _forward_padded(
-    model: nn.Module, mb: TokenBatch | dict[str, Tensor], *, temperature: float, pad_to_multiple: int | None
+    model: nn.Module,
+    mb: TokenBatch | dict[str, Tensor],
+    *,
+    temperature: float,
+    pad_to_multiple: int | None,
+    lengths: list[int] | None = None,
 ) -> tuple[Tensor, ...]:
-    """Pack ``mb`` (padded ``(b t)`` with ``targets``), run ``model``, scatter outputs back to ``(b t)``."""
+    """Pack ``mb`` (padded ``(b t)`` with ``targets``), run ``model``, scatter outputs back to ``(b t)``.
+
+    ``lengths``: the rows' real lengths on the host (the step knows them), so packing reads no tensor value.
+    """
     get = mb.__getitem__ if isinstance(mb, dict) else partial(getattr, mb)
     dev = _device_of(model)
     pk = packing.pack(
         {"input_ids": get("input_ids"), "targets": get("targets"), "attention_mask": get("attention_mask")},
-        pad_to_multiple=pad_to_multiple,
+        pad_to_multiple=pad_to_multiple, lengths=lengths,
     )
     out = model(
         _h2d(pk.tokens["input_ids"], dev),
@@ -167,9 +175,9 @@ def _dummy_forward(model: nn.Module, *, temperature: float) -> Tensor:
     return first.sum() * 0.0
 
 
-def _bins(batch: TokenBatch, mb_cfg: microbatch.MicroBatchConfig) -> list[list[int]]:
+def _bins(batch: TokenBatch, mb_cfg: microbatch.MicroBatchConfig, lengths: list[int] | None = None) -> list[list[int]]:
     """Row indices of each micro-batch (an empty list = zero-weight placeholder), synced in count over DP ranks."""
-    lengths = batch.lengths
+    lengths = batch.lengths if lengths is None else lengths
     bins = microbatch.allocate(lengths, mb_cfg)
     n = microbatch.sync_num_mbs(len(bins))
     if n != len(bins):
@@ -201,27 +209,36 @@ def with_global_counts(batch: TokenBatch) -> TokenBatch:
 
 @torch.no_grad()
 def _forward_nograd(model: nn.Module, batch: TokenBatch, *, cfg: StepConfig) -> tuple[Tensor, ...]:
-    """No-grad packed forward over a whole batch; outputs ``(b t)`` on the batch's device, 0 past ``L_b - 1``."""
+    """No-grad packed forward over a whole batch; outputs ``(b t)`` on the batch's device, 0 past ``L_b - 1``.
+
+    Outputs stay on the model's device until every micro-batch ran (one transfer at the end, no host sync
+    inside the loop)."""
     was_training = model.training
     model.eval()
     try:
         b, width = batch.input_ids.shape
         home = batch.input_ids.device
+        lengths = batch.lengths
         results: list[Tensor] | None = None
-        for rows in _bins(batch, cfg.mb):
+        for rows in _bins(batch, cfg.mb, lengths):
             if not rows:
                 _dummy_forward(model, temperature=cfg.temperature)
                 continue
-            outs = _forward_padded(model, batch.select(rows), temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple)
+            sub = [lengths[i] for i in rows]
+            outs = _forward_padded(
+                model, batch.select(rows, width=max(max(sub), 1)), temperature=cfg.temperature,
+                pad_to_multiple=cfg.pad_to_multiple, lengths=sub,
+            )
             if results is None:
-                results = [torch.zeros(b, width, dtype=o.dtype, device=home) for o in outs]
-            idx = torch.as_tensor(rows, dtype=torch.long, device=home)
+                results = [torch.zeros(b, width, dtype=o.dtype, device=o.device) for o in outs]
+            idx = torch.as_tensor(rows, dtype=torch.long).to(outs[0].device, non_blocking=True)
             for r, o in zip(results, outs):
-                r[idx, : o.shape[1]] = o.to(home)
+                r[idx, : o.shape[1]] = o
         if results is None:
             results = [torch.zeros(b, width)]
-        lengths = batch.attention_mask.sum(1)
-        last = (torch.arange(width, device=home)[None, :] < (lengths[:, None] - 1))
+        results = [r.to(home) for r in results]
+        len_t = torch.as_tensor(lengths, dtype=torch.long, device=home)
+        last = torch.arange(width, device=home)[None, :] < (len_t[:, None] - 1)
         return tuple(torch.where(last, r, torch.zeros((), dtype=r.dtype, device=r.device)) for r in results)
     finally:
         model.train(was_training)
@@ -269,8 +286,10 @@ def _optimizer_step(
     """Clip, check finiteness of loss and grad norm (globally), then step or zero the gradients."""
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    norm = fsdp.scalar(norm).detach().float().cpu()
-    loss_ok = bool(torch.isfinite(global_sum(loss_sum.detach().reshape(1).cpu())).all())
+    # one device -> host transfer for both checks (the step's only sync besides the metrics at the end)
+    both = torch.stack([fsdp.scalar(norm).detach().double().reshape(()), loss_sum.detach().double().reshape(())]).cpu()
+    norm = both[0].float()
+    loss_ok = bool(torch.isfinite(global_sum(both[1:])).all())
     ok = loss_ok and bool(torch.isfinite(norm))
     if ok:
         optim.step()
@@ -292,12 +311,26 @@ def _accumulate(acc: dict[str, Tensor], metrics: Mapping[str, Any], w: float) ->
             continue
         v = torch.as_tensor(v).detach().float().reshape(())
         prev = acc.get(k)
-        acc[k] = w * v if prev is None else prev + w * v.to(prev.device)
+        if prev is None:
+            acc[k] = w * v
+            continue
+        # never copy device -> host here (a sync): a host value moves to the device without blocking
+        dev = v.device if v.device.type != "cpu" else prev.device
+        acc[k] = prev.to(dev, non_blocking=True) + w * v.to(dev, non_blocking=True)
 
 
 def _to_host(metrics: Mapping[str, Any]) -> Metrics:
-    """One host transfer of all metric tensors at the end of a step."""
-    return {k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
+    """All metric tensors to the host at the end of a step: the device scalars in ONE transfer (one sync)."""
+    out: Metrics = {k: (v.detach().cpu() if isinstance(v, Tensor) and v.device.type == "cpu" else v)
+                    for k, v in metrics.items()}
+    dev = [k for k, v in metrics.items() if isinstance(v, Tensor) and v.device.type != "cpu" and v.numel() == 1]
+    if dev:
+        host = torch.stack([metrics[k].detach().double().reshape(()) for k in dev]).cpu()
+        out.update({k: host[i].to(metrics[k].dtype).reshape(metrics[k].shape) for i, k in enumerate(dev)})
+    for k, v in metrics.items():  # non-scalar device tensors (rare): one copy each
+        if isinstance(v, Tensor) and v.device.type != "cpu" and v.numel() != 1:
+            out[k] = v.detach().cpu()
+    return out
 
 
 def _slot(state: TrainState, module: str) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
@@ -331,19 +364,23 @@ def train_step(
     batch = with_global_counts(batch)
     dp = fsdp.dp_size()
     loss_sum = torch.zeros((), dtype=torch.float64, device=_device_of(model))
-    n_local, b_local = float(batch.loss_mask.sum()), max(batch.num_rows, 1)
+    # host bookkeeping once per step: lengths and per-row loss-token counts (no tensor reads per micro-batch)
+    lengths = batch.lengths
+    row_tokens = [int(x) for x in batch.loss_mask.sum(1).tolist()]
+    n_local, b_local = float(sum(row_tokens)), max(batch.num_rows, 1)
     acc: dict[str, Tensor] = {}
-    for rows in _bins(batch, cfg.mb):
+    for rows in _bins(batch, cfg.mb, lengths):
         if not rows:  # another rank has more micro-batches: a zero-weight forward keeps collectives in step
             _dummy_forward(model, temperature=cfg.temperature).backward()
             continue
-        mb = batch.select(rows)
-        outs = _forward_padded(model, mb, temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple)
+        sub = [lengths[i] for i in rows]
+        mb = batch.select(rows, width=max(max(sub), 1))
+        outs = _forward_padded(model, mb, temperature=cfg.temperature, pad_to_multiple=cfg.pad_to_multiple, lengths=sub)
         mb = dataclasses.replace(mb.to(outs[0].device), entropy=outs[1] if len(outs) > 1 else None)
         loss, m = loss_fn(outs[0], mb)
         (loss * dp).backward()  # dp undoes FSDP's gradient averaging: DP gradients become a sum
         loss_sum = loss_sum + loss.detach().double().to(loss_sum.device)
-        share = float(mb.loss_mask.sum()) / n_local if n_local > 0 else len(rows) / b_local
+        share = sum(row_tokens[i] for i in rows) / n_local if n_local > 0 else len(rows) / b_local
         _accumulate(acc, m, share)
     ok, norm = _optimizer_step(model, optim, loss_sum, cfg.max_grad_norm)
     acc["train/lr"] = torch.tensor(float(optim.param_groups[0]["lr"]))
@@ -352,7 +389,7 @@ def train_step(
     dt = time.perf_counter() - t_start
     acc.update({"train/loss": loss_sum.float(), "train/grad_norm": norm, "train/update_successful": torch.tensor(float(ok)),
                 "timing/step_s": torch.tensor(dt),
-                "perf/tokens_per_s": torch.tensor(float(batch.attention_mask.sum()) / max(dt, 1e-9))})
+                "perf/tokens_per_s": torch.tensor(float(sum(lengths)) / max(dt, 1e-9))})
     new_state = dataclasses.replace(state, step=state.step + 1, skipped_steps=state.skipped_steps + (0 if ok else 1))
     return new_state, _to_host(acc)
 

@@ -8,6 +8,7 @@ returns the state with ``version`` bumped; ``checkpoint.save/restore`` mirror ea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -44,6 +45,12 @@ class OptimConfig:
     """Length of the linear/cosine decay; required (> warmup_steps) for those schedules."""
     min_lr_ratio: float = 0.0
     """Floor of the decay as a fraction of ``lr``."""
+    master_weights: bool = True
+    """Half-precision (bf16/fp16) parameters get float32 master copies and float32 moments inside the optimizer
+    (:class:`MasterWeightAdamW`): forward and backward run on the half-precision parameters, the update is
+    applied in float32 and rounded once into them. False steps AdamW on the half-precision tensors directly
+    (updates below the bf16 resolution are lost, e.g. most of a 1e-6 learning-rate step); float32 parameters
+    are unaffected either way."""
 
     def __post_init__(self) -> None:
         if self.lr < 0:
@@ -57,6 +64,40 @@ class OptimConfig:
             )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How the trainer runs its models on the device: parameter dtype, compilation, fused kernels, activation
+    memory. Speed and memory only: every setting computes the same loss and gradient up to rounding.
+
+    The defaults are what a user gets: on CUDA, bf16 parameters with float32 masters in the optimizer and every
+    decoder layer ``torch.compile``'d; on CPU, the model as loaded, eager.
+    """
+
+    param_dtype: Literal["auto", "keep", "float32", "bfloat16"] = "auto"
+    """Dtype of the unsharded models' parameters. ``auto``: bfloat16 on CUDA (the optimizer keeps float32 masters,
+    ``OptimConfig.master_weights``), as loaded on CPU. ``keep``: as loaded (float32 parameters then run under bf16
+    autocast on CUDA, ``compute_dtype``: the previous default, which casts every weight on every forward).
+    FSDP2 runs ignore it (``FSDPConfig.param_dtype`` is the compute dtype of the float32 shards)."""
+    compile_layers: Literal["auto", "on", "off"] = "auto"
+    """``torch.compile`` every decoder layer (``fsdp.compile_decoder_layers``, dynamic shapes: packed lengths change
+    every micro-batch without recompiling). ``auto``: on CUDA only. The first steps pay the compilation."""
+    fused_kernels: Literal["auto", "liger", "off"] = "auto"
+    """liger-kernel's fused RMSNorm / SwiGLU / RoPE (``rlcore.training.fusions``; the optional ``gpu`` extra).
+    ``auto``: on CUDA when liger-kernel is installed, the model family is supported and the layers are not
+    compiled (compilation fuses the same ops). ``liger``: require it on CUDA (an error names what is missing);
+    CPU runs never use it."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (memory ~ one layer's
+    activations plus one hidden state per layer; ~1/3 more compute). Unsharded models; FSDP2 runs also honour
+    ``FSDPConfig.activation_checkpointing``."""
+
+    def __post_init__(self) -> None:
+        for name, ok in (("param_dtype", ("auto", "keep", "float32", "bfloat16")),
+                         ("compile_layers", ("auto", "on", "off")), ("fused_kernels", ("auto", "liger", "off"))):
+            if getattr(self, name) not in ok:
+                raise ValueError(f"ModelConfig.{name} must be one of {ok}, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -109,17 +150,101 @@ def use_fused_adamw(params: list[torch.Tensor]) -> bool:
     )
 
 
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW whose update runs on float32 master copies of half-precision (bf16/fp16) parameters.
+
+    The parameters (and their gradients) stay in half precision for the forward and backward; the optimizer
+    state of each such parameter holds ``master`` (float32 weights) next to float32 ``exp_avg``/``exp_avg_sq``.
+    ``step`` swaps each parameter's storage for its master, runs torch's AdamW (fused on CUDA) on float32
+    gradients, and rounds the result back into the half-precision storage once. The state is keyed by the
+    model's own parameters, so ``state_dict``/DCP checkpoints see the model's parameter names; float32
+    parameters are stepped as plain AdamW. Gradients are converted bucket by bucket (``bucket_bytes`` of float32
+    at a time), so the extra memory is one bucket, not a float32 copy of every gradient.
+    """
+
+    _FP32_KEYS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(self, params, *, bucket_bytes: int = 2**30, **kwargs):
+        super().__init__(params, **kwargs)
+        self.bucket_bytes = int(bucket_bytes)
+
+    def _buckets(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        out: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for p in params:
+            if out[-1] and size + 4 * p.numel() > self.bucket_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(p)
+            size += 4 * p.numel()
+        return [b for b in out if b]
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One AdamW step; the half-precision parameters are updated through their float32 masters."""
+        if closure is not None:
+            raise ValueError("MasterWeightAdamW.step takes no closure")
+        groups = self.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for group, params in zip(groups, saved):
+                for bucket in self._buckets([p for p in params if p.grad is not None]):
+                    self.param_groups = [group]  # the same dict: its lr / schedule state stays the group's
+                    group["params"] = bucket
+                    swapped = []
+                    for p in bucket:
+                        if p.dtype == torch.float32:
+                            continue
+                        st = self.state[p]
+                        master = st.get("master")
+                        if master is None:  # first step: AdamW initialises float32 moments for the float32 master
+                            master = p.detach().to(torch.float32, copy=True)
+                        half, grad = p.data, p.grad
+                        p.data, p.grad = master, grad.float()
+                        swapped.append((p, half, grad))
+                    super().step()
+                    if swapped:
+                        torch._foreach_copy_([h for _, h, _ in swapped], [p.data for p, _, _ in swapped])
+                    for p, half, grad in swapped:
+                        self.state[p]["master"] = p.data
+                        p.data, p.grad = half, grad
+        finally:
+            self.param_groups = groups
+            for g, ps in zip(groups, saved):
+                g["params"] = ps
+        return None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``Optimizer.load_state_dict``, keeping masters and moments in float32 (the base class casts every
+        floating state tensor to its parameter's dtype, which would round them to bf16)."""
+        super().load_state_dict(state_dict)
+        ids = {}
+        for g_sd, g in zip(state_dict["param_groups"], self.param_groups):
+            ids.update(zip(g_sd["params"], g["params"]))
+        for pid, st in state_dict["state"].items():
+            p = ids.get(pid)
+            if p is None or p.dtype == torch.float32:
+                continue
+            for k in self._FP32_KEYS:
+                if isinstance(st.get(k), torch.Tensor):
+                    self.state[p][k] = st[k].detach().to(device=p.device, dtype=torch.float32, copy=True)
+
+
 def make_optimizer(
     model: nn.Module, cfg: OptimConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters plus a LambdaLR schedule.
 
     The fused CUDA AdamW kernel is used when every parameter is a plain (unsharded) CUDA tensor; CPU and
-    FSDP2 (DTensor) parameters keep the default implementation."""
+    FSDP2 (DTensor) parameters keep the default implementation. Plain half-precision parameters get float32
+    masters (:class:`MasterWeightAdamW`) unless ``cfg.master_weights`` is False."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters; check requires_grad")
-    optim = torch.optim.AdamW(
+    plain = all(type(p).__name__ != "DTensor" and type(p.data).__name__ != "DTensor" for p in params)
+    half = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    cls = MasterWeightAdamW if cfg.master_weights and half and plain else torch.optim.AdamW
+    optim = cls(
         params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
         fused=True if use_fused_adamw(params) else None,
     )
@@ -140,6 +265,20 @@ def resolve_compute_dtype(
     return compute_dtype
 
 
+def resolve_param_dtype(model_cfg: ModelConfig, device: torch.device, sharded: bool) -> torch.dtype | None:
+    """The dtype :func:`init_train_state` casts unsharded models to (None: leave them as loaded)."""
+    if sharded or model_cfg.param_dtype == "keep":
+        return None
+    if model_cfg.param_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return getattr(torch, model_cfg.param_dtype)
+
+
+def resolve_compile(model_cfg: ModelConfig, device: torch.device) -> bool:
+    """Whether :func:`init_train_state` compiles the decoder layers (``auto``: on CUDA)."""
+    return model_cfg.compile_layers == "on" or (model_cfg.compile_layers == "auto" and device.type == "cuda")
+
+
 def init_train_state(
     model_or_path: nn.Module | str | os.PathLike | object,
     cfg: OptimConfig,
@@ -153,7 +292,8 @@ def init_train_state(
     attn_implementation: str | None = "sdpa",
     version: int = 0,
     compute_dtype: torch.dtype | Literal["auto"] | None = "auto",
-    compile_layers: bool = False,
+    compile_layers: bool | None = None,
+    model_cfg: ModelConfig = ModelConfig(),
     lora: lora_lib.LoraConfig | None = None,
 ) -> TrainState:
     """Build a :class:`TrainState` from a HF model, a local HF directory or a ``PretrainedConfig``.
@@ -167,14 +307,14 @@ def init_train_state(
       critic_cfg: critic optimizer settings (defaults to ``cfg``).
       fsdp_cfg: FSDP2 options; sharding happens whenever a process group is initialised.
       device: where unsharded modules live (default: CUDA if available, else CPU).
-      dtype: parameter dtype of loaded weights (keep fp32 masters for training).
+      dtype: dtype loaded weights are read in (``model_cfg.param_dtype`` then decides the parameter dtype).
       version: initial weight version served by the engines.
       compute_dtype: unsharded CUDA models only: autocast dtype of their forwards, with the parameters
         (optimizer masters) left as they are. ``"auto"``: bfloat16 when the parameters are float32, else none.
         FSDP2 runs use ``fsdp_cfg.param_dtype`` instead; CPU runs never autocast.
-      compile_layers: ``torch.compile`` every decoder layer of the policy and critic after sharding
-        (``fsdp.compile_decoder_layers``). On an H200 with Qwen2-0.5B shapes it took the packed train step from
-        45-53k to 69.6k tok/s (docs/benchmarks.md); the first steps pay ~10 s of compilation.
+      compile_layers: overrides ``model_cfg.compile_layers`` when given (True/False); None keeps it.
+      model_cfg: parameter dtype, compilation, fused kernels and activation checkpointing (:class:`ModelConfig`;
+        the default compiles on CUDA with bf16 parameters and float32 masters, docs/benchmarks.md).
       lora: train LoRA adapters on the policy instead of all its weights (``lora.apply_lora``, needs peft):
         every other policy parameter is frozen, so the optimizer holds the adapter only; ``ref=True`` and
         ``critic=True`` copy the policy before the adapters are added. ``weight_sync.publish_weights`` then sends
@@ -182,6 +322,10 @@ def init_train_state(
 
     Dropout is disabled (p = 0) so the training forward matches the proximal and behaviour ones.
     """
+    from rlcore.training import fusions
+
+    if compile_layers is not None:
+        model_cfg = dataclasses.replace(model_cfg, compile_layers="on" if compile_layers else "off")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf = models.disable_dropout(models.load_causal_lm(model_or_path, dtype=dtype, attn_implementation=attn_implementation))
     ref_mod = None
@@ -198,19 +342,25 @@ def init_train_state(
         lora_lib.apply_lora(hf, lora)  # after the ref/critic copies: those stay plain
     policy = models.as_policy(hf)
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
+    pdt = resolve_param_dtype(model_cfg, dev, sharded)
+    use_compile = resolve_compile(model_cfg, dev)
     for m in (policy, ref_mod, critic_mod):
         if m is None:
             continue
-        m.to(dev)
+        m.to(dev) if pdt is None else m.to(dev, pdt)
+        # fused kernels go in before sharding/checkpointing/compilation wrap the layers
+        m.fused_kernels = fusions.apply_fused_kernels(m, model_cfg.fused_kernels, compiled=use_compile)
         if sharded:
             fsdp.shard_model(m, fsdp_cfg or fsdp.FSDPConfig())
-        elif fsdp_cfg is not None and fsdp_cfg.activation_checkpointing and m is not ref_mod:
+        elif m is not ref_mod and (
+            model_cfg.activation_checkpointing or (fsdp_cfg is not None and fsdp_cfg.activation_checkpointing)
+        ):
             fsdp.enable_activation_checkpointing(m)
     if not sharded:
         for m in (policy, ref_mod, critic_mod):
             if m is not None:
                 m.compute_dtype = resolve_compute_dtype(compute_dtype, m, dev)
-    if compile_layers:
+    if use_compile:
         for m in (policy, critic_mod):
             if m is not None:
                 fsdp.compile_decoder_layers(m)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 from rlcore.data import microbatch  # noqa: E402
-from rlcore.training import checkpoint, fsdp, step, weight_sync  # noqa: E402
+from rlcore.training import checkpoint, fsdp, step, train_state, weight_sync  # noqa: E402
 from tests.training import test_step as common  # noqa: E402
 
 
@@ -67,7 +67,9 @@ def run(mode: str, ckpt: str, out: str, *flags: str) -> None:
             torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", 0))
     info = fsdp.setup_distributed()
     if "cuda" in flags:
-        kw = dict(device=info.device, compute_dtype=None, fsdp_cfg=fsdp.FSDPConfig(param_dtype="float32"))
+        # float32 throughout, eager: the comparison stays tight (the CUDA defaults are bf16 + compiled)
+        kw = dict(device=info.device, compute_dtype=None, fsdp_cfg=fsdp.FSDPConfig(param_dtype="float32"),
+                  model_cfg=train_state.ModelConfig(param_dtype="keep", compile_layers="off"))
     if mode == "save":
         st = common.fresh_state(seed=0, **kw)
         st, _ = _one_step(st, seed=4)  # Adam moments are non-zero from here on

@@ -13,9 +13,10 @@ import torch
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 from rlcore.data import microbatch  # noqa: E402
-from rlcore.training import (
+from rlcore.training import (  # noqa: E402
     fsdp,
-    step,  # noqa: E402
+    step,
+    train_state,
 )
 from tests.training import test_step as common  # noqa: E402
 
@@ -27,7 +28,9 @@ def run(out_path: str, device: str = "cpu") -> None:
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        kw = dict(device=info.device, compute_dtype=None, fsdp_cfg=fsdp.FSDPConfig(param_dtype="float32"))
+        # float32 throughout, eager: the comparison stays tight (the CUDA defaults are bf16 + compiled)
+        kw = dict(device=info.device, compute_dtype=None, fsdp_cfg=fsdp.FSDPConfig(param_dtype="float32"),
+                  model_cfg=train_state.ModelConfig(param_dtype="keep", compile_layers="off"))
     st = common.with_sgd(common.fresh_state(seed=0, **kw))
     before = {k: fsdp.full_tensor(v.detach()).clone() for k, v in st.model.named_parameters()}
     batch = common.make_batch(4, n=8, stale=True)

@@ -313,12 +313,31 @@ def test_packed_varlen_forward_builds_no_mask_but_plain_calls_do():
     AttentionInterface.register(models.VARLEN_ATTN, spy)
     try:
         models.backbone_hidden(hf, ids, pos, cu_seqlens=cu, max_seqlen=6, attention="varlen")
-        assert len(seen) == 2 and all(m is None for m in seen)  # no (T, T) mask on the packed path
+        # no (T, T) mask on the packed path: at most the 1-element placeholder that skips mask creation
+        assert len(seen) == 2 and all(m is None or m.numel() == 1 for m in seen)
         seen.clear()
         hf(input_ids=ids[None, :6], attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
         assert len(seen) == 2 and all(m is not None for m in seen)  # padding still masked in plain calls
     finally:
         AttentionInterface.register(models.VARLEN_ATTN, models._hf_varlen_attention)
+
+
+def test_packed_varlen_forward_skips_the_host_reading_packed_sequence_detection(monkeypatch):
+    """transformers' packed-sequence detection reads a device tensor on the host (a sync per micro-batch on a GPU);
+    the varlen path hands it a prepared mask so it never runs, and the output is unchanged."""
+    from transformers import masking_utils
+
+    hf = tiny_qwen(seed=5)
+    ids, pos, cu = packed([4, 6])
+    ref = models.backbone_hidden(hf, ids, pos, cu_seqlens=cu, max_seqlen=6, attention="hf")
+    calls = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: calls.append(1) or real(p))
+    out = models.backbone_hidden(hf, ids, pos, cu_seqlens=cu, max_seqlen=6, attention="varlen")
+    assert calls == []
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    models.backbone_hidden(hf, ids, pos, cu_seqlens=cu, max_seqlen=6, attention="hf")
+    assert calls  # the spy is live: the plain path still detects packed sequences
 
 
 def test_real_torch_varlen_signature_is_called_correctly(monkeypatch):
