@@ -14,6 +14,7 @@ try/except so one failure still leaves the other numbers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import json
@@ -58,6 +59,13 @@ class Config:
     """Time the HF generate baseline."""
     ablate_grouped: bool = True
     """Also time the engine with HF's repeat_kv sdpa decode attention (grouped_decode_attention=False)."""
+    fused_kernels: bool = True
+    """EngineConfig.fused_kernels of the main ``engine`` section (liger RMSNorm / SwiGLU / RoPE on CUDA)."""
+    compile_decode_layers: bool = False
+    """EngineConfig.compile_decode_layers of the main ``engine`` section."""
+    ablate_fusions: bool = True
+    """On CUDA, also time ``engine_unfused`` (no liger kernels, no compile) and ``engine_compiled`` (decoder layers
+    compiled, liger RoPE); each section reports the fusions it ran with (``fusions``)."""
     out: str | None = None
     """JSON output path; default $OUT/bench_engine.json if OUT is set."""
     smoke: bool = False
@@ -114,7 +122,13 @@ def reset_attention(model) -> None:
 
 
 def bench_engine(
-    cfg: Config, model, prompts: list[list[int]], device, cuda_graph: bool, grouped: bool = True
+    cfg: Config,
+    model,
+    prompts: list[list[int]],
+    device,
+    cuda_graph: bool,
+    grouped: bool = True,
+    **engine_kw,
 ) -> dict:
     from rlcore.inference.engine import Engine, EngineConfig
     from rlcore.inference.protocol import SamplingParams
@@ -127,7 +141,10 @@ def bench_engine(
         dtype={torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[model.dtype],
         cuda_graph=cuda_graph,
         grouped_decode_attention=grouped,
+        fused_kernels=cfg.fused_kernels,
+        compile_decode_layers=cfg.compile_decode_layers,
     )
+    ecfg = dataclasses.replace(ecfg, **engine_kw)
     reset_attention(model)
     sp = SamplingParams(max_new_tokens=cfg.new_tokens, temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=True)
     res: dict = {}
@@ -143,10 +160,11 @@ def bench_engine(
         sync(device)
         return outs, time.perf_counter() - t0
 
-    with Engine(model, ecfg) as eng:
+    with Engine(copy.deepcopy(model), ecfg) as eng:  # a copy: fusions patch the instance the engine serves
         t0 = time.perf_counter()
         run(eng, sp)  # warm-up with the same shapes: captures every CUDA graph the timed run needs
         res["warmup_s"] = time.perf_counter() - t0
+        res["fusions"] = dataclasses.asdict(eng.fusions)
         base = dict(eng.stats)
         outs, wall = run(eng, sp)
         st = {k: eng.stats[k] - base.get(k, 0) for k in eng.stats}
@@ -257,6 +275,17 @@ def main(cfg: Config) -> dict:
     g = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(1, cfg.vocab, (cfg.requests, cfg.prompt_len), generator=g).tolist()
     section("engine", lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True))
+    if cfg.ablate_fusions and device.type == "cuda":
+        section(
+            "engine_unfused",
+            lambda: bench_engine(
+                cfg, model, prompts, device, cuda_graph=True, fused_kernels=False, compile_decode_layers=False
+            ),
+        )
+        section(
+            "engine_compiled",
+            lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True, compile_decode_layers=True),
+        )
     if cfg.eager_engine and device.type == "cuda":
         section("engine_eager", lambda: bench_engine(cfg, model, prompts, device, cuda_graph=False))
     if cfg.ablate_grouped:
@@ -275,7 +304,14 @@ def main(cfg: Config) -> dict:
         f"\n{cfg.requests} requests x {cfg.new_tokens} new tokens, prompt {cfg.prompt_len}, {result['env']['device']}, {dtype}"
     )
     print(f"{'system':<16}{'decode tok/s':>14}{'e2e tok/s':>12}{'ms/step':>10}{'wall s':>9}")
-    for name in ("engine", "engine_eager", "engine_repeat_kv", "hf_generate"):
+    for name in (
+        "engine",
+        "engine_unfused",
+        "engine_compiled",
+        "engine_eager",
+        "engine_repeat_kv",
+        "hf_generate",
+    ):
         r = result.get(name)
         if r:
             print(
