@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from rlcore.inference import architectures
+from rlcore.inference import architectures, fusions
 from rlcore.inference.attention import grouped_heads, install_engine_attention
 from rlcore.inference.blocks import BlockTables, build_kv_cache
 from rlcore.inference.graphs import DecodeGraphs
@@ -99,6 +99,13 @@ class EngineConfig:
     """Capture every graph bucket in ``start`` instead of on first use. Set it when a trainer shares the GPU and
     the process (the embedded engine next to training): a lazy capture can collide with the trainer's
     synchronisations and fall back to eager decode. Costs a few seconds and the graphs' logits buffers."""
+    fused_kernels: bool = True
+    """On CUDA, run the model's RMSNorm, SiLU-gated MLP and RoPE as liger-kernel's fused Triton kernels (the
+    ``gpu`` extra) for the families in ``fusions.LIGER_FAMILIES``; HF's modules otherwise (CPU, other families,
+    liger-kernel not installed: a one-line notice). Changes log-probs by float rounding only."""
+    compile_decode_layers: bool = False
+    """On CUDA, ``torch.compile`` every decoder layer (attention left eager) before the CUDA graphs are captured;
+    replaces liger's RMSNorm / SwiGLU (its RoPE stays). The first forward of each shape pays the compilation."""
     seed: int = 0
     """Seeds the per-request seeds drawn for requests that do not bring their own."""
     control_workers: int = 2
@@ -229,6 +236,14 @@ class Engine(WeightUpdates):
         self.adapters = architectures.adapt(self.model)  # refuses what the paged cache cannot serve
         own_attention = install_engine_attention(self.model)
         self.grouped_attention = cfg.grouped_decode_attention and own_attention and grouped_heads(self.model)
+        self.fusions = fusions.apply(  # before any CUDA graph is captured
+            self.model,
+            fused_kernels=cfg.fused_kernels,
+            compile_layers=cfg.compile_decode_layers,
+            device=self.device,
+        )
+        if self.fusions.note and self.device.type == "cuda":
+            print(f"[rlcore.engine] {self.fusions.note}", flush=True)
         self._fwd = ModelForward(self.model, self.max_seq_len)
         self._fwd.grouped = self.grouped_attention
         self._cache, self.kv_cache_tokens, self.decode_attention = build_kv_cache(

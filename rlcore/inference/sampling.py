@@ -1,7 +1,8 @@
 """Pure sampling math for the engine: temperature, top-k / top-p, penalties, the counter-based RNG.
 
-Every function here is a function of tensors (no module state, no host synchronisation, vectorised over rows),
-so it can be tested against a Python loop and copied out alone.
+Every function here is a function of tensors (vectorised over rows, no host synchronisation; the one piece of
+module state is whether the optional fused CUDA kernel of ``fused_block_stats`` works here), so it can be tested
+against a Python loop and copied out alone.
 
 Convention (docs/engine.md): the reported log-prob of a sampled token is its log-prob under the distribution it
 was actually drawn from, i.e. ``logits / T`` restricted to the top-k / top-p set and renormalised; with
@@ -9,6 +10,12 @@ was actually drawn from, i.e. ``logits / T`` restricted to the top-k / top-p set
 ``log_softmax(logits)`` at the argmax (no filtering). Requests that set penalties or ``min_new_tokens`` have
 their logits changed first (``apply_penalties``, ``mask_banned``) and report log-probs of that changed
 distribution; other rows are not touched.
+
+Nothing here sorts the vocabulary or runs a cumsum over it: the draw is a two-level inverse CDF (block sums,
+a cumsum over blocks, a cumsum inside the chosen block) and the top-k / top-p threshold is a radix selection
+over the probabilities' bit patterns (``keep_threshold``: three histogram rounds, exact, ties at the boundary
+kept). Each step is a fixed sequence of kernels without a host synchronisation. On CUDA the unfiltered step
+(every row ``top_p = 1``, ``top_k`` off) reads the logits once through ``kernels/sampling_stats.py`` (triton).
 """
 
 from __future__ import annotations
@@ -56,6 +63,117 @@ def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
+SAMPLING_BLOCK = 128
+"""Vocabulary block of the two-level inverse CDF (151,936 = 1,187 blocks of 128; any vocabulary size works, the
+last block may be shorter)."""
+
+_RADIX_ROUNDS = ((20, 11), (10, 10), (0, 10))
+"""``(shift, width)`` of the three radix rounds over the 31-bit ordering key (histograms of 2048, 1024, 1024 bins:
+a few MB for 256 rows, where 16-bit rounds would take hundreds)."""
+_MASS_SCALE = float(1 << 40)
+"""Fixed-point scale of the top-p mass histograms: ``exp(d) <= 1`` becomes an int64 multiple of ``2**-40``."""
+
+
+def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``(b v) -> (b nb)`` maximum of each vocabulary block ``[j * block, (j + 1) * block)``, ``nb = ceil(v / block)``."""
+    b, v = x.shape
+    n = v // block
+    parts = [x[:, : n * block].reshape(b, n, block).amax(-1)] if n else []
+    if v > n * block:
+        parts.append(x[:, n * block :].amax(-1, keepdim=True))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def _block_sum(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``(b v) -> (b nb)`` sum of each vocabulary block (same blocks as ``_block_amax``)."""
+    b, v = x.shape
+    n = v // block
+    parts = [x[:, : n * block].reshape(b, n, block).sum(-1)] if n else []
+    if v > n * block:
+        parts.append(x[:, n * block :].sum(-1, keepdim=True))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def _gather_block(
+    x: torch.Tensor, blk: torch.Tensor, block: int, fill: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``i``'s block ``blk[i]`` of ``x (b v)``: values ``(b block)`` (``fill`` past the vocabulary) and their
+    token ids ``(b block)``."""
+    v = x.shape[-1]
+    ids = blk[:, None] * block + torch.arange(block, device=x.device)
+    vals = x.gather(-1, ids.clamp(max=v - 1))
+    return torch.where(ids < v, vals, torch.full_like(vals, fill)), ids
+
+
+def _last_true(mask: torch.Tensor) -> torch.Tensor:
+    """``(b n) bool -> (b,)`` index of the last True per row (0 when none)."""
+    idx = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask, idx, torch.zeros_like(idx)).amax(-1)
+
+
+def order_key(d: torch.Tensor) -> torch.Tensor:
+    """Ordering key of non-positive float32 values: the bits of ``|d|`` as int32, ``(b v) -> (b v)``.
+
+    For ``d = (logits - max) / T <= 0`` a smaller key is a more likely token and equal keys are equal values (the
+    bits of ``|d|`` order non-negative floats; ``-inf`` is the largest key, ``0x7F800000``).
+    """
+    return d.view(torch.int32) & 0x7FFFFFFF
+
+
+def keep_threshold(
+    key: torch.Tensor, e: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
+    """The largest kept key per row, by radix selection over ``key`` (three histogram rounds, no sort).
+
+    A token is kept iff fewer than ``top_k`` tokens are strictly more likely than it (when ``top_k > 0``) and the
+    probability mass of the tokens strictly more likely than it is below ``top_p`` (when ``top_p < 1``). This is
+    the sort-based rule (the shortest prefix of the descending distribution whose mass reaches ``top_p``, cut to
+    ``top_k``) with **ties at the boundary all kept**: tokens of equal probability are kept or dropped together,
+    so the set does not depend on how a sort orders ties. The most likely token is always kept.
+
+    Masses are summed exactly as int64 fixed point (``exp(d)`` in multiples of ``2**-40``), so the result is
+    deterministic on every device; it can differ from a float32 cumsum only where the mass before a token is
+    within about ``1e-7`` of ``top_p``.
+
+    Args:
+      key: ``(b v)`` int32 ``order_key`` of ``d``.
+      e: ``(b v)`` float32 ``exp(d)`` (the unnormalised probabilities, at most 1).
+      top_p: ``(b,)`` float32 in (0, 1]; ``>= 1`` is off.
+      top_k: ``(b,)`` int64; ``<= 0`` is off.
+    Returns:
+      ``(b,)`` int32: the kept set is ``key <= threshold``.
+    """
+    b, v = key.shape
+    dev = key.device
+    mass = (e * _MASS_SCALE).long()
+    k_lim = torch.where(top_k > 0, top_k, torch.full_like(top_k, v + 1))[:, None]  # (b 1)
+    prefix = torch.zeros(b, dtype=torch.int64, device=dev)  # the threshold's bits found so far
+    # tokens strictly more likely than the prefix's bucket, and their mass
+    above_c = torch.zeros((b, 1), dtype=torch.int64, device=dev)
+    above_m = torch.zeros((b, 1), dtype=torch.int64, device=dev)
+    target = None
+    for shift, width in _RADIX_ROUNDS:
+        digit = ((key >> shift) & ((1 << width) - 1)).long()
+        if target is None:
+            w_count = torch.ones((), dtype=torch.int64, device=dev).expand(b, v)
+            w_mass = mass
+        else:  # only tokens whose higher bits equal the prefix count; the others add zero
+            inside = (key >> (shift + width)) == prefix[:, None]
+            w_count, w_mass = inside.long(), mass * inside
+        count = torch.zeros((b, 1 << width), dtype=torch.int64, device=dev).scatter_add_(1, digit, w_count)
+        msum = torch.zeros((b, 1 << width), dtype=torch.int64, device=dev).scatter_add_(1, digit, w_mass)
+        if target is None:
+            total = msum.sum(-1).double()  # exact integer total mass
+            inf = torch.full_like(total, math.inf)
+            target = torch.where(top_p < 1, top_p.double() * total, inf)[:, None]
+        cum_c = above_c + count.cumsum(-1) - count  # (b bins) tokens strictly more likely than each digit
+        cum_m = above_m + msum.cumsum(-1) - msum
+        sel = _last_true((count > 0) & (cum_c < k_lim) & (cum_m < target))  # the digit holding the threshold
+        above_c, above_m = cum_c.gather(-1, sel[:, None]), cum_m.gather(-1, sel[:, None])
+        prefix = (prefix << width) | sel
+    return prefix.to(torch.int32)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -64,47 +182,113 @@ def sample_tokens(
     uniform: torch.Tensor,
     *,
     filtered: bool,
+    block: int = SAMPLING_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row by inverse-CDF sampling and return its sampling-distribution log-prob.
+    """Draw one token per row by inverse-CDF sampling and return its sampling-distribution log-prob; no sort and
+    no full-vocabulary cumsum.
+
+    The row's distribution is ``exp(d)`` renormalised over the kept set, with ``d = (logits - max) / T`` in
+    float32 (``T = 1`` for greedy rows). The draw is two-level: block sums of ``exp(d)`` (``block`` tokens each),
+    a cumsum over the blocks picks the block holding ``uniform * total``, a cumsum inside that block picks the
+    token (the same inverse CDF in vocabulary order as one full cumsum, up to float rounding). Top-k / top-p
+    thresholds come from ``keep_threshold`` (radix selection, ties at the boundary kept).
 
     Args:
-      logits: ``(b v)`` raw next-token logits.
+      logits: ``(b v)`` raw next-token logits (any float dtype; the math is float32).
       temperature: ``(b,)``; rows with ``temperature <= 0`` are greedy.
-      top_p: ``(b,)`` nucleus mass in (0, 1]; the kept set is the shortest prefix of the sorted distribution
-        whose mass reaches ``top_p`` (the most likely token is always kept).
+      top_p: ``(b,)`` nucleus mass in (0, 1] (``keep_threshold`` gives the rule; ``>= 1`` keeps everything).
       top_k: ``(b,)`` int; ``<= 0`` keeps all tokens.
       uniform: ``(b,)`` in ``[0, 1)``, the per-row random draw.
-      filtered: apply top-k / top-p (sorts the vocabulary); pass False when every row has ``top_p = 1`` and
-        ``top_k <= 0`` to skip the sort (greedy rows must then also be unfiltered, which they are by convention).
+      filtered: apply top-k / top-p; pass False when every row has ``top_p = 1`` and ``top_k <= 0`` to skip the
+        threshold search (greedy rows are never filtered). A row without filters gets the same result either
+        way: bit-identical on CPU; on CUDA the unfiltered step reads the logits once through the fused
+        block-statistics kernel (``fused_block_stats``), which rounds the block sums differently.
+      block: vocabulary block of the two-level draw (changes only float rounding).
     Returns:
-      ``ids (b,)`` int64 and ``logp (b,)`` float32: ``log_softmax(logits / T)`` renormalised over the kept set,
-      at ``ids``; for greedy rows ``log_softmax(logits)`` at the argmax.
+      ``ids (b,)`` int64 and ``logp (b,)`` float32: ``d - log(sum of exp(d) over the kept set)`` at ``ids``
+      (``log_softmax(logits / T)`` when nothing is filtered); greedy rows return the first argmax and
+      ``log_softmax(logits)`` there.
     """
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
-    scaled = logits.to(torch.float32) / temp[:, None]
-    if filtered:
-        # Greedy rows are never filtered (their log-prob is the plain log_softmax at the argmax).
-        top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
-        top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
-        srt, idx = scaled.sort(dim=-1, descending=True)
-        probs = srt.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        rank = torch.arange(srt.shape[-1], device=srt.device)
-        keep = (mass_before < top_p[:, None].to(probs.dtype)) & (
-            (top_k[:, None] <= 0) | (rank[None] < top_k[:, None])
+    fused = None if filtered else fused_block_stats(logits, temp, block)
+    d = e = None
+    if fused is not None:  # CUDA: one pass over the logits (kernels/sampling_stats.py)
+        bmax, part = fused
+        mx = bmax.amax(-1)
+        bsum = part * torch.exp((bmax - mx[:, None]) / temp[:, None])
+    else:
+        bmax = _block_amax(logits, block)  # (b nb), exact in the logits' dtype
+        mx = bmax.amax(-1)
+        d = torch.sub(logits, mx.to(torch.float32)[:, None]).div_(temp[:, None])  # (b v) float32, <= 0
+        e = d.exp()
+        if filtered:
+            top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
+            top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
+            key = order_key(d)
+            e = e.mul_(key <= keep_threshold(key, e, top_p, top_k)[:, None])
+        bsum = _block_sum(e, block)  # (b nb)
+    cdf = bsum.cumsum(-1)
+    total = cdf[:, -1]
+    r = uniform.to(torch.float32) * total
+    blk = torch.searchsorted(cdf, r[:, None], right=True)[:, 0]
+    blk = torch.minimum(blk, _last_true(bsum > 0))  # rounding can push r past the last block with mass
+    prev = torch.where(blk > 0, cdf.gather(-1, (blk - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(r))
+    if e is not None:
+        e_in, ids_in = _gather_block(e, blk, block, 0.0)
+    else:
+        x_in, ids_in = _gather_block(logits, blk, block, -math.inf)
+        e_in = torch.sub(x_in, mx[:, None]).div_(temp[:, None]).exp_()
+    cin = e_in.cumsum(-1)
+    j = torch.searchsorted(cin, (r - prev)[:, None], right=True)[:, 0]
+    j = torch.minimum(j, _last_true(e_in > 0))
+    drawn = ids_in.gather(-1, j[:, None])[:, 0]
+    # greedy: the first block holding the maximum, then the first maximum inside it (torch.argmax's tie rule)
+    gblk = (bmax == mx[:, None]).to(torch.int8).argmax(-1)
+    l_in, gids = _gather_block(logits, gblk, block, -math.inf)
+    best = gids.gather(-1, (l_in == mx[:, None]).to(torch.int8).argmax(-1, keepdim=True))[:, 0]
+    ids = torch.where(greedy, best, drawn)
+    if d is not None:
+        d_ids = d.gather(-1, ids[:, None])[:, 0]
+    else:
+        d_ids = torch.sub(logits.gather(-1, ids[:, None])[:, 0], mx).div_(temp)
+    return ids, d_ids - total.log()
+
+
+_FUSED_STATS: list[bool] = []
+"""The only module state: ``[True]`` / ``[False]`` once the fused block-statistics kernel was tried here."""
+
+
+def fused_block_stats(
+    logits: torch.Tensor, temp: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(bmax, bsum)`` per vocabulary block from ``kernels/sampling_stats.py`` (one pass over the logits), or None
+    to use the torch path: not on CUDA, ``block`` not a power of two, triton missing, or the kernel failed or
+    disagreed with the torch path on its first call (checked once; it then stays off, with a message)."""
+    if not logits.is_cuda or block & (block - 1) or _FUSED_STATS == [False]:
+        return None
+    try:
+        from kernels.sampling_stats import block_stats
+
+        got = block_stats(logits, temp, block)
+    except Exception as exc:  # triton missing or the kernel failed: the torch path is always there
+        _FUSED_STATS[:] = [False]
+        print(
+            f"[rlcore.sampling] fused block statistics off ({type(exc).__name__}: {exc}); using torch",
+            flush=True,
         )
-        keep[:, 0] = True
-        logp_sorted = torch.where(keep, srt, torch.full_like(srt, -math.inf)).log_softmax(dim=-1)
-        cdf = logp_sorted.exp().cumsum(dim=-1)
-        j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=srt.shape[-1] - 1)
-        j = torch.where(greedy[:, None], torch.zeros_like(j), j)
-        return idx.gather(-1, j).squeeze(-1), logp_sorted.gather(-1, j).squeeze(-1)
-    logp_all = scaled.log_softmax(dim=-1)
-    cdf = logp_all.exp().cumsum(dim=-1)
-    j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
-    ids = torch.where(greedy[:, None], scaled.argmax(dim=-1, keepdim=True), j)
-    return ids.squeeze(-1), logp_all.gather(-1, ids).squeeze(-1)
+        return None
+    if not _FUSED_STATS:  # first call: compare with the torch path once
+        bmax = _block_amax(logits, block).to(torch.float32)
+        shift = torch.where(torch.isfinite(bmax), bmax, torch.zeros_like(bmax))
+        full = shift.repeat_interleave(block, -1)[:, : logits.shape[-1]]
+        ref = _block_sum(torch.sub(logits, full).div_(temp[:, None]).exp_(), block)
+        ok = torch.equal(got[0], bmax) and torch.allclose(got[1], ref, rtol=1e-5, atol=1e-6)
+        _FUSED_STATS[:] = [bool(ok)]
+        if not ok:
+            print("[rlcore.sampling] fused block statistics disagree with torch; using torch", flush=True)
+            return None
+    return got
 
 
 def apply_penalties(
@@ -281,7 +465,9 @@ def process_logits(
         x = x.index_copy(0, proc.pen_rows, sub)
     if proc.mn_rows is not None:
         active = count.index_select(0, proc.mn_rows) < proc.mn_min
-        x = x.index_copy(0, proc.mn_rows, mask_banned(x.index_select(0, proc.mn_rows), proc.mn_banned, active))
+        x = x.index_copy(
+            0, proc.mn_rows, mask_banned(x.index_select(0, proc.mn_rows), proc.mn_banned, active)
+        )
     return x
 
 
@@ -336,7 +522,11 @@ def check_request(
         raise EngineError(f"sampling_params.top_p must be in (0, 1], got {sp.top_p}")
     if sp.top_k == 0 or sp.top_k < -1:
         raise EngineError(f"sampling_params.top_k must be -1 (off) or >= 1, got {sp.top_k}")
-    bad = [x for x in sp.stop_token_ids if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab_size]
+    bad = [
+        x
+        for x in sp.stop_token_ids
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab_size
+    ]
     if bad:
         raise EngineError(
             f"sampling_params.stop_token_ids has ids outside [0, {vocab_size}) (the model's vocabulary): "

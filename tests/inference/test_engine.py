@@ -243,16 +243,18 @@ def test_sample_tokens_matches_a_loop_reference(rows):
             assert logits[i, ids[i]] == logits[i].max()
             ref = torch.log_softmax(logits[i], -1)[ids[i]]
         else:
-            row = torch.log_softmax(logits[i] / temp[i], -1)
-            order = row.argsort(descending=True, stable=True).tolist()
+            d = (logits[i] - logits[i].max()) / temp[i]  # the sampler's float32 scores: order and ties
+            row = torch.log_softmax(d.double(), -1)
+            order = d.argsort(descending=True, stable=True).tolist()
             k = len(order) if top_k[i] <= 0 else int(top_k[i])
             kept, mass = [], 0.0
             for j in order[:k]:
-                if kept and mass >= float(top_p[i]):
+                if kept and top_p[i] < 1 and mass >= float(top_p[i]):
                     break
                 kept.append(j)
                 mass += row[j].exp().item()
-            assert int(ids[i]) in kept or row[ids[i]] >= row[kept[-1]] - 1e-6  # ties may reorder
+            kept += [j for j in order[len(kept) :] if d[j] == d[kept[-1]]]  # ties at the boundary are kept
+            assert int(ids[i]) in kept
             ref = row[ids[i]] - torch.logsumexp(row[kept], 0)
         assert abs(float(logp[i]) - float(ref)) < 1e-4
     # With nothing to filter, both paths report log_softmax(logits / T) at the id they drew.

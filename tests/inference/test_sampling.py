@@ -1,0 +1,370 @@
+"""Sort-free sampling (``rlcore.inference.sampling.sample_tokens``) against the sort-based reference.
+
+The reference is the engine's previous sort path, kept verbatim here (``sort_sample_tokens``), and the kept-set
+rule written out over a descending sort in float64 (``reference_kept``). Properties: the kept set equals the
+sort-based definition (ties at the boundary kept together); every draw lands in it and reports exactly the
+log-prob of the renormalised filtered distribution; the draws follow that distribution (a stratified sweep that
+must match the probabilities to within one draw per token, and a chi-square test on counter-based uniforms for
+the new path and the sort path alike); rows without filters are bit-identical on both code paths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from rlcore.inference.sampling import counter_uniform, keep_threshold, order_key, sample_tokens
+
+# ----------------------------------------------------------------------------------------------------------------
+# References
+
+
+def sort_sample_tokens(logits, temperature, top_p, top_k, uniform, *, filtered):
+    """The engine's previous sampling step (sort + full-vocabulary cumsum), verbatim: the reference path."""
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
+    scaled = logits.to(torch.float32) / temp[:, None]
+    if filtered:
+        top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
+        top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
+        srt, idx = scaled.sort(dim=-1, descending=True)
+        probs = srt.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        rank = torch.arange(srt.shape[-1], device=srt.device)
+        keep = (mass_before < top_p[:, None].to(probs.dtype)) & (
+            (top_k[:, None] <= 0) | (rank[None] < top_k[:, None])
+        )
+        keep[:, 0] = True
+        logp_sorted = torch.where(keep, srt, torch.full_like(srt, -math.inf)).log_softmax(dim=-1)
+        cdf = logp_sorted.exp().cumsum(dim=-1)
+        j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=srt.shape[-1] - 1)
+        j = torch.where(greedy[:, None], torch.zeros_like(j), j)
+        return idx.gather(-1, j).squeeze(-1), logp_sorted.gather(-1, j).squeeze(-1)
+    logp_all = scaled.log_softmax(dim=-1)
+    cdf = logp_all.exp().cumsum(dim=-1)
+    j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
+    ids = torch.where(greedy[:, None], scaled.argmax(dim=-1, keepdim=True), j)
+    return ids.squeeze(-1), logp_all.gather(-1, ids).squeeze(-1)
+
+
+def scaled_d(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``d = (logits - max) / T`` in float32, as the sampler computes it (``T = 1`` for greedy rows)."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    return (logits - logits.amax(-1, keepdim=True).float()) / t[:, None]
+
+
+def reference_kept(d_row: torch.Tensor, top_p: float, top_k: int) -> tuple[torch.Tensor, float]:
+    """The sort-based kept set of one row, in float64: the shortest prefix of the descending distribution whose
+    mass reaches ``top_p``, cut to ``top_k``, extended to every token tied with its last token. Also returns the
+    smallest distance between ``top_p`` and a prefix mass (the rule's float ambiguity near that margin)."""
+    d64 = d_row.double()
+    p = torch.exp(d64 - torch.logsumexp(d64, 0))
+    order = torch.sort(d64, descending=True, stable=True).indices
+    ps = p[order]
+    before = ps.cumsum(0) - ps
+    keep = torch.ones_like(ps, dtype=torch.bool)
+    if top_p < 1:
+        keep &= before < top_p
+    if top_k > 0:
+        keep &= torch.arange(len(ps)) < top_k
+    keep[0] = True
+    last = d64[order[int(keep.nonzero().max())]]
+    margin = float((before - top_p).abs().min()) if top_p < 1 else math.inf
+    return d64 >= last, margin
+
+
+def reference_logp(d_row: torch.Tensor, kept: torch.Tensor, tok: int) -> float:
+    d64 = d_row.double()
+    return float(d64[tok] - torch.logsumexp(d64[kept], 0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Strategies: small vocabularies with many exact ties (values drawn from a small pool) and masked (-inf) tokens
+
+
+POOL = [-3.0, -1.0, -0.5, 0.0, 0.25, 1.0, 2.0, 2.5]
+
+
+@st.composite
+def rows(draw, max_b: int = 4, max_v: int = 40):
+    b = draw(st.integers(1, max_b))
+    v = draw(st.integers(1, max_v))
+    elem = st.one_of(st.sampled_from(POOL), st.floats(-8, 8, width=32), st.just(-math.inf))
+    vals = draw(st.lists(elem, min_size=b * v, max_size=b * v))
+    logits = torch.tensor(vals, dtype=torch.float32).view(b, v)
+    logits[:, 0] = torch.where(torch.isinf(logits[:, 0]), torch.zeros(b), logits[:, 0])  # one finite per row
+    temp = torch.tensor(draw(st.lists(st.sampled_from([0.0, 0.3, 0.7, 1.0, 2.0]), min_size=b, max_size=b)))
+    top_p = torch.tensor(
+        draw(st.lists(st.one_of(st.just(1.0), st.floats(0.01, 1.0)), min_size=b, max_size=b)),
+        dtype=torch.float32,
+    )
+    top_k = torch.tensor(
+        draw(st.lists(st.integers(-1, v + 2).filter(lambda k: k != 0), min_size=b, max_size=b))
+    )
+    u = torch.tensor(
+        draw(st.lists(st.floats(0, 1, width=32, exclude_max=True), min_size=b, max_size=b)),
+        dtype=torch.float32,
+    )
+    block = draw(st.sampled_from([1, 3, 8, 128]))
+    return logits, temp, top_p, top_k, u, block
+
+
+def kept_sets(logits, temp, top_p, top_k):
+    """The sampler's kept set ``(b v)`` and the reference's, per row (greedy rows are unfiltered)."""
+    d = scaled_d(logits, temp)
+    p = torch.where(temp > 0, top_p, torch.ones_like(top_p))
+    k = torch.where(temp > 0, top_k, torch.zeros_like(top_k))
+    key = order_key(d)
+    got = key <= keep_threshold(key, d.exp(), p, k)[:, None]
+    refs = [reference_kept(d[i], float(p[i]), int(k[i])) for i in range(d.shape[0])]
+    return d, got, [r[0] for r in refs], min(r[1] for r in refs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kept set, draws and log-probs
+
+
+@settings(max_examples=100)
+@given(rows())
+def test_kept_set_equals_the_sort_based_definition(case):
+    logits, temp, top_p, top_k, _, _ = case
+    _, got, want, margin = kept_sets(logits, temp, top_p, top_k)
+    assume(margin > 1e-6)  # a prefix mass within float rounding of top_p: both answers are right
+    for i, w in enumerate(want):
+        assert torch.equal(got[i], w), (i, got[i].nonzero().tolist(), w.nonzero().tolist())
+
+
+@settings(max_examples=100)
+@given(rows())
+def test_every_draw_is_kept_and_reports_the_filtered_logprob(case):
+    logits, temp, top_p, top_k, u, block = case
+    d, _, want, margin = kept_sets(logits, temp, top_p, top_k)
+    assume(margin > 1e-6)
+    ids, logp = sample_tokens(logits, temp, top_p, top_k, u, filtered=True, block=block)
+    for i in range(logits.shape[0]):
+        tok = int(ids[i])
+        assert want[i][tok] and d[i, tok] > -math.inf
+        if temp[i] <= 0:
+            assert tok == int(logits[i].argmax())  # the first maximum
+            ref = float(torch.log_softmax(logits[i].double(), 0)[tok])
+        else:
+            ref = reference_logp(d[i], want[i], tok)
+        assert abs(float(logp[i]) - ref) < 2e-6, (i, float(logp[i]), ref)
+
+
+@settings(max_examples=100)
+@given(rows())
+def test_rows_without_filters_are_bit_identical_on_both_paths_and_report_log_softmax(case):
+    logits, temp, _, top_k, u, block = case
+    ones, off = torch.ones(logits.shape[0]), -torch.ones_like(top_k)
+    a = sample_tokens(logits, temp, ones, off, u, filtered=False, block=block)
+    b = sample_tokens(logits, temp, ones, off, u, filtered=True, block=block)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    t = torch.where(temp > 0, temp, torch.ones_like(temp)).double()
+    full = torch.log_softmax(logits.double() / t[:, None], -1)
+    torch.testing.assert_close(a[1].double(), full.gather(-1, a[0][:, None])[:, 0], atol=2e-6, rtol=0)
+
+
+@settings(max_examples=60)
+@given(rows(), st.sampled_from([1, 7, 128]))
+def test_the_draw_does_not_depend_on_the_block_size_beyond_rounding(case, other):
+    """Same kept set, same inverse CDF in vocabulary order: the block split only changes float rounding, so two
+    block sizes draw the same token unless ``u * total`` is within rounding of the CDF step between them."""
+    logits, temp, top_p, top_k, u, block = case
+    _, _, want, margin = kept_sets(logits, temp, top_p, top_k)
+    assume(margin > 1e-6)
+    a_ids, a_lp = sample_tokens(logits, temp, top_p, top_k, u, filtered=True, block=block)
+    b_ids, b_lp = sample_tokens(logits, temp, top_p, top_k, u, filtered=True, block=other)
+    d = scaled_d(logits, temp)
+    for i in range(logits.shape[0]):
+        if a_ids[i] == b_ids[i]:
+            assert abs(float(a_lp[i]) - float(b_lp[i])) < 1e-6
+            continue
+        assert temp[i] > 0
+        e = torch.where(want[i], d[i].double().exp(), torch.zeros_like(d[i].double()))
+        cdf = e.cumsum(0) / e.sum()
+        step = float(cdf[min(int(a_ids[i]), int(b_ids[i]))])  # the CDF step between the two tokens
+        assert abs(step - float(u[i])) < 1e-5, (float(u[i]), step)
+
+
+def test_stratified_draws_follow_the_filtered_distribution_within_one_draw():
+    """``u = (i + 1/2) / n`` for ``i < n``: an exact inverse CDF gives each token ``n * p`` draws to within one."""
+    n = 1000
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.5, -1.0, 3.0, -math.inf, 0.0, 2.0, -2.0]])
+    for temp, top_p, top_k in [(1.0, 1.0, -1), (0.7, 0.8, -1), (1.3, 1.0, 4), (1.0, 0.6, 3), (2.0, 0.95, 7)]:
+        args = (torch.full((n,), temp), torch.full((n,), top_p), torch.full((n,), top_k, dtype=torch.long))
+        u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+        ids, _ = sample_tokens(logits.expand(n, -1), *args, u, filtered=True, block=3)
+        d = scaled_d(logits, torch.tensor([temp]))[0]
+        kept, _ = reference_kept(d, top_p, top_k)
+        p = torch.where(kept, d.double(), torch.full_like(d.double(), -math.inf)).softmax(0)
+        counts = torch.bincount(ids, minlength=logits.shape[1]).double()
+        assert (counts - n * p).abs().max() <= 1.0 + 1e-6, (
+            temp,
+            top_p,
+            top_k,
+            counts.tolist(),
+            (n * p).tolist(),
+        )
+
+
+def chi_square(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
+    keep = p > 0
+    exp = counts.sum() * p[keep]
+    return float(((counts[keep] - exp) ** 2 / exp).sum()), int(keep.sum()) - 1
+
+
+# chi-square critical values at alpha = 1e-4 by degrees of freedom (so the derandomized test cannot flake)
+CHI2_CRIT = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88, 8: 31.83, 9: 33.72}
+
+
+@pytest.mark.parametrize("temp,top_p,top_k", [(1.0, 1.0, -1), (0.8, 0.7, -1), (1.0, 1.0, 3), (1.5, 0.9, 6)])
+def test_counter_uniform_draws_pass_chi_square_like_the_sort_path(temp, top_p, top_k):
+    """Draws keyed by (seed, position) as in the engine, both samplers: each histogram fits the filtered
+    distribution (and a wrong distribution, the unfiltered one, is rejected)."""
+    n = 6000
+    logits = torch.tensor([[1.5, 0.2, -0.3, 1.0, 2.0, 0.0, -1.0, 0.7, 1.2, -0.5]])
+    u = counter_uniform(torch.full((n,), 12345), torch.arange(n))
+    args = (torch.full((n,), temp), torch.full((n,), top_p), torch.full((n,), top_k, dtype=torch.long), u)
+    d = scaled_d(logits, torch.tensor([temp]))[0]
+    kept, _ = reference_kept(d, top_p, top_k)
+    p = torch.where(kept, d.double(), torch.full_like(d.double(), -math.inf)).softmax(0)
+    for fn in (sample_tokens, sort_sample_tokens):
+        ids, _ = fn(logits.expand(n, -1), *args, filtered=True)
+        counts = torch.bincount(ids, minlength=logits.shape[1]).double()
+        stat, dof = chi_square(counts, p)
+        assert stat < CHI2_CRIT[dof], (fn.__name__, stat, dof)
+        if not bool(kept.all()):
+            assert counts[~kept].sum() == 0
+            wrong = d.double().softmax(0)
+            assert chi_square(counts, wrong)[0] > 100  # the test can fail: the unfiltered law is rejected
+
+
+def test_logprobs_agree_with_the_sort_path_on_the_same_token():
+    """Where no ties sit at the boundary the kept sets agree, so both samplers report the same log-prob for a
+    token (they draw different tokens for one ``u``: the sort path inverts the CDF in sorted order)."""
+    g = torch.Generator().manual_seed(0)
+    b, v = 64, 500
+    logits = torch.randn(b, v, generator=g) * 2
+    temp = torch.rand(b, generator=g) + 0.3
+    top_p = torch.rand(b, generator=g) * 0.9 + 0.05
+    top_k = torch.randint(1, 60, (b,), generator=g)
+    top_k[::3] = -1
+    # With u = 0 both draw their first kept token in their own order; compare each one's log-prob to the other
+    # sampler's filtered distribution through a one-hot probe: ids of the new path drawn by the old path's logic.
+    ids_new, lp_new = sample_tokens(logits, temp, top_p, top_k, torch.rand(b, generator=g), filtered=True)
+    ids_old, lp_old = sort_sample_tokens(
+        logits, temp, top_p, top_k, torch.rand(b, generator=g), filtered=True
+    )
+    d = scaled_d(logits, temp)
+    for i in range(b):
+        kept, margin = reference_kept(d[i], float(top_p[i]), int(top_k[i]))
+        assert margin > 1e-6
+        assert abs(float(lp_new[i]) - reference_logp(d[i], kept, int(ids_new[i]))) < 2e-6
+        assert abs(float(lp_old[i]) - reference_logp(d[i], kept, int(ids_old[i]))) < 1e-5
+
+
+def test_bfloat16_logits_are_sampled_in_float32():
+    g = torch.Generator().manual_seed(1)
+    b, v = 8, 3000
+    logits = (torch.randn(b, v, generator=g) * 3).bfloat16()  # bf16: many exact ties
+    temp = torch.tensor([1.0, 0.5, 0.0, 2.0, 1.0, 1.0, 0.8, 1.2])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.99, 1.0, 0.3, 0.7])
+    top_k = torch.tensor([-1, -1, -1, 100, -1, 7, 1000, -1])
+    u = torch.rand(b, generator=g)
+    ids, logp = sample_tokens(logits, temp, top_p, top_k, u, filtered=True)
+    d = scaled_d(logits.float(), temp)
+    for i in range(b):
+        if temp[i] <= 0:
+            assert int(ids[i]) == int(logits[i].float().argmax())
+            continue
+        kept, _ = reference_kept(d[i], float(top_p[i]), int(top_k[i]))
+        assert kept[ids[i]]
+        assert abs(float(logp[i]) - reference_logp(d[i], kept, int(ids[i]))) < 2e-6
+
+
+def test_extreme_uniforms_and_masked_tokens():
+    """u = 0 and the largest 24-bit uniform both land on a kept token with mass; -inf tokens are never drawn."""
+    logits = torch.tensor([[-math.inf, 1.0, -math.inf, 0.5, -math.inf, -math.inf, 2.0, -math.inf]] * 4)
+    temp = torch.ones(4)
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.5])
+    top_k = torch.tensor([-1, 2, -1, 1])
+    for u in (0.0, 1.0 - 2.0**-24):
+        for block in (1, 3, 128):
+            ids, logp = sample_tokens(
+                logits, temp, top_p, top_k, torch.full((4,), u), filtered=True, block=block
+            )
+            assert torch.isfinite(logits.gather(-1, ids[:, None])).all() and torch.isfinite(logp).all()
+            if u > 0.5:
+                assert ids[0] == 6 and ids[1] == 6  # last token with mass in vocabulary order
+            else:
+                assert ids[0] == 1 and ids[1] == 1
+            assert ids[2] == 6 and ids[3] == 6  # top_p 0.5 / top_k 1: only the most likely token
+
+
+def test_each_filter_changes_the_result():
+    """top_p, top_k and ``filtered`` are not dead knobs: each changes the kept set, hence the log-prob."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    t, u = torch.ones(1), torch.tensor([0.1])
+    base = sample_tokens(logits, t, torch.ones(1), torch.tensor([-1]), u, filtered=True)[1]
+    assert sample_tokens(logits, t, torch.tensor([0.5]), torch.tensor([-1]), u, filtered=True)[1] > base
+    assert sample_tokens(logits, t, torch.ones(1), torch.tensor([2]), u, filtered=True)[1] > base
+    assert sample_tokens(logits, t, torch.ones(1), torch.tensor([2]), u, filtered=False)[1] == base
+
+
+def test_sampling_is_deterministic_for_the_same_inputs():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, 777, generator=g)
+    args = (
+        torch.rand(16, generator=g) + 0.5,
+        torch.rand(16, generator=g),
+        torch.randint(-1, 50, (16,), generator=g),
+    )
+    args = (args[0], args[1], torch.where(args[2] == 0, -1, args[2]))
+    u = counter_uniform(torch.arange(16), torch.full((16,), 5))
+    a = sample_tokens(logits, *args, u, filtered=True)
+    b = sample_tokens(logits.clone(), *args, u.clone(), filtered=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_adjacent_floats_at_the_boundary_are_not_ties():
+    """Two logits one float apart are distinct values: top-k keeps exactly the k-th, not its neighbour."""
+    nxt = float(torch.nextafter(torch.tensor(-1.0), torch.tensor(-2.0)))
+    logits = torch.tensor([[0.0, -1.0, nxt, -3.0]])
+    d = scaled_d(logits, torch.ones(1))
+    key = order_key(d)
+    for k, want in [(2, [True, True, False, False]), (3, [True, True, True, False])]:
+        got = key <= keep_threshold(key, d.exp(), torch.ones(1), torch.tensor([k]))[:, None]
+        assert got[0].tolist() == want
+        _, logp = sample_tokens(
+            logits, torch.ones(1), torch.ones(1), torch.tensor([k]), torch.zeros(1), filtered=True
+        )
+        assert abs(float(logp[0]) - reference_logp(d[0], torch.tensor(want), 0)) < 1e-6
+
+
+def test_draws_at_every_cdf_step_land_on_a_token_with_mass():
+    """Uniforms just below every block boundary of the CDF (where the block-level sums and the in-block cumsum
+    round differently) still draw a token with mass, never one of the masked tokens at a block's end."""
+    block, nb = 128, 8
+    for seed in (6, 10):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(1, block * nb, generator=g) * 2
+        logits.view(nb, block)[:, block - 40] = -math.inf
+        logits.view(nb, block)[:, block - 30 :] = -math.inf  # the last 30 tokens of every block have no mass
+        e = scaled_d(logits, torch.ones(1)).exp()
+        cdf = e.view(nb, block).sum(-1).cumsum(0)
+        us = []
+        for c in (cdf / cdf[-1]).tolist():
+            x = torch.tensor(c, dtype=torch.float32)
+            for _ in range(30):
+                x = torch.nextafter(x, torch.tensor(0.0))
+                us.append(float(x))
+        u = torch.tensor(us, dtype=torch.float32)
+        n = u.shape[0]
+        ones, off = torch.ones(n), -torch.ones(n, dtype=torch.long)
+        ids, logp = sample_tokens(logits.expand(n, -1), ones, ones, off, u, filtered=False, block=block)
+        assert torch.isfinite(logits[0, ids]).all() and torch.isfinite(logp).all()
