@@ -99,10 +99,11 @@ class EngineConfig:
     """Capture every graph bucket in ``start`` instead of on first use. Set it when a trainer shares the GPU and
     the process (the embedded engine next to training): a lazy capture can collide with the trainer's
     synchronisations and fall back to eager decode. Costs a few seconds and the graphs' logits buffers."""
-    fused_kernels: bool = True
+    fused_kernels: bool = False
     """On CUDA, run the model's RMSNorm, SiLU-gated MLP and RoPE as liger-kernel's fused Triton kernels (the
     ``gpu`` extra) for the families in ``fusions.LIGER_FAMILIES``; HF's modules otherwise (CPU, other families,
-    liger-kernel not installed: a one-line notice). Changes log-probs by float rounding only."""
+    liger-kernel not installed: a one-line notice). Changes log-probs by float rounding only. Off by default
+    until its decode-step speed and exactness are measured on a GPU (``bench_engine.py``'s fusion sections)."""
     compile_decode_layers: bool = False
     """On CUDA, ``torch.compile`` every decoder layer (attention left eager) before the CUDA graphs are captured;
     replaces liger's RMSNorm / SwiGLU (its RoPE stays). The first forward of each shape pays the compilation."""
