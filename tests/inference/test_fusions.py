@@ -71,7 +71,7 @@ def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 def test_cpu_engine_installs_nothing_and_says_why():
     model = tiny()
-    with Engine(model, EngineConfig(max_batch=2)) as eng:
+    with Engine(model, EngineConfig(max_batch=2, fused_kernels=True)) as eng:
         assert (
             eng.fusions.rms_norm == eng.fusions.swiglu == eng.fusions.rope == eng.fusions.compiled_layers == 0
         )
