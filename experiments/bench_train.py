@@ -580,7 +580,12 @@ def sections_table(cfg: Config, batch) -> dict:
                 model_cfg=mc(compile_layers="off", fused_kernels="off"),
             )
         ),
-        "compiled_liger": r(V("compiled layers + liger fused kernels", model_cfg=mc(fused_kernels="liger"))),
+        "compiled_liger": r(
+            V(
+                "compiled layers + liger fused kernels (run eagerly: each layer graph-breaks around them)",
+                model_cfg=mc(fused_kernels="liger"),
+            )
+        ),
         "fp32_autocast": r(
             V("fp32 parameters + bf16 autocast (compiled)", model_cfg=mc(param_dtype="keep"), build_fp32=True)
         ),

@@ -9,31 +9,39 @@ is called once per model by ``train_state.init_train_state`` (``ModelConfig.fuse
 * SwiGLU: every ``*MLP`` with ``gate_proj``/``up_proj``/``down_proj`` and a SiLU activation runs
   ``down_proj(LigerSiLUMulFunction(gate_proj(x), up_proj(x)))``: one kernel instead of silu + mul, forward and
   backward, without keeping ``silu(gate)``.
-* RoPE: the family's ``apply_rotary_pos_emb`` runs ``LigerRopeFunction`` for tensors on a device a patched model
-  lives on. HF's attention looks this function up in its modeling module, so this one patch is process-wide for
-  that family (other models of the same family on that device use it too; the math is the same up to rounding).
-  It also leaves q/k in the (tokens, heads, dim) layout the varlen kernel reads, so the packed path copies less.
+* RoPE: every ``*Attention`` module with ``q_proj`` runs ``LigerRopeFunction`` instead of the family's
+  ``apply_rotary_pos_emb``. HF's attention looks that function up in its modeling module's globals, so the
+  instance gets a copy of its class's ``forward`` (and of the ``functools.wraps`` decorators around it) whose
+  globals map that one name to liger's kernel (:func:`rebind_globals`). The modeling module is not touched:
+  every other model of the family, on any device, keeps HF's function. Liger's RoPE also leaves q/k in the
+  (tokens, heads, dim) layout the varlen kernel reads, so the packed path copies less.
 
-Only these module instances (and the RoPE function of their family) change; parameters, names and state dicts
-do not. Liger's fused linear cross-entropy is NOT used: ``kernels/logp_entropy.py`` does that job (log-probs and
-entropy without materialising logits). Families: :data:`LIGER_MODEL_TYPES`; anything else keeps HF's modules.
+Only these module instances change, never a class or a module: parameters, names and state dicts do not, and
+nothing reaches another model of the process (the benchmark builds one model per section). Liger's fused linear
+cross-entropy is NOT used: ``kernels/logp_entropy.py`` does that job (log-probs and entropy without
+materialising logits). Families: :data:`LIGER_MODEL_TYPES`; anything else keeps HF's modules.
+
+Compiled layers: dynamo cannot trace liger's autograd Functions (torch 2.11: an assertion in the
+autograd.Function higher-order op; without grad, an Inductor error on the captured Triton kernel), so every
+liger call is ``torch.compiler.disable``'d: a compiled layer graph-breaks around it and runs the kernel eagerly,
+correct but with several graphs per layer. Compilation fuses the same elementwise ops itself (and the residual
+adds with the norms, which liger cannot), so ``auto`` never combines them; ``fused_kernels='liger'`` with
+compiled layers is for measuring that (bench section ``compiled_liger``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 LIGER_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 """HF model types whose RMSNorm (Llama casting), SiLU-gated MLP and rotate-half RoPE liger's kernels reproduce."""
-
-_ROPE_DEVICES: dict[
-    str, set[torch.device]
-] = {}  # modeling module name -> devices whose RoPE runs liger's kernel
 
 
 def _hf(model: nn.Module) -> nn.Module:
@@ -64,70 +72,110 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _rms_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    ops = liger_ops()
-    assert ops is not None
-    # (X, W, eps, offset, casting_mode, in_place): Llama/Qwen2 casting; not in place (residual-safe)
-    return ops.rms_norm.apply(hidden_states, self.weight, self.variance_epsilon, 0.0, "llama", False)
+def _eager(fn: Callable) -> Callable:
+    """``fn`` opaque to dynamo: inside a compiled layer it graph-breaks and runs eagerly (module docstring)."""
+    return torch.compiler.disable(fn)
 
 
-def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    ops = liger_ops()
-    assert ops is not None
-    return self.down_proj(ops.silu_mul.apply(self.gate_proj(x), self.up_proj(x)))
+def _rms_forward(mod: nn.Module, rms: Callable, hidden_states: torch.Tensor) -> torch.Tensor:
+    # (X (... h), W (h), eps, offset, casting_mode, in_place): Llama/Qwen2 casting; not in place (residual-safe)
+    return rms(hidden_states, mod.weight, mod.variance_epsilon, 0.0, "llama", False)
 
 
-def _patch_rope(modeling: types.ModuleType, device: torch.device) -> None:
-    name = modeling.__name__
-    if name not in _ROPE_DEVICES:
-        original = modeling.apply_rotary_pos_emb
-        devices: set[torch.device] = set()
-
-        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-            if q.device in devices and not args and set(kwargs) <= {"unsqueeze_dim"}:
-                ops = liger_ops()
-                if ops is not None:
-                    return ops.rope.apply(q, k, cos, sin, None, kwargs.get("unsqueeze_dim", 1))
-            return original(q, k, cos, sin, *args, **kwargs)
-
-        apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
-        modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
-        _ROPE_DEVICES[name] = devices
-    _ROPE_DEVICES[name].add(device)
+def _mlp_forward(mod: nn.Module, silu_mul: Callable, x: torch.Tensor) -> torch.Tensor:
+    return mod.down_proj(silu_mul(mod.gate_proj(x), mod.up_proj(x)))
 
 
-def patch_liger(model: nn.Module) -> tuple[str, ...]:
-    """Route ``model``'s RMSNorms, SwiGLU MLPs and RoPE through liger's kernels; returns the ops patched.
+def _liger_rope(rope: Callable, original: Callable, q, k, cos, sin, *args: Any, **kwargs: Any):
+    """``apply_rotary_pos_emb(q (b h t d), k (b kvh t d), cos (b t d), sin (b t d))`` through liger's kernel;
+    any other call form (position ids, partial rotary) goes to HF's ``original``."""
+    if not args and set(kwargs) <= {"unsqueeze_dim"} and cos.dim() == 3 and cos.shape[-1] == q.shape[-1]:
+        return rope(q, k, cos, sin, None, kwargs.get("unsqueeze_dim", 1))
+    return original(q, k, cos, sin, *args, **kwargs)
 
+
+def rebind_globals(fn: Callable, overrides: dict[str, Any]) -> Callable | None:
+    """A copy of function ``fn`` whose global names in ``overrides`` resolve to the given objects.
+
+    ``functools.wraps`` decorators (``__wrapped__`` held in a closure cell) are copied too, around a rebound copy
+    of the function they wrap. ``fn``, its module and its class are unchanged. Returns None when the innermost
+    function reads none of the names (nothing would change), or ``fn`` is not a plain Python function.
+    """
+    if not isinstance(fn, types.FunctionType):
+        return None
+    inner = getattr(fn, "__wrapped__", None)
+    cells = fn.__closure__ or ()
+    at = [i for i, c in enumerate(cells) if inner is not None and _cell(c) is inner]
+    if at:
+        new_inner = rebind_globals(inner, overrides)
+        if new_inner is None:
+            return None
+        closure = tuple(types.CellType(new_inner) if i in at else c for i, c in enumerate(cells))
+        glb = fn.__globals__
+    else:
+        if not set(overrides) & set(fn.__code__.co_names):
+            return None
+        new_inner, closure, glb = None, fn.__closure__, {**fn.__globals__, **overrides}
+    new = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    if new_inner is not None:
+        new.__wrapped__ = new_inner
+    return new
+
+
+def _cell(c: types.CellType) -> object:
+    try:
+        return c.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def patch_liger(model: nn.Module, ops: types.SimpleNamespace | None = None) -> tuple[str, ...]:
+    """Route ``model``'s RMSNorms, SwiGLU MLPs and RoPE through liger's kernels (these instances only); returns the
+    ops patched.
+
+    ``ops``: the three autograd Functions (default :func:`liger_ops`; tests pass stand-ins with ``.apply``).
     Raises ``ValueError`` (naming the reason) when :func:`unsupported_reason` says it cannot.
     """
     hf = _hf(model)
-    reason = unsupported_reason(model)
+    reason = unsupported_reason(model) if ops is None else None
     if reason is not None:
         raise ValueError(f"ModelConfig.fused_kernels='liger': {reason}; set fused_kernels='auto' or 'off'")
-    n_norm = n_mlp = 0
+    ops = ops or liger_ops()
+    rms, silu_mul, rope = (_eager(getattr(ops, n).apply) for n in ("rms_norm", "silu_mul", "rope"))
+    modeling = importlib.import_module(type(hf).__module__)
+    original_rope = getattr(modeling, "apply_rotary_pos_emb", None)
+    attn_forwards: dict[type, Callable | None] = {}
+    n = {"rms_norm": 0, "swiglu": 0, "rope": 0}
     for m in hf.modules():
         name = type(m).__name__
+        if getattr(m, "_rlcore_liger", False):
+            continue
         if (
             name.endswith("RMSNorm")
             and isinstance(getattr(m, "weight", None), torch.Tensor)
             and hasattr(m, "variance_epsilon")
         ):
-            m.forward = types.MethodType(_rms_forward, m)
-            n_norm += 1
+            m.forward = functools.partial(_rms_forward, m, rms)
+            n["rms_norm"] += 1
         elif name.endswith("MLP") and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")):
-            m.forward = types.MethodType(_mlp_forward, m)
-            n_mlp += 1
-    done = []
-    if n_norm:
-        done.append("rms_norm")
-    if n_mlp:
-        done.append("swiglu")
-    modeling = importlib.import_module(type(hf).__module__)
-    if hasattr(modeling, "apply_rotary_pos_emb"):
-        _patch_rope(modeling, next(hf.parameters()).device)
-        done.append("rope")
-    return tuple(done)
+            m.forward = functools.partial(_mlp_forward, m, silu_mul)
+            n["swiglu"] += 1
+        elif name.endswith("Attention") and hasattr(m, "q_proj") and original_rope is not None:
+            if type(m) not in attn_forwards:
+                fused = functools.partial(_liger_rope, rope, original_rope)
+                attn_forwards[type(m)] = rebind_globals(type(m).forward, {"apply_rotary_pos_emb": fused})
+            fwd = attn_forwards[type(m)]
+            if fwd is None:
+                continue
+            m.forward = types.MethodType(fwd, m)
+            n["rope"] += 1
+        else:
+            continue
+        m._rlcore_liger = True
+    return tuple(k for k, v in n.items() if v)
 
 
 def apply_fused_kernels(
@@ -136,8 +184,9 @@ def apply_fused_kernels(
     """Apply ``ModelConfig.fused_kernels`` to ``model`` (call after it is on its device); returns the ops patched.
 
     ``auto``: liger on CUDA when installed and supported, unless the layers are compiled (compilation fuses the
-    same elementwise ops itself); otherwise nothing, silently. ``liger``: always (CPU only under
-    ``TRITON_INTERPRET=1``), with a ``ValueError`` naming what is missing. ``off``: nothing.
+    same elementwise ops itself, faster: module docstring); otherwise nothing, silently. ``liger``: always (CPU
+    only under ``TRITON_INTERPRET=1``; with compiled layers the kernels run eagerly between graphs), with a
+    ``ValueError`` naming what is missing. ``off``: nothing.
     """
     if mode == "off":
         return ()
@@ -149,4 +198,11 @@ def apply_fused_kernels(
     return patch_liger(model)
 
 
-__all__ = ["LIGER_MODEL_TYPES", "apply_fused_kernels", "patch_liger", "unsupported_reason", "liger_ops"]
+__all__ = [
+    "LIGER_MODEL_TYPES",
+    "apply_fused_kernels",
+    "liger_ops",
+    "patch_liger",
+    "rebind_globals",
+    "unsupported_reason",
+]

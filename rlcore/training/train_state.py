@@ -86,8 +86,9 @@ class ModelConfig:
     fused_kernels: Literal["auto", "liger", "off"] = "auto"
     """liger-kernel's fused RMSNorm / SwiGLU / RoPE (``rlcore.training.fusions``; the optional ``gpu`` extra).
     ``auto``: on CUDA when liger-kernel is installed, the model family is supported and the layers are not
-    compiled (compilation fuses the same ops). ``liger``: require it on CUDA (an error names what is missing);
-    CPU runs never use it."""
+    compiled (compilation fuses the same ops, faster). ``liger``: require it on CUDA (an error names what is
+    missing; with compiled layers the kernels run eagerly between the layer's graphs); CPU runs never use it.
+    Only this model's module instances are patched."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (memory ~ one layer's
     activations plus one hidden state per layer; ~1/3 more compute). Unsharded models; FSDP2 runs also honour

@@ -273,29 +273,32 @@ def test_fused_kernels_auto_is_a_no_op_on_cpu_and_liger_names_what_is_missing(mo
     assert "is not one of" in fusions.unsupported_reason(gpt2)
 
 
-def _reference_ops():
-    """liger's RMSNorm (Llama casting) and SiLU·mul semantics in torch, to check the wiring on CPU."""
+def _reference_ops(calls: collections.Counter | None = None):
+    """liger's RMSNorm (Llama casting), SiLU·mul and RoPE semantics in torch (``.apply`` like liger's autograd
+    Functions), to check the wiring on CPU; ``calls`` counts each op's calls."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    calls = collections.Counter() if calls is None else calls
 
     class RMS:
         @staticmethod
         def apply(x, w, eps, offset, casting_mode, in_place):
             assert offset == 0.0 and casting_mode == "llama" and in_place is False
+            calls["rms_norm"] += 1
             xf = x.float()
             return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
     class SiLUMul:
         @staticmethod
         def apply(a, b):
+            calls["silu_mul"] += 1
             return torch.nn.functional.silu(a) * b
 
     class Rope:
         @staticmethod
         def apply(q, k, cos, sin, position_ids, unsqueeze_dim):
-            from transformers.models.qwen2 import modeling_qwen2
-
-            return modeling_qwen2.apply_rotary_pos_emb.__wrapped__(
-                q, k, cos, sin, unsqueeze_dim=unsqueeze_dim
-            )
+            calls["rope"] += 1
+            return modeling_qwen2.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
     return type("Ops", (), {"rms_norm": RMS, "silu_mul": SiLUMul, "rope": Rope})
 
@@ -309,29 +312,18 @@ def _logp_grads(hf):
     return logp.detach(), {n: p.grad.clone() for n, p in hf.named_parameters()}
 
 
-def test_liger_wiring_patches_every_norm_and_mlp_and_keeps_the_gradient(monkeypatch):
-    monkeypatch.setattr(fusions, "liger_ops", _reference_ops)
-    monkeypatch.setattr(fusions, "_ROPE_DEVICES", {})
-    from transformers.models.qwen2 import modeling_qwen2
-
-    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", modeling_qwen2.apply_rotary_pos_emb)
+def test_liger_wiring_patches_every_norm_mlp_and_rope_of_the_instance_and_keeps_the_gradient():
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(_cfg())
     patched = copy.deepcopy(hf)
-    assert fusions.patch_liger(patched) == ("rms_norm", "swiglu", "rope")
+    calls: collections.Counter = collections.Counter()
+    assert fusions.patch_liger(patched, _reference_ops(calls)) == ("rms_norm", "swiglu", "rope")
     norms = [m for m in patched.modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) == 2 * 2 + 1 and all("forward" in vars(m) for m in norms)  # per layer x 2 + final norm
-    calls = collections.Counter()
-    ops = _reference_ops()
-    for name in ("rms_norm", "silu_mul", "rope"):
-        real = getattr(ops, name).apply
-        getattr(ops, name).apply = staticmethod(lambda *a, _r=real, _n=name: calls.update([_n]) or _r(*a))
-    monkeypatch.setattr(fusions, "liger_ops", lambda: ops)
     lp_ref, g_ref = _logp_grads(hf)
+    assert not calls  # the unpatched model (same family, same device) runs HF's modules and RoPE
     lp, g = _logp_grads(patched)
-    # norms and MLPs of the patched instance only; RoPE is per family and device (documented), so the unpatched
-    # model on the same device also takes it: 2 layers x 2 models
-    assert calls["rms_norm"] == 5 and calls["silu_mul"] == 2 and calls["rope"] == 4, calls
+    assert calls == {"rms_norm": 5, "silu_mul": 2, "rope": 2}, calls
     torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-6)
     for n in g_ref:
         torch.testing.assert_close(g[n], g_ref[n], rtol=0, atol=1e-6, msg=n)
@@ -369,13 +361,21 @@ def test_liger_rope_matches_hf_under_the_triton_interpreter():
 
 
 @pytest.mark.gpu
-def test_liger_kernels_on_cuda_match_hf_bf16():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_liger_kernels_on_cuda_match_hf(compiled):
+    """Eager, and inside compiled layers (``fused_kernels='liger'``: the kernels run between graphs)."""
     if not torch.cuda.is_available() or fusions.liger_ops() is None:
         pytest.skip("needs CUDA and liger-kernel")
+    from rlcore.training import fsdp
+
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(_cfg(hidden_size=64, intermediate_size=128)).cuda()
     patched = copy.deepcopy(hf)
-    assert fusions.apply_fused_kernels(patched, "auto", compiled=False) == ("rms_norm", "swiglu", "rope")
+    mode = "liger" if compiled else "auto"
+    assert fusions.apply_fused_kernels(patched, mode, compiled=compiled) == ("rms_norm", "swiglu", "rope")
+    if compiled:
+        torch._dynamo.reset()
+        assert fsdp.compile_decoder_layers(patched) == 2
     ids = torch.randint(0, 64, (40,), device="cuda")
     pos = torch.cat([torch.arange(15), torch.arange(25)]).cuda()
     cu = torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
