@@ -2,6 +2,8 @@
 ``/update_weights_from_tensor``), and the allow-list unpickler that guards the endpoint.
 
 On CPU the tensors travel as named shared-memory segments; on CUDA as CUDA IPC handles (the GPU test at the end).
+With bf16 parameters and float32 masters, what is published is the bf16 parameters (upcast to the publish dtype):
+the weights the trainer's own forward uses.
 """
 
 from __future__ import annotations
@@ -113,28 +115,73 @@ def test_flat_publish_views_reuse_one_buffer():
     assert len({v.untyped_storage().data_ptr() for _, v in b}) == 1
 
 
+def _step_with_random_grads(state: train_state.TrainState, seed: int) -> None:
+    """One optimizer step on random gradients (MasterWeightAdamW: the float32 masters now differ from the
+    rounded half-precision parameters)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in state.model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
+    state.optim.step()
+    state.optim.zero_grad(set_to_none=True)
+
+
+def _published_reference(state: train_state.TrainState) -> dict[str, torch.Tensor]:
+    """What the trainer's own forward uses, upcast to float32 on CPU (the engine runs float32)."""
+    return {
+        k: v.detach().cpu().float() if v.is_floating_point() else v.detach().cpu()
+        for k, v in weight_sync.hf_named_tensors(state.model)
+    }
+
+
+def test_publish_sends_the_parameters_the_forward_uses_not_the_float32_masters():
+    """bf16 parameters with float32 masters (the CUDA default, here forced on CPU): the published float32
+    tensors are the bf16 parameters upcast, bit for bit, i.e. what the trainer computes its log-probs with."""
+    mc = train_state.ModelConfig(param_dtype="bfloat16")
+    state = train_state.init_train_state(tiny.build_model(TOK, seed=1), train_state.OptimConfig(lr=1e-3),
+                                         device="cpu", model_cfg=mc)
+    assert isinstance(state.optim, train_state.MasterWeightAdamW)
+    _step_with_random_grads(state, 0)
+    views = dict(weight_sync.flat_publish_views(state.model, torch.float32))
+    params = dict(weight_sync.hf_named_tensors(state.model))
+    masters_differ = 0
+    for name, p in params.items():
+        assert views[name].dtype == torch.float32 and torch.equal(views[name], p.float()), name
+        master = state.optim.state.get(p, {}).get("master")
+        masters_differ += master is not None and not torch.equal(master, views[name])
+    assert masters_differ > 0  # the check is sharp: the masters are not what is published
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
-def test_cuda_ipc_publish_to_an_engine_process_on_the_same_gpu(model_dir):  # noqa: F811
-    model = tiny.build_model(TOK, seed=1).cuda()
-    state = train_state.init_train_state(model, train_state.OptimConfig(lr=1e-3), device="cuda")
-    ref = copy.deepcopy(model).cpu()
-    weights = {}
+@pytest.mark.parametrize("param_dtype", ["float32", "auto"])
+def test_cuda_ipc_publish_to_an_engine_process_on_the_same_gpu(model_dir, param_dtype):  # noqa: F811
+    """``float32`` parameters: the IPC protocol exactly (every token's log-prob is its version's, to 1e-4).
+    ``auto``, the CUDA default (bf16 parameters, float32 masters, one optimizer step taken): the engine serves the
+    bf16 parameters the trainer's forward uses, upcast (a float32 reference with those weights agrees)."""
+    mc = train_state.ModelConfig(param_dtype=param_dtype, compile_layers="off")
+    state = train_state.init_train_state(tiny.build_model(TOK, seed=1), train_state.OptimConfig(lr=1e-3),
+                                         device="cuda", model_cfg=mc)
+    expect = torch.float32 if param_dtype == "float32" else torch.bfloat16
+    assert next(state.model.parameters()).dtype == expect
+    ref = tiny.build_model(TOK, seed=1)  # float32 on CPU: the reference forward (its weights are overwritten)
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
     pub = weight_sync.PublishConfig(mode="tensor", dtype="float32", pause_mode="in_place")
     with process.engine_process(engine_cfg(model_dir, device="cuda")) as ep:
         with engine_client.connect(ep.address, FAST) as control, \
                 engine_client.connect(coalesce.CoalescingHTTP(ep.address), FAST) as gen:
-            weights[1] = {k: v.cpu() for k, v in perturb_cuda(state, 1).items()}
+            perturb_cuda(state, 1)
+            if expect == torch.bfloat16:
+                assert isinstance(state.optim, train_state.MasterWeightAdamW)
+                _step_with_random_grads(state, 1)
+            weights = {1: _published_reference(state)}
             state = weight_sync.publish_weights(state, [control], cfg=pub, rollout=gen)
             served = [gen.generate(ModelRequest(input_ids=p, sampling=sampling)) for p in prompts(3, 1)]
     assert all(r.output_versions == [1] * 8 for r in served)
     assert version_mismatches(ref, weights, served) == []
 
 
-def perturb_cuda(state, seed: int) -> dict[str, torch.Tensor]:
+def perturb_cuda(state, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in weight_sync.hf_named_tensors(state.model):
             p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.device))
-    return {k: v.detach().clone() for k, v in weight_sync.hf_named_tensors(state.model)}
