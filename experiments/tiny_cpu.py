@@ -39,7 +39,6 @@ Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -64,7 +63,7 @@ from rlcore.inference import engine as engine_lib
 from rlcore.inference import process as engine_process
 from rlcore.objectives import cispo, entropy, gspo, ppo
 from rlcore.rollout import controller as rollout
-from rlcore.rollout import workflows
+from rlcore.rollout import remote, workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
 from rlcore.training import checkpoint, metrics, models, offpolicy, record, step, train_state, weight_sync
 from rlcore.training import lora as lora_lib
@@ -110,9 +109,10 @@ class Config:
     ``main(cfg, loss_fn=...)``."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip of the train step (0: off)."""
-    tokens_per_microbatch: int = 512
-    """Packed micro-batch budget of the train step: train_step packs rows into one stream with a block-causal
-    mask, whose cost grows with the square of its length, so short streams are faster on a CPU."""
+    tokens_per_microbatch: int = 8192
+    """Packed micro-batch budget of the train step. On a CPU the attention of a micro-batch runs as one padded SDPA
+    batch of its sequences (``models.varlen_attention_padded``), so the fewest micro-batches are fastest: 8192 holds
+    a whole 32 x 8 step (~4.5k tokens) in one forward and backward."""
     eval_prompts: int = 1000
     """Held-out prompts for the greedy success curve."""
     eval_every_s: float = 30.0
@@ -121,9 +121,12 @@ class Config:
     """TensorBoard directory. Left at its default, each run writes its own subdirectory
     ``runs/tiny_cpu/<UTC time>-seed<seed>`` so reruns never overlay (``tensorboard --logdir runs`` shows them side by
     side); a directory you name is used as given."""
-    engine: Literal["process", "thread"] = "process"
-    """process: the engine in its own OS process (HTTP on 127.0.0.1, weights through /dev/shm).
-    thread: the engine in a thread of this process, in-process transport (the old layout, for debugging)."""
+    engine: Literal["processes", "rollout-process", "process", "thread"] = "processes"
+    """processes: the engine server, the rollout process (controller, workflows, rewards; rlcore.rollout.remote) and
+    this trainer, three processes with their own GILs. rollout-process: engine, rollout controller, workflows and rewards in one child process (rlcore.rollout.remote),
+    batches and weights over a private pipe, so this process's GIL is the trainer's alone. process: only the engine in
+    its own OS process, behind HTTP on 127.0.0.1 (SGLang's protocol, weights through /dev/shm), the rollout loop in a
+    thread here. thread: the engine in a thread of this process, in-process transport (for debugging)."""
     threads: int = 1
     """torch intra-op threads of the trainer (and of the engine thread with --engine thread)."""
     engine_threads: int = 1
@@ -167,15 +170,14 @@ SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_
 
 
 class CoresBusy:
-    """Average cores kept busy since construction: CPU seconds of this process (+ the engine process) / wall."""
+    """Average cores kept busy since construction: CPU seconds of this process (+ the child processes) / wall."""
 
-    def __init__(self, engine_pid: int | None):
-        self.engine_pid = engine_pid
+    def __init__(self, pids: tuple[int, ...]):
+        self.pids = pids
         self.t0, self.cpu0 = time.perf_counter(), self._cpu()
 
     def _cpu(self) -> tuple[float, float]:
-        eng = engine_process.cpu_seconds(self.engine_pid) if self.engine_pid is not None else 0.0
-        return engine_process.cpu_seconds(), eng
+        return engine_process.cpu_seconds(), sum(engine_process.cpu_seconds(p) for p in self.pids)
 
     def __call__(self) -> dict[str, float]:
         wall = max(time.perf_counter() - self.t0, 1e-9)
@@ -184,37 +186,105 @@ class CoresBusy:
                 "perf/cores_busy_engine": (eng - eng0) / wall}
 
 
-def open_engine(cfg: Config, policy: torch.nn.Module, stack: contextlib.ExitStack) -> tuple[Any, list, Any, int | None]:
-    """Start the engine in the chosen layout; returns (rollout client, publish targets, PublishConfig, engine pid)."""
-    max_batch = (cfg.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size  # every request of eta+1 batches
-    if cfg.engine == "thread":
-        # The engine gets its own copy of the weights: it samples while the trainer updates its copy, and only
-        # publish_weights moves trained weights across (float32, so behaviour log-probs stay exact). A LoRA policy's
-        # engine holds the plain base weights, and each publish merges the adapter on top.
-        engine = stack.enter_context(engine_lib.Engine(
-            lora_lib.base_copy(policy) if cfg.lora else copy.deepcopy(policy),
-            engine_lib.EngineConfig(max_batch=max_batch, max_seq_len=32, device="cpu", dtype="float32", seed=cfg.seed),
-        ))
-        # In-process transport: the client calls the SGLang handlers directly, no HTTP (and no session to close).
-        return (engine_client.EngineClient(engine), [engine],
-                weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place",
-                                          lora_keep_versions=cfg.max_staleness + 2), None)
+def rollout_parts(cfg: Config, address: str | None = None) -> remote.RolloutParts:
+    """The rollout side: rlvr episode (countdown reward), prompts, the staleness gate, and an engine (or the
+    ``address`` of an engine server). Runs in the rollout process (built there from this function and ``cfg``) or
+    in this one."""
+    tok = tiny.load_tokenizer(cfg.model_dir)
+    # rollout: one engine request per sample, the verifier's reward on the decoded answer
+    episode = workflows.rlvr(
+        tok, countdown_reward.reward_fn,
+        workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
+    )
+    # Every finished group is accepted, so the controller's staleness count (accepted = v * B) stays exact;
+    # the trainer drops all-equal groups itself. (A should_accept filter with dynamic_bs would let
+    # accepted fall behind v * B and the generator run arbitrarily far ahead.)
+    rollout_cfg = rollout.RolloutConfig(
+        batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=cfg.max_staleness,
+    )
+    loader = PromptLoader(PromptIds(countdown.CountdownDataset(200_000, seed=cfg.seed), tok), seed=cfg.seed)
+    # The engine loads the same warm-start directory as the trainer, so both start at version 0 (a LoRA run's
+    # engine holds the plain base weights, and each publish merges the adapter on top).
+    if address is not None:
+        return remote.RolloutParts(episode=episode, loader=loader, rollout=rollout_cfg, address=address)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
+    engine = engine_lib.Engine(model, engine_lib.EngineConfig(max_batch=max_batch(cfg), max_seq_len=32, device="cpu",
+                                                              dtype="float32", seed=cfg.seed))
+    return remote.RolloutParts(episode=episode, loader=loader, rollout=rollout_cfg, engine=engine)
+
+
+def max_batch(cfg: Config) -> int:
+    """Engine batch slots: every request of eta + 1 batches."""
+    return (cfg.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size
+
+
+@dataclass
+class Layout:
+    """The started rollout side: the controller, the publish targets and transport, the engine pid, the LoRA hook."""
+
+    ctl: Any
+    targets: list
+    publish: weight_sync.PublishConfig
+    pids: tuple[int, ...]
+    """The child processes (engine, rollout), for the cores-busy accounting."""
+    set_lora: Any
+
+
+def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
+    """Start the engine and build the rollout controller (not started) in the chosen layout (``cfg.engine``)."""
+    keep = cfg.max_staleness + 2  # LoRA adapters kept loaded: every version a request in flight may name
     engine_cpus, trainer_cpus = engine_process.split_cores(cfg.engine_threads) if cfg.pin_cores else ((), ())
-    if trainer_cpus:
+    if trainer_cpus and cfg.engine != "thread":
         engine_process.pin_threads(cfg.threads, trainer_cpus)
-    # The engine process loads the same warm-start directory as the trainer, so both start at version 0.
-    ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
-        model=cfg.model_dir, threads=cfg.engine_threads, cpus=engine_cpus, dtype="float32", device="cpu",
-        max_batch=max_batch, max_seq_len=32, seed=cfg.seed,
-    )))
-    # The same client and protocol as for a remote SGLang server: one client for the rollouts, one blocking
-    # client (own loop thread) for the publish's control calls; weights go through a file in /dev/shm. The
-    # rollout client's /generate calls of one event-loop tick share one (batched) HTTP request: per-request
-    # HTTP work would otherwise cost more CPU than generating ~6 tokens with a 0.1M-parameter model.
-    control = stack.enter_context(engine_client.connect(ep.address))
-    return (engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address)), [control],
-            weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place",
-                                      lora_keep_versions=cfg.max_staleness + 2), ep.pid)
+    if cfg.engine == "processes":
+        # Three processes, three GILs: the engine server (rlcore.serve, SGLang's protocol on 127.0.0.1), the rollout
+        # process (controller, workflows, rewards; its client speaks HTTP to the server, /generate calls of one tick
+        # batched) and this trainer. Weights go to the server through /dev/shm; batches come over a pipe.
+        ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
+            model=cfg.model_dir, threads=cfg.engine_threads, cpus=engine_cpus, dtype="float32", device="cpu",
+            max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed,
+        )))
+        rp = stack.enter_context(remote.RolloutProcess(remote.by_reference(rollout_parts, cfg, ep.address)))
+        control = stack.enter_context(engine_client.connect(ep.address))
+        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place", lora_keep_versions=keep)
+        return Layout(rp.controller, [control], pub, (ep.pid, rp.pid), rp.controller.set_lora)
+    if cfg.engine == "rollout-process":
+        # Engine, controller, workflows and rewards in one child process, the controller talking to its engine
+        # in-process: this process keeps its GIL for training. Batches come over a pipe; weights go as float32
+        # tensors (exact behaviour log-probs) through the same pipe, committed between two engine forward passes.
+        rp = stack.enter_context(remote.RolloutProcess(
+            remote.by_reference(rollout_parts, cfg),
+            remote.RolloutProcessConfig(threads=cfg.engine_threads, cpus=tuple(engine_cpus)),
+        ))
+        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place",
+                                        lora_keep_versions=keep)
+        return Layout(rp.controller, [rp.engine], pub, (rp.pid,), rp.controller.set_lora)
+    parts = rollout_parts(cfg)
+    if cfg.engine == "thread":
+        # The engine in a thread of this process, in-process transport: the client calls the SGLang handlers
+        # directly, no HTTP. It has its own copy of the weights, and only publish_weights moves trained ones across.
+        engine = stack.enter_context(parts.engine)
+        client = engine_client.EngineClient(engine)
+        targets: list = [engine]
+        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place",
+                                        lora_keep_versions=keep)
+        pids: tuple[int, ...] = ()
+    else:
+        # The engine alone in its own process, behind the same client and protocol as a remote SGLang server: one
+        # client for the rollouts, one blocking client for the publish's control calls; weights through a file in
+        # /dev/shm. The rollout client's /generate calls of one event-loop tick share one (batched) HTTP request.
+        parts.engine.close()
+        ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
+            model=cfg.model_dir, threads=cfg.engine_threads, cpus=engine_cpus, dtype="float32", device="cpu",
+            max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed,
+        )))
+        client = engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address))
+        targets = [stack.enter_context(engine_client.connect(ep.address))]
+        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place", lora_keep_versions=keep)
+        pids = (ep.pid,)
+    # built, not started: main starts it once the engine holds what the first requests need (a LoRA version 0)
+    ctl = rollout.RolloutController(client, parts.episode, parts.loader, parts.rollout)
+    return Layout(ctl, targets, pub, pids, client.set_lora)
 
 
 class PromptIds(Sequence):
@@ -277,6 +347,9 @@ def build_loss_fn(cfg: Config) -> step.LossFn:
     obj = cfg.objective
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # ℓ^prox: the weights this step starts from. One optimizer step per batch means the training forward runs
+        # exactly those weights, so its detached log-probs ARE the recompute (spec §5.1) without a second forward
+        mb = dataclasses.replace(mb, logp_prox=step.proximal_logp(logp, mb))
         behav = step.old_logp(mb, coupled_recompute=not obj.decoupled)
         args = (logp, mb.logp_prox, behav, mb.adv, mb.loss_mask)
         if isinstance(obj, gspo.GSPOConfig):
@@ -299,8 +372,6 @@ def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], l
     scfg = step_config(cfg)
     data = TokenBatch.from_rollout(batch)  # the single predictive shift
     version = state.version
-    # proximal log-probs: a no-grad forward of the weights about to be updated (the first, pre-update forward)
-    data = dataclasses.replace(data, logp_prox=step.policy_logp(state, data, cfg=scfg))
     # rewards: the verifier's {0, 1} -> z-score within each group of G samples of one prompt (GRPO)
     mask = data.loss_mask
     reward_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
@@ -311,10 +382,13 @@ def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], l
     adv = gae_lib.compute_advantages(reward, mask, data.attention_mask.sum(1), truncated, cfg=gae_lib.GAEConfig(),
                                      turn_ids=data.turn_ids)
     data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
-    # loss_fn -> train_step: one optimizer step over all micro-batches
-    state, m = step.train_step(state, data, loss_fn, cfg=scfg)
-    # off-policy diagnostics of the recompute forward against the engine's log-probs, by staleness
-    m |= offpolicy.step_metrics(data.logp_prox, data, version=version, cfg=cfg.offpolicy.diagnostics)
+    # loss_fn -> train_step: one optimizer step over all micro-batches. The proximal log-probs are the training
+    # forward's own (detached, see build_loss_fn): the weights about to be updated, with no extra forward pass.
+    seen = offpolicy.first_forward(loss_fn)
+    state, m = step.train_step(state, data, seen, cfg=scfg)
+    # off-policy diagnostics of that pre-update forward against the engine's log-probs, by staleness
+    first_logp, first_batch = seen.logp_and_batch()
+    m |= offpolicy.step_metrics(first_logp, first_batch, version=version, cfg=cfg.offpolicy.diagnostics)
     gen, stale = mask & (data.versions >= 0), (version - data.versions).float()
     m["version_stats/staleness_max"] = torch.where(gen, stale, 0.0).max()
     m["version_stats/staleness_mean"] = torch.where(gen, stale, 0.0).sum() / gen.sum().clamp(min=1)
@@ -341,7 +415,6 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
     torch.manual_seed(cfg.seed)
     tok = tiny.load_tokenizer(cfg.model_dir)
     state = init_state(cfg)
-    policy = models.hf_module(state.model)
     heldout = countdown.heldout_set(cfg.eval_prompts)
     # The recorder hashes the initial weights and stores the config; with resume it checks both and keeps the record.
     recorder = record.Recorder(cfg.record, config=cfg, experiment=__file__, state=state, resume=cfg.resume)
@@ -349,30 +422,19 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
         print(f"note: a custom loss_fn is not in the record; replay it with rlcore.replay.replay({cfg.record!r}, "
               "loss_fn=...)", flush=True)
     loss_fn = build_loss_fn(cfg) if loss_fn is None else loss_fn
-    episode = workflows.rlvr(
-        tok, countdown_reward.reward_fn,
-        workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
-    )
-    # Every finished group is accepted, so the controller's staleness count (accepted = v * B) stays exact;
-    # the trainer drops all-equal groups itself. (A should_accept filter with dynamic_bs would let
-    # accepted fall behind v * B and the generator run arbitrarily far ahead.)
-    rollout_cfg = rollout.RolloutConfig(
-        batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=cfg.max_staleness,
-    )
-    loader = PromptLoader(PromptIds(countdown.CountdownDataset(200_000, seed=cfg.seed), tok), seed=cfg.seed)
-
     hist: list[tuple[float, int, float]] = []
     out: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
-        client, targets, publish_cfg, engine_pid = open_engine(cfg, policy, stack)
+        lay = open_rollout(cfg, stack)
+        ctl, targets, publish_cfg = lay.ctl, lay.targets, lay.publish
         if cfg.lora:
             # The engine gets the initial (zero) adapter as version 0, before any rollout, so every version has its
             # adapter loaded (<lora_name>-v<version>) and each request can name the one of its version (lora_path,
             # as SGLang needs; the eta + 2 newest stay loaded).
             state = weight_sync.publish_weights(dataclasses.replace(state, version=state.version - 1), targets,
                                                 cfg=publish_cfg)
-            client.set_lora(publish_cfg.lora_name)
-        ctl = stack.enter_context(rollout.RolloutController(client, episode, loader, rollout_cfg))
+            lay.set_lora(publish_cfg.lora_name)
+        ctl = stack.enter_context(ctl)  # rollout starts: the engine samples ahead, up to eta versions
         logger = stack.enter_context(metrics.MetricsLogger(metrics.LoggerConfig(log_dir=run_dir(cfg))))
         if cfg.resume:
             # Before the first prepare_batch: weights, Adam, RNG; then the prompt cursor and the rollout accounting
@@ -384,7 +446,7 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
             state = weight_sync.publish_weights(dataclasses.replace(state, version=state.version - 1), targets,
                                                 cfg=publish_cfg, rollout=ctl)
         t0 = time.perf_counter()
-        cores = CoresBusy(engine_pid)
+        cores = CoresBusy(lay.pids)
         hist.append((0.0, state.step, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
         next_eval = cfg.eval_every_s

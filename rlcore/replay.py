@@ -32,6 +32,7 @@ import torch
 import tyro
 
 from rlcore.training import record
+from rlcore.training import step as step_lib
 from rlcore.training.step import LossFn
 
 REQUIRED = ("init_state", "build_loss_fn", "train_batch")
@@ -96,7 +97,8 @@ def load_experiment(path: str | Path) -> ModuleType:
 
 def objective_loss_fn(name: str) -> LossFn:
     """A ``loss_fn(logp, mb)`` of ``rlcore.objectives.OBJECTIVES[name]`` with its default config and the global
-    denominator of its aggregation; needs ``mb.logp_prox``, ``mb.logp_behav`` and ``mb.adv`` (all ``(b t)``)."""
+    denominator of its aggregation; needs ``mb.logp_behav`` and ``mb.adv`` (all ``(b t)``), and ``mb.logp_prox``
+    unless the proximal weights are the ones the step starts from (``step.proximal_logp``)."""
     from rlcore.objectives import OBJECTIVES
 
     if name not in OBJECTIVES:
@@ -107,10 +109,11 @@ def objective_loss_fn(name: str) -> LossFn:
     agg = getattr(ocfg, "agg", "token_mean")
 
     def loss_fn(logp: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        missing = [k for k in ("logp_prox", "logp_behav", "adv") if getattr(mb, k) is None]
+        missing = [k for k in ("logp_behav", "adv") if getattr(mb, k) is None]
         if missing:
             raise ValueError(f"--objective {name}: the experiment's train_batch leaves TokenBatch.{missing} unset")
-        return fn(logp, mb.logp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=ocfg, denom=mb.denom(agg))
+        prox = step_lib.proximal_logp(logp, mb)  # unset: this forward's weights, the ones the step starts from
+        return fn(logp, prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=ocfg, denom=mb.denom(agg))
 
     return loss_fn
 

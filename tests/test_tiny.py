@@ -153,18 +153,20 @@ def test_sft_warmstart_smoke(tmp_path):
     assert tiny.load_tokenizer(tmp_path)("12").input_ids == TOK("12").input_ids
 
 
-def test_tiny_cpu_main_job_smoke(capsys):
-    """The README's main job composes engine, client, controller, train_step and publish_weights end to end, with
-    the engine in its own process (its CPU time is counted) and the weights handed over through /dev/shm. The
-    float32 engine and trainer agree on staleness-0 tokens: the off-policy diagnostics stay quiet."""
+@pytest.mark.parametrize("layout", ["processes", "rollout-process", pytest.param("process", marks=pytest.mark.slow)])
+def test_tiny_cpu_main_job_smoke(layout, capsys):
+    """The README's main job composes engine, client, controller, train_step and publish_weights end to end in each
+    process layout: engine server + rollout process + trainer (the default), engine and rollout in one child, or the
+    engine alone in a child with the weights through /dev/shm. The children's CPU time is counted; the float32
+    engine and trainer agree on staleness-0 tokens: the off-policy diagnostics stay quiet."""
     from rlcore.inference import process
 
     spec = importlib.util.spec_from_file_location("tiny_cpu", ROOT / "experiments" / "tiny_cpu.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["tiny_cpu"] = mod
     spec.loader.exec_module(mod)
-    assert mod.SMOKE.engine == "process"
-    out = mod.main(mod.SMOKE)
+    assert mod.Config().engine == "processes"
+    out = mod.main(dataclasses.replace(mod.SMOKE, engine=layout))
     assert out["steps"] >= 1
     assert out["version_stats/staleness_max"] <= mod.SMOKE.max_staleness
     assert 0.0 <= out["greedy_success_end"] <= 1.0 and 0.0 <= out["rollout/reward"] <= 1.0
@@ -270,8 +272,9 @@ SHAPE = {  # experiment -> [(function, calls that must appear in it in this orde
                                      r"step\.train_step\(", r"monitor\(", r"weight_sync\.publish_weights\("]),
                          ("make_loss_fn", [r"ppo\.loss\(", r"mb\.denom\("])],
     "tiny_cpu": [("build_loss_fn", [r"step\.old_logp\(", r"gspo\.loss\(", r"cispo\.loss\(", r"ppo\.loss\("]),
-                 ("train_batch", [r"step\.policy_logp\(", r"shaping_lib\.shape_rewards\(", r"normalize\.normalize\(",
-                                  r"gae_lib\.compute_advantages\(", r"step\.train_step\(", r"offpolicy\.step_metrics\("]),
+                 ("train_batch", [r"shaping_lib\.shape_rewards\(", r"normalize\.normalize\(",
+                                  r"gae_lib\.compute_advantages\(", r"offpolicy\.first_forward\(",
+                                  r"step\.train_step\(", r"offpolicy\.step_metrics\("]),
                  ("main", [r"build_loss_fn\(", r"\.prepare_batch\(", r"recorder\.step\(train_batch",
                            r"weight_sync\.publish_weights\(", r"monitor\.check\("])],
 }

@@ -173,6 +173,67 @@ def varlen_attention_reference(
     return out
 
 
+def varlen_attention_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The same attention as :func:`varlen_attention_reference`, batched: the packed sequences are scattered into
+    a right-padded ``(n, H, L, D)`` block (``L = max_seqlen``), one causal SDPA call runs over all of them, and the
+    real positions are gathered back. Work is ``n·L²`` instead of ``T²`` for a block-causal mask, in one call
+    instead of ``n``: the CPU path for many short sequences (a padded query attends only to keys at or before it,
+    so the padding after a sequence is never seen by its real tokens).
+
+    Args:
+      q: ``(T, Hq, D)``; k, v: ``(T, Hkv, D)`` with ``Hq % Hkv == 0``.
+      cu_seqlens: ``(n+1,)`` boundaries, ``cu_seqlens[-1] == T``; max_seqlen: the longest sequence (host int).
+      scale: softmax scale (default ``D ** -0.5``); window: sliding window (keys ``i-window < j <= i``) or None.
+
+    Returns:
+      ``(T, Hq, D)`` in the dtype of ``q``.
+    """
+    t_len = q.shape[0]
+    cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    n = cu.numel() - 1
+    seq = torch.repeat_interleave(torch.arange(n, device=q.device), cu[1:] - cu[:-1], output_size=t_len)
+    pos = torch.arange(t_len, device=q.device) - cu[:-1][seq]
+    width = max(int(max_seqlen), 1)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (n, H, L, D)
+        out = x.new_zeros(n, width, x.shape[1], x.shape[2])
+        out[seq, pos] = x
+        return out.transpose(1, 2)
+
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    gqa = q.shape[1] != k.shape[1]
+    if window is None or window >= width:
+        o = nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        i = torch.arange(width, device=q.device)
+        allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        o = nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    return o.transpose(1, 2)[seq, pos]
+
+
+def _varlen_fallback(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+    scale: float | None, window: int | None,
+) -> torch.Tensor:
+    """No varlen kernel: the padded batch when its ``n·L²`` work is at most 4× the sequences' own ``Σ l²``
+    (lengths of similar size, e.g. RL rollouts of one prompt set), else the per-sequence loop (one very long
+    sequence among short ones). Reads the boundaries on the host (free on CPU)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    own = sum(x * x for x in lengths)
+    if len(lengths) * max_seqlen * max_seqlen <= 4 * max(own, 1):
+        return varlen_attention_padded(q, k, v, cu_seqlens, max_seqlen, scale=scale, window=window)
+    return varlen_attention_reference(q, k, v, cu_seqlens, scale=scale, window=window)
+
+
 _PARAMS_CACHE: dict[int, tuple[Callable, frozenset[str]]] = {}
 
 
@@ -262,7 +323,7 @@ def varlen_attention(
                 stacklevel=2,
             )
     if kernel is None:
-        return varlen_attention_reference(q, k, v, cu_seqlens, scale=scale, window=window)
+        return _varlen_fallback(q, k, v, cu_seqlens, max_seqlen, scale=scale, window=window)
     if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
         # Flash kernels take half precision only. Under CUDA autocast, q/k/v arrive in fp32 because the rotary
         # embedding promotes them: run the kernel in the autocast dtype, as the matmuls around it do. A plain
@@ -273,7 +334,7 @@ def varlen_attention(
                 q.to(dt), k.to(dt), v.to(dt), cu_seqlens, max_seqlen, scale=scale, window=window, kernel=kernel
             )
             return out.to(q.dtype)
-        return varlen_attention_reference(q, k, v, cu_seqlens, scale=scale, window=window)
+        return _varlen_fallback(q, k, v, cu_seqlens, max_seqlen, scale=scale, window=window)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     native = _KERNEL_STATE.get("native_gqa", True)
@@ -296,7 +357,7 @@ def varlen_attention(
             "loop from now on (correct, slower)",
             stacklevel=2,
         )
-        return varlen_attention_reference(q, k, v, cu_seqlens, scale=scale, window=window)
+        return _varlen_fallback(q, k, v, cu_seqlens, max_seqlen, scale=scale, window=window)
 
 
 def _hf_varlen_attention(
@@ -393,7 +454,9 @@ def _use_varlen(hf: nn.Module, attention: str, input_ids: torch.Tensor, cu_seqle
                 f"layers, got {getattr(hf.config, 'model_type', '?')!r}; use attention='auto' or 'hf'"
             )
         return True
-    return impl == VARLEN_ATTN or (input_ids.is_cuda and "flash" not in impl and varlen_supported(hf))
+    # auto: supported decoders take the varlen path on every device (CUDA: the flash kernel; CPU: one padded SDPA
+    # batch, far cheaper than transformers' (T, T) block-causal mask for a stream of many short sequences)
+    return impl == VARLEN_ATTN or ("flash" not in impl and varlen_supported(hf))
 
 
 def backbone_hidden(

@@ -426,6 +426,16 @@ def critic_values(state: TrainState, batch: TokenBatch, *, cfg: StepConfig = Ste
     return _forward_nograd(state.critic, batch, cfg=cfg)[0]
 
 
+def proximal_logp(logp: Tensor, mb: TokenBatch) -> Tensor:
+    """``ℓ^prox (b t)`` inside a ``loss_fn``: ``mb.logp_prox`` when the caller set it, else the detached ``logp`` of
+    this very forward. ``train_step`` takes ONE optimizer step after all micro-batches, so every forward of the
+    call runs the weights the step starts from: those are the proximal weights, and their log-probs need no second
+    forward (spec §5.1 ``recompute``, fused into the training forward; the PPO ratio is then exactly 1 in value).
+    An experiment that takes several optimizer steps per batch (minibatches) sets ``logp_prox`` with
+    :func:`policy_logp` before the first one."""
+    return logp.detach() if mb.logp_prox is None else mb.logp_prox
+
+
 def old_logp(batch: TokenBatch, *, coupled_recompute: bool) -> Tensor:
     """``ℓ^old`` of spec §4.1 ``(b t)``: the recomputed ``logp_prox`` for coupled PPO with recomputed log-probs,
     the behaviour log-probs otherwise (decoupled PPO, or coupled PPO on engine log-probs). It is the ``logp_old``

@@ -165,8 +165,13 @@ def test_rows_without_filters_are_bit_identical_on_both_paths_and_report_log_sof
     b = sample_tokens(logits, temp, ones, off, u, filtered=True, block=block)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     t = torch.where(temp > 0, temp, torch.ones_like(temp)).double()
-    full = torch.log_softmax(logits.double() / t[:, None], -1)
-    torch.testing.assert_close(a[1].double(), full.gather(-1, a[0][:, None])[:, 0], atol=2e-6, rtol=0)
+    scaled = logits.double() / t[:, None]
+    full = torch.log_softmax(scaled, -1)
+    # float32 log-softmax rounds at the scale of its largest operand (|z/T| reaches 8 / 0.3 here): a few ulps of it
+    big = torch.where(torch.isfinite(scaled), scaled.abs(), torch.zeros_like(scaled)).amax(-1)
+    tol = 2e-6 + 4 * torch.finfo(torch.float32).eps * big
+    err = (a[1].double() - full.gather(-1, a[0][:, None])[:, 0]).abs()
+    assert bool((err <= tol).all()), (err, tol)
 
 
 @settings(max_examples=60)
