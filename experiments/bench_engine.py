@@ -99,6 +99,10 @@ class Config:
     """Profiler table path; default $OUT/bench_engine_profile.txt if OUT is set."""
     out: str | None = None
     """JSON output path; default $OUT/bench_engine.json if OUT is set."""
+    fused_kernels: bool = False
+    """EngineConfig.fused_kernels of the 256-request engine (liger RMSNorm / SwiGLU / RoPE on CUDA)."""
+    compile_decode_layers: bool = False
+    """EngineConfig.compile_decode_layers of the 256-request engine (torch.compile per decoder layer, then graphs)."""
     smoke: bool = False
     """Tiny CPU-sized run that checks the script end to end."""
     seed: int = 0
@@ -190,6 +194,8 @@ def bench_engine(
         grouped_decode_attention=grouped,
         decode_attention=attention,
         block_size=cfg.block_size,
+        fused_kernels=cfg.fused_kernels,
+        compile_decode_layers=cfg.compile_decode_layers,
     )
     reset_attention(model)
     sp = SamplingParams(max_new_tokens=cfg.new_tokens, temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=True)
