@@ -1,17 +1,23 @@
-"""Cost of the engine's sampling step: the sort-free sampler against the previous sort path, at engine shapes.
+"""Cost of the engine's sampling step (inverse-CDF draw, both top-k / top-p threshold methods) against the previous
+sort path, at engine shapes.
 
 Run:    python experiments/bench_sampling.py                  # H200: 256 rows x 151,936 bf16 logits
 Smoke:  python experiments/bench_sampling.py --smoke          # CPU, tiny, a few seconds
 Output: a table on stdout and JSON at --out (default $OUT/bench_sampling.json when OUT is set).
 
-Each case times ``sample_tokens`` (rlcore.inference.sampling: two-level inverse CDF, radix-selected top-k / top-p
-thresholds, no sort, no full-vocabulary cumsum) and ``sort_sample_tokens`` (the engine's previous step, kept
-verbatim below as the reference) on the same logits and settings: median milliseconds per call over ``iters``
-calls (CUDA events on a GPU), after ``warmup`` calls. Logits are random: ``scale 1`` is flat (a random-init
-model: top-p keeps most of the vocabulary), ``scale 8`` is peaked (a trained model: top-p keeps a few tokens).
-Every case also checks that both samplers report the same log-prob for an unfiltered row. On CUDA the
-unfiltered cases read the logits once through the fused block statistics (kernels/sampling_stats.py);
-``plain_peaked_torch_stats`` is the same case on the torch path, to see what the kernel saves.
+Each case times ``sample_tokens`` (rlcore.inference.sampling: two-level inverse CDF in vocabulary order, no
+full-vocabulary cumsum; top-k / top-p thresholds from ``keep_threshold`` with its default method, ``auto``:
+one sort of the keys on CUDA, radix selection elsewhere) and ``sort_sample_tokens`` (the engine's previous
+step, kept verbatim below as the reference) on the same logits and settings: median milliseconds per call over
+``iters`` calls (CUDA events on a GPU), after ``warmup`` calls. Filtered cases also time ``sample_tokens``
+with each threshold method forced (``radix_ms``, ``sort_threshold_ms``, with their extra memory) and
+``keep_threshold`` alone per method (``keep_threshold_radix_ms``, ``keep_threshold_sort_ms``), and check that
+the two methods give bit-identical thresholds and draws (``methods_identical``). Logits are random: ``scale
+1`` is flat (a random-init model: top-p keeps most of the vocabulary), ``scale 8`` is peaked (a trained model:
+top-p keeps a few tokens). Every case also checks that both samplers report the same log-prob for an
+unfiltered row. On CUDA the unfiltered cases read the logits once through the fused block statistics
+(kernels/sampling_stats.py); ``plain_peaked_torch_stats`` is the same case on the torch path, to see what the
+kernel saves.
 """
 
 from __future__ import annotations
@@ -115,19 +121,49 @@ def time_ms(fn, cfg: Config, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _time_both(cfg: Config, device: torch.device, new, old) -> dict:
-    res: dict = {}
+def _time_into(res: dict, name: str, fn, cfg: Config, device: torch.device) -> None:
+    """``res[name + "_ms"]`` and, on CUDA, ``res[name + "_extra_gb"]`` (peak memory above what was allocated)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    res["rlcore_ms"] = time_ms(new, cfg, device)
+    res[f"{name}_ms"] = time_ms(fn, cfg, device)
     if device.type == "cuda":
-        res["rlcore_extra_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
-        torch.cuda.reset_peak_memory_stats(device)
-    res["sort_ms"] = time_ms(old, cfg, device)
-    if device.type == "cuda":
-        res["sort_extra_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
+        res[f"{name}_extra_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
+
+
+def _time_both(cfg: Config, device: torch.device, new, old) -> dict:
+    res: dict = {}
+    _time_into(res, "rlcore", new, cfg, device)
+    _time_into(res, "sort", old, cfg, device)
     res["speedup"] = res["sort_ms"] / max(res["rlcore_ms"], 1e-9)
+    return res
+
+
+def _time_methods(cfg: Config, device: torch.device, sample, logits, t, p, k) -> dict:
+    """A filtered case per threshold method: the whole step, ``keep_threshold`` alone, and their agreement."""
+    res: dict = {"threshold_auto": sampling.threshold_method(device)}
+    _time_into(res, "radix", lambda: sample("radix"), cfg, device)
+    _time_into(res, "sort_threshold", lambda: sample("sort"), cfg, device)
+    greedy = t <= 0  # the threshold's inputs as sample_tokens builds them
+    tt = torch.where(greedy, torch.ones_like(t), t)
+    d = torch.sub(logits, logits.amax(-1, keepdim=True).float()).div_(tt[:, None])
+    e, key = d.exp(), sampling.order_key(d)
+    p = torch.where(greedy, torch.ones_like(p), p)
+    k = torch.where(greedy, torch.zeros_like(k), k)
+    thr = {}
+    for m in ("radix", "sort"):
+        _time_into(
+            res,
+            f"keep_threshold_{m}",
+            lambda m=m: sampling.keep_threshold(key, e, p, k, method=m),
+            cfg,
+            device,
+        )
+        thr[m] = sampling.keep_threshold(key, e, p, k, method=m)
+    a, b = sample("radix"), sample("sort")
+    res["methods_identical"] = bool(
+        torch.equal(thr["radix"], thr["sort"]) and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    )
     return res
 
 
@@ -161,6 +197,9 @@ def run_case(
         sampling.fused_block_stats = lambda *a: None
     try:
         res.update(_time_both(cfg, device, new, old))
+        if filtered:
+            sample = lambda m: sample_tokens(logits, t, p, k, u, filtered=True, threshold=m)  # noqa: E731
+            res.update(_time_methods(cfg, device, sample, logits, t, p, k))
     finally:
         sampling.fused_block_stats = real
     res["fused_block_stats"] = bool(sampling._FUSED_STATS == [True] and not torch_stats and not filtered)
@@ -215,9 +254,10 @@ def main(cfg: Config) -> dict:
                 torch.cuda.empty_cache()
             save()
     print(f"\n{cfg.rows} rows x {cfg.vocab} vocab, {result['env']['device']}")
-    print(f"{'case':<28}{'rlcore ms':>11}{'sort ms':>10}{'speed-up':>10}")
+    print(f"{'case':<28}{'rlcore ms':>11}{'sort ms':>10}{'speed-up':>10}{'radix ms':>10}{'sort-thr ms':>13}")
     for name, r in result["cases"].items():
-        print(f"{name:<28}{r['rlcore_ms']:>11.3f}{r['sort_ms']:>10.3f}{r['speedup']:>9.1f}x")
+        per = f"{r['radix_ms']:>10.3f}{r['sort_threshold_ms']:>13.3f}" if "radix_ms" in r else ""
+        print(f"{name:<28}{r['rlcore_ms']:>11.3f}{r['sort_ms']:>10.3f}{r['speedup']:>9.1f}x{per}")
     for name, tb in result["errors"].items():
         print(f"[bench_sampling] case {name} FAILED:\n{tb}")
     if out_path:

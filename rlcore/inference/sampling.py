@@ -11,11 +11,24 @@ was actually drawn from, i.e. ``logits / T`` restricted to the top-k / top-p set
 their logits changed first (``apply_penalties``, ``mask_banned``) and report log-probs of that changed
 distribution; other rows are not touched.
 
-Nothing here sorts the vocabulary or runs a cumsum over it: the draw is a two-level inverse CDF (block sums,
-a cumsum over blocks, a cumsum inside the chosen block) and the top-k / top-p threshold is a radix selection
-over the probabilities' bit patterns (``keep_threshold``: three histogram rounds, exact, ties at the boundary
-kept). Each step is a fixed sequence of kernels without a host synchronisation. On CUDA the unfiltered step
-(every row ``top_p = 1``, ``top_k`` off) reads the logits once through ``kernels/sampling_stats.py`` (triton).
+The draw never sorts the vocabulary or runs a cumsum over it: it is a two-level inverse CDF in vocabulary
+order (block sums, a cumsum over blocks, a cumsum inside the chosen block). The top-k / top-p threshold
+(``keep_threshold``: exact int64 masses, ties at the boundary kept) has two implementations that return
+bit-identical thresholds, so the kept set and the draw do not depend on which one runs:
+
+* ``sort``, the default on CUDA: one ascending sort of the ordering keys, the masses gathered into that order, an
+  int64 cumsum and the cut position. A radix selection was measured **2.4x slower than a sort** on an H200 (256
+  rows x 151,936 tokens, torch 2.11: 11.2-11.5 ms per filtered step against 4.6-4.7 ms for the previous sort
+  path, 2.38 vs 1.44 GB extra; ``docs/results/session5/bench_sampling.json``), before its rounds were made
+  cheaper (``_threshold_radix``); its ``scatter_add_`` histograms serialise on atomics, because nearly all of
+  a row's tokens share a few exponent buckets. ``experiments/bench_sampling.py`` times both methods.
+* ``radix``, the default elsewhere: three histogram rounds over the keys, no sort. On a shared 2-core CPU at
+  64 x 32,768 (torch 2.13, median of 15 calls, 1 and 2 threads) it took 58-71 ms per call against 99-150 ms for
+  the sort version, whose time is mostly torch's CPU sort of (key, index) pairs.
+
+Each step is a fixed sequence of kernels without a host synchronisation. On CUDA the unfiltered step (every row
+``top_p = 1``, ``top_k`` off) needs no threshold and reads the logits once through ``kernels/sampling_stats.py``
+(triton).
 """
 
 from __future__ import annotations
@@ -120,10 +133,24 @@ def order_key(d: torch.Tensor) -> torch.Tensor:
     return d.view(torch.int32) & 0x7FFFFFFF
 
 
+THRESHOLD_METHODS = ("auto", "radix", "sort")
+"""``keep_threshold(method=...)``: ``radix`` (histogram rounds, no sort), ``sort`` (one sort of the keys), ``auto``
+(``sort`` on CUDA, ``radix`` elsewhere; the module docstring gives the measurements behind that choice)."""
+
+
+def threshold_method(device: torch.device, method: str = "auto") -> str:
+    """The method ``keep_threshold`` runs on ``device`` for ``method`` (``auto`` resolved)."""
+    if method not in THRESHOLD_METHODS:
+        raise ValueError(f"keep_threshold method must be one of {THRESHOLD_METHODS}, got {method!r}")
+    if method == "auto":
+        return "sort" if device.type == "cuda" else "radix"
+    return method
+
+
 def keep_threshold(
-    key: torch.Tensor, e: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+    key: torch.Tensor, e: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, *, method: str = "auto"
 ) -> torch.Tensor:
-    """The largest kept key per row, by radix selection over ``key`` (three histogram rounds, no sort).
+    """The largest kept key per row, by radix selection over ``key`` or by one sort of it (bit-identical results).
 
     A token is kept iff fewer than ``top_k`` tokens are strictly more likely than it (when ``top_k > 0``) and the
     probability mass of the tokens strictly more likely than it is below ``top_p`` (when ``top_p < 1``). This is
@@ -132,46 +159,116 @@ def keep_threshold(
     so the set does not depend on how a sort orders ties. The most likely token is always kept.
 
     Masses are summed exactly as int64 fixed point (``exp(d)`` in multiples of ``2**-40``), so the result is
-    deterministic on every device; it can differ from a float32 cumsum only where the mass before a token is
-    within about ``1e-7`` of ``top_p``.
+    deterministic on every device and the same for both methods (integer sums do not depend on their order); it
+    can differ from a float32 cumsum only where the mass before a token is within about ``1e-7`` of ``top_p``.
 
     Args:
       key: ``(b v)`` int32 ``order_key`` of ``d``.
       e: ``(b v)`` float32 ``exp(d)`` (the unnormalised probabilities, at most 1).
       top_p: ``(b,)`` float32 in (0, 1]; ``>= 1`` is off.
       top_k: ``(b,)`` int64; ``<= 0`` is off.
+      method: ``radix`` (three histogram rounds, no sort), ``sort`` (one sort of the keys and an int64 cumsum of
+        the masses in that order) or ``auto`` (``threshold_method``: sort on CUDA, radix elsewhere).
     Returns:
       ``(b,)`` int32: the kept set is ``key <= threshold``.
     """
+    if threshold_method(key.device, method) == "sort":
+        return _threshold_sort(key, e, top_p, top_k)
+    return _threshold_radix(key, e, top_p, top_k)
+
+
+def _mass_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``(b,)`` float64 top-p target from the exact int64 total mass (``inf`` where top-p is off); both methods
+    compare int64 masses with it (``mass < target`` in float64)."""
+    total = total.double()
+    return torch.where(top_p < 1, top_p.double() * total, torch.full_like(total, math.inf))
+
+
+def _k_limit(top_k: torch.Tensor, v: int) -> torch.Tensor:
+    """``(b,)`` top-k as a rank limit: ``top_k`` where on, ``v + 1`` (no limit) where off."""
+    return torch.where(top_k > 0, top_k, torch.full_like(top_k, v + 1))
+
+
+def _threshold_radix(
+    key: torch.Tensor, e: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
+    """``keep_threshold`` by three radix rounds: histograms of token counts (int32) and masses (int64) per digit.
+
+    Round ``r`` scatters every token into ``(b, 2 * bins)``: to its digit when its higher bits equal the prefix
+    found so far, otherwise to the upper half, which is never read (on CUDA at ``bins + digit``, which spreads
+    those atomic adds over ``bins`` addresses; elsewhere at ``bins``). So the weights are the same every round
+    (one, and the mass), and the only ``(b v)`` int64 tensors are the masses and one reused index buffer; every
+    ``(b v)`` op has inputs of one dtype (CPU kernels copy mixed-dtype inputs first).
+
+    Temporaries at ``b = 256, v = 151,936`` (int64 311 MB, float32 156 MB, bool 39 MB): the float32 scaled masses
+    (transient), the int64 masses and index buffer, two bools per later round: 0.93 GB allocated per call, at
+    most 0.70 GB live. The previous rounds (int64 digits, weights and a weighted mass per round) allocated
+    3.97 GB per call, about 1.4 GB live.
+    """
     b, v = key.shape
     dev = key.device
-    mass = (e * _MASS_SCALE).long()
-    k_lim = torch.where(top_k > 0, top_k, torch.full_like(top_k, v + 1))[:, None]  # (b 1)
+    mass = (e * _MASS_SCALE).long()  # (b v) int64
+    one = torch.ones((), dtype=torch.int32, device=dev).expand(b, v)
+    k_lim = _k_limit(top_k, v)[:, None]  # (b 1)
+    digit = torch.empty((b, v), dtype=torch.int64, device=dev)  # scatter index, rewritten every round
     prefix = torch.zeros(b, dtype=torch.int64, device=dev)  # the threshold's bits found so far
     # tokens strictly more likely than the prefix's bucket, and their mass
     above_c = torch.zeros((b, 1), dtype=torch.int64, device=dev)
     above_m = torch.zeros((b, 1), dtype=torch.int64, device=dev)
     target = None
     for shift, width in _RADIX_ROUNDS:
-        digit = ((key >> shift) & ((1 << width) - 1)).long()
+        bins = 1 << width
+        digit.copy_(key).bitwise_right_shift_(shift)  # the key's bits from `shift` up
+        outside = None
+        if target is not None:  # higher bits != prefix: not in the prefix's bucket
+            lo = prefix[:, None] << width
+            outside = torch.lt(digit, lo).logical_or_(torch.ge(digit, lo + bins))
+        digit.bitwise_and_(bins - 1)
+        if outside is not None and key.is_cuda:
+            digit.add_(outside, alpha=bins)
+        elif outside is not None:
+            digit.masked_fill_(outside, bins)
+        count = torch.zeros((b, 2 * bins), dtype=torch.int32, device=dev).scatter_add_(1, digit, one)
+        msum = torch.zeros((b, 2 * bins), dtype=torch.int64, device=dev).scatter_add_(1, digit, mass)
+        count, msum = count[:, :bins], msum[:, :bins]  # the upper half holds the tokens outside the prefix
         if target is None:
-            w_count = torch.ones((), dtype=torch.int64, device=dev).expand(b, v)
-            w_mass = mass
-        else:  # only tokens whose higher bits equal the prefix count; the others add zero
-            inside = (key >> (shift + width)) == prefix[:, None]
-            w_count, w_mass = inside.long(), mass * inside
-        count = torch.zeros((b, 1 << width), dtype=torch.int64, device=dev).scatter_add_(1, digit, w_count)
-        msum = torch.zeros((b, 1 << width), dtype=torch.int64, device=dev).scatter_add_(1, digit, w_mass)
-        if target is None:
-            total = msum.sum(-1).double()  # exact integer total mass
-            inf = torch.full_like(total, math.inf)
-            target = torch.where(top_p < 1, top_p.double() * total, inf)[:, None]
+            target = _mass_target(msum.sum(-1), top_p)[:, None]  # exact integer total mass
         cum_c = above_c + count.cumsum(-1) - count  # (b bins) tokens strictly more likely than each digit
         cum_m = above_m + msum.cumsum(-1) - msum
         sel = _last_true((count > 0) & (cum_c < k_lim) & (cum_m < target))  # the digit holding the threshold
         above_c, above_m = cum_c.gather(-1, sel[:, None]), cum_m.gather(-1, sel[:, None])
         prefix = (prefix << width) | sel
     return prefix.to(torch.int32)
+
+
+def _threshold_sort(
+    key: torch.Tensor, e: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
+    """``keep_threshold`` by one ascending sort of the keys (most likely first) and an int64 cumsum of the masses.
+
+    In sorted order both conditions hold on a prefix (ranks grow, the mass before a position never shrinks), of
+    length ``n = min(top_k limit, n_p)`` with ``n_p`` the positions whose mass before them is below the target.
+    The threshold is the key at position ``n - 1``: its first tied position lies in the prefix, and the first
+    position of any larger key does not, which is the radix selection's answer (the largest key whose strictly
+    smaller keys pass both tests), so ties are kept together whatever order the sort gives them. ``n = 0`` (a
+    target of 0) gives 0, as the radix rounds do.
+
+    Temporaries at ``b = 256, v = 151,936``: sorted keys (int32, 156 MB) and indices (int64, 311 MB), the masses
+    in sorted order (float32 156 MB, then int64 311 MB, cumsum in place), one bool (39 MB): 0.97 GB allocated,
+    at most 0.62 GB live, plus what ``torch.sort`` allocates inside (``bench_sampling.py`` measures the total).
+    """
+    b, v = key.shape
+    skey, idx = torch.sort(key, dim=-1)  # (b v) int32, int64
+    mass = e.gather(-1, idx)  # (b v) float32 in sorted order
+    del idx
+    mass = mass.mul_(_MASS_SCALE).long()  # the same int64 masses as the radix rounds
+    cum = mass.cumsum_(-1)  # (b v) int64, inclusive; exact
+    target = _mass_target(cum[:, -1], top_p)[:, None]  # (b 1)
+    # the mass before position i is cum[i - 1] (0 at i = 0, kept iff 0 < target)
+    n_p = (cum[:, :-1] < target).sum(-1) + (target[:, 0] > 0)
+    n = torch.minimum(n_p, _k_limit(top_k, v))
+    thr = skey.gather(-1, (n - 1).clamp(min=0)[:, None])[:, 0]
+    return torch.where(n > 0, thr, torch.zeros_like(thr))
 
 
 def sample_tokens(
@@ -183,15 +280,17 @@ def sample_tokens(
     *,
     filtered: bool,
     block: int = SAMPLING_BLOCK,
+    threshold: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row by inverse-CDF sampling and return its sampling-distribution log-prob; no sort and
-    no full-vocabulary cumsum.
+    """Draw one token per row by inverse-CDF sampling in vocabulary order and return its sampling-distribution
+    log-prob; the draw needs no sort and no full-vocabulary cumsum.
 
     The row's distribution is ``exp(d)`` renormalised over the kept set, with ``d = (logits - max) / T`` in
     float32 (``T = 1`` for greedy rows). The draw is two-level: block sums of ``exp(d)`` (``block`` tokens each),
     a cumsum over the blocks picks the block holding ``uniform * total``, a cumsum inside that block picks the
     token (the same inverse CDF in vocabulary order as one full cumsum, up to float rounding). Top-k / top-p
-    thresholds come from ``keep_threshold`` (radix selection, ties at the boundary kept).
+    thresholds come from ``keep_threshold`` (ties at the boundary kept; on CUDA by one sort of the keys, the
+    only sort of the step, elsewhere by radix selection: the same threshold either way).
 
     Args:
       logits: ``(b v)`` raw next-token logits (any float dtype; the math is float32).
@@ -204,6 +303,8 @@ def sample_tokens(
         way: bit-identical on CPU; on CUDA the unfiltered step reads the logits once through the fused
         block-statistics kernel (``fused_block_stats``), which rounds the block sums differently.
       block: vocabulary block of the two-level draw (changes only float rounding).
+      threshold: ``keep_threshold``'s method (``auto``, ``radix``, ``sort``); the kept set, hence the draw, is
+        the same for all three.
     Returns:
       ``ids (b,)`` int64 and ``logp (b,)`` float32: ``d - log(sum of exp(d) over the kept set)`` at ``ids``
       (``log_softmax(logits / T)`` when nothing is filtered); greedy rows return the first argmax and
@@ -226,7 +327,7 @@ def sample_tokens(
             top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
             top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
             key = order_key(d)
-            e = e.mul_(key <= keep_threshold(key, e, top_p, top_k)[:, None])
+            e = e.mul_(key <= keep_threshold(key, e, top_p, top_k, method=threshold)[:, None])
         bsum = _block_sum(e, block)  # (b nb)
     cdf = bsum.cumsum(-1)
     total = cdf[:, -1]

@@ -17,7 +17,13 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rlcore.inference.sampling import counter_uniform, keep_threshold, order_key, sample_tokens
+from rlcore.inference.sampling import (
+    counter_uniform,
+    keep_threshold,
+    order_key,
+    sample_tokens,
+    threshold_method,
+)
 
 # ----------------------------------------------------------------------------------------------------------------
 # References
@@ -373,3 +379,111 @@ def test_draws_at_every_cdf_step_land_on_a_token_with_mass():
         ones, off = torch.ones(n), -torch.ones(n, dtype=torch.long)
         ids, logp = sample_tokens(logits.expand(n, -1), ones, ones, off, u, filtered=False, block=block)
         assert torch.isfinite(logits[0, ids]).all() and torch.isfinite(logp).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The two threshold methods: one sort of the keys (the default on CUDA) and the radix rounds (elsewhere) return
+# bit-identical thresholds, so the kept set and the draw do not depend on the method
+
+
+def both_thresholds(key, e, top_p, top_k):
+    a = keep_threshold(key, e, top_p, top_k, method="radix")
+    b = keep_threshold(key, e, top_p, top_k, method="sort")
+    assert a.dtype == b.dtype == torch.int32
+    assert torch.equal(a, b), (a.tolist(), b.tolist())
+    return a
+
+
+@settings(max_examples=200)
+@given(rows())
+def test_sort_and_radix_thresholds_are_bit_identical_on_sampler_inputs(case):
+    """As ``sample_tokens`` calls it (greedy rows unfiltered; ties, -inf tokens, top_k up to v + 2, top_p = 1):
+    no margin is assumed, the two methods agree bit for bit even where the rule is ambiguous in float."""
+    logits, temp, top_p, top_k, _, _ = case
+    d = scaled_d(logits, temp)
+    p = torch.where(temp > 0, top_p, torch.ones_like(top_p))
+    k = torch.where(temp > 0, top_k, torch.zeros_like(top_k))
+    key = order_key(d)
+    both_thresholds(key, d.exp(), p, k)
+    both_thresholds(key, d.exp(), top_p, top_k)  # the raw settings as well
+
+
+@st.composite
+def raw_rows(draw, max_b: int = 4, max_v: int = 30):
+    """Keys from a small pool (many ties) with arbitrary masses in [0, 1], not tied to the keys: tied keys of
+    unequal mass, zero-mass rows and top_p far below any mass."""
+    b = draw(st.integers(1, max_b))
+    v = draw(st.integers(1, max_v))
+    pool = [0, 1, 2, 1 << 10, (1 << 20) + 5, 0x3F800000, 0x3F800001, 0x7F7FFFFF, 0x7F800000]
+    key = torch.tensor(
+        draw(st.lists(st.sampled_from(pool), min_size=b * v, max_size=b * v)), dtype=torch.int32
+    )
+    mass = st.one_of(st.just(0.0), st.just(1.0), st.floats(0, 1, width=32))
+    e = torch.tensor(draw(st.lists(mass, min_size=b * v, max_size=b * v)), dtype=torch.float32)
+    top_p = st.one_of(st.just(1.0), st.just(1e-30), st.floats(1e-6, 1.0))
+    top_k = st.one_of(st.just(-1), st.just(1 << 62), st.integers(1, v + 2))
+    p = torch.tensor(draw(st.lists(top_p, min_size=b, max_size=b)), dtype=torch.float32)
+    k = torch.tensor(draw(st.lists(top_k, min_size=b, max_size=b)))
+    return key.view(b, v), e.view(b, v), p, k
+
+
+@settings(max_examples=200)
+@given(raw_rows())
+def test_sort_and_radix_thresholds_are_bit_identical_on_any_masses(case):
+    both_thresholds(*case)
+
+
+def test_sort_and_radix_thresholds_at_the_edges():
+    """A row of -inf tokens (no mass), one token, top_k beyond the vocabulary, top_p = 1, a greedy-style row."""
+    inf_key = 0x7F800000
+    key = torch.tensor(
+        [[inf_key] * 4, [0, inf_key, inf_key, 3], [7, 7, 7, 7], [0, 5, 5, 9]], dtype=torch.int32
+    )
+    e = torch.tensor([[0.0] * 4, [1.0, 0.0, 0.0, 0.5], [0.25] * 4, [1.0, 0.5, 0.5, 0.1]])
+    for p, k in [(0.5, -1), (1.0, -1), (1.0, 0), (1.0, 100), (0.5, 1 << 62), (1e-30, 2), (0.9, 2), (0.7, 1)]:
+        both_thresholds(key, e, torch.full((4,), p), torch.full((4,), k))
+    half, off = torch.full((4,), 0.5), torch.full((4,), -1)
+    assert both_thresholds(key, e, half, off)[0] == 0  # no mass: nothing is kept (0 is below every key there)
+    assert both_thresholds(key, e, torch.ones(4), off)[0] == inf_key  # top_p = 1: everything, even no mass
+    assert both_thresholds(key[:, :1], e[:, :1], half, torch.ones(4, dtype=torch.long)).tolist() == [
+        0,
+        0,
+        7,
+        0,
+    ]
+    # ties at the boundary are kept together: top_k = 2 at [0, 5, 5, 9] keeps both 5s
+    assert int(both_thresholds(key[3:], e[3:], torch.ones(1), torch.tensor([2]))[0]) == 5
+
+
+def test_sort_and_radix_agree_on_bfloat16_vocabularies():
+    """Engine-like rows (bf16 logits: many exact ties; flat and peaked; mixed settings) at a few thousand tokens."""
+    g = torch.Generator().manual_seed(3)
+    b, v = 24, 5000
+    for scale in (1.0, 8.0):
+        logits = (torch.randn(b, v, generator=g) * scale).bfloat16().float()
+        temp = torch.rand(b, generator=g) + 0.3
+        top_p = torch.where(torch.arange(b) % 2 == 0, torch.rand(b, generator=g), torch.ones(b))
+        top_k = torch.where(torch.arange(b) % 3 == 0, torch.randint(1, 200, (b,), generator=g), -1)
+        d = scaled_d(logits, temp)
+        both_thresholds(order_key(d), d.exp(), top_p, top_k)
+        u = torch.rand(b, generator=g)
+        a = sample_tokens(logits, temp, top_p, top_k, u, filtered=True, threshold="radix")
+        s = sample_tokens(logits, temp, top_p, top_k, u, filtered=True, threshold="sort")
+        assert torch.equal(a[0], s[0]) and torch.equal(a[1], s[1])
+
+
+@settings(max_examples=60)
+@given(rows())
+def test_sort_and_radix_draw_the_same_token_and_logprob(case):
+    logits, temp, top_p, top_k, u, block = case
+    a = sample_tokens(logits, temp, top_p, top_k, u, filtered=True, block=block, threshold="radix")
+    s = sample_tokens(logits, temp, top_p, top_k, u, filtered=True, block=block, threshold="sort")
+    assert torch.equal(a[0], s[0]) and torch.equal(a[1], s[1])
+
+
+def test_threshold_method_auto_is_sort_on_cuda_and_radix_elsewhere():
+    assert threshold_method(torch.device("cuda", 0)) == "sort"
+    assert threshold_method(torch.device("cpu")) == "radix"
+    assert threshold_method(torch.device("cpu"), "sort") == "sort"
+    with pytest.raises(ValueError, match="radix"):
+        threshold_method(torch.device("cpu"), "bitonic")
