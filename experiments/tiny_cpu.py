@@ -191,10 +191,12 @@ def rollout_parts(cfg: Config, address: str | None = None) -> remote.RolloutPart
     ``address`` of an engine server). Runs in the rollout process (built there from this function and ``cfg``) or
     in this one."""
     tok = tiny.load_tokenizer(cfg.model_dir)
-    # rollout: one engine request per sample, the verifier's reward on the decoded answer
+    # rollout: the group's G samples from one engine request (its prompt prefilled once), the verifier's reward on
+    # each decoded answer
     episode = workflows.rlvr(
         tok, countdown_reward.reward_fn,
         workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
+        group_size=cfg.group_size,
     )
     # Every finished group is accepted, so the controller's staleness count (accepted = v * B) stays exact;
     # the trainer drops all-equal groups itself. (A should_accept filter with dynamic_bs would let

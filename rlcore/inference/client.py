@@ -44,6 +44,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -67,6 +68,19 @@ from rlcore.inference.routing import (  # noqa: F401  (re-exported: the client's
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+@dataclass
+class _Partial:
+    """One sample's tokens so far across its /generate segments."""
+
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reason: str = "abort"
+    aborts_unpaused: int = 0
+    t0: float = field(default_factory=time.monotonic)
+    ttft: float = 0.0
+
 
 class EngineClient:
     """The rollout system's client (spec system.md §3.1): ``agenerate`` plus control fan-out to all servers.
@@ -319,14 +333,7 @@ class EngineClient:
         while self._paused:
             await asyncio.sleep(self.cfg.pause_poll_s)
 
-    async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        """Generate until stop/length, transparently resubmitting aborted segments (spec system.md §3.1).
-
-        Each segment: wait while paused → pin ``v_req`` → POST /generate with the prompt plus all tokens so
-        far and the remaining budget → append tokens, log-probs and ``v_req`` per token. A final abort
-        with the budget used up is reported as ``length``. Raises ``EngineError`` when every server failed,
-        on a 4xx, on an error abort, or after ``max_aborts_unpaused`` unexplained aborts in a row.
-        """
+    def _budget(self, req: ModelRequest) -> tuple[list[int], int, dict]:
         prompt = [int(t) for t in req.input_ids]
         budget = int(req.sampling.max_new_tokens)
         if req.max_tokens is not None:
@@ -336,71 +343,113 @@ class EngineClient:
                 f"ModelRequest: no room to generate (max_new_tokens={req.sampling.max_new_tokens}, "
                 f"max_tokens={req.max_tokens}, prompt length={len(prompt)}); raise max_tokens or shorten the prompt"
             )
-        sampling = req.sampling.to_sglang()
-        tokens: list[int] = []
-        logps: list[float] = []
-        versions: list[int] = []
-        reason = "abort"
-        aborts_unpaused = 0
-        t0 = time.monotonic()
-        ttft = 0.0
-        while reason not in FINAL_REASONS and len(tokens) < budget:
+        return prompt, budget, req.sampling.to_sglang()
+
+    def _payload(self, input_ids: list, sampling: dict, remaining: int, v_req: int) -> dict:
+        payload = {
+            "input_ids": input_ids,
+            "sampling_params": {**sampling, "max_new_tokens": remaining},
+            "return_logprob": True,
+            "stream": False,
+        }
+        if self._lora is not None:
+            payload["lora_path"] = adapter_name(self._lora, v_req)
+        return payload
+
+    def _absorb(self, st: _Partial, seg: tuple, v_req: int, epoch: int, rid: str) -> None:
+        """Append one segment's tokens to ``st`` and judge its finish reason (raises on a rejection / error)."""
+        new, new_lp, reason, fr, new_versions = seg
+        if not st.ttft:
+            st.ttft = time.monotonic() - st.t0
+        st.tokens += new
+        st.logps += new_lp
+        # Tokens carry the version the engine says it sampled them with (exact across an in_place weight
+        # load, and honest when the engine holds older weights than the trainer's version); a server that
+        # reports none (SGLang) gets the pinned v_req, which eviction of unsynced servers keeps truthful.
+        st.versions += list(new_versions) if new_versions is not None else [v_req] * len(new)
+        st.reason = reason
+        if reason == "abort":
+            expected = self._paused or self._pause_epoch != epoch or self.get_version() != v_req
+            code = fr.get("status_code")
+            if not expected and isinstance(code, int) and 400 <= code < 500:
+                raise EngineRejected(f"request {rid}: server rejected it: {fr.get('message', fr)}", code)
+            if not expected and isinstance(code, int) and code >= 500:
+                raise EngineError(f"request {rid}: server aborted with an error: {fr}")
+            st.aborts_unpaused = 0 if expected else st.aborts_unpaused + 1
+            if st.aborts_unpaused >= self.cfg.max_aborts_unpaused:
+                raise EngineError(
+                    f"request {rid}: {st.aborts_unpaused} consecutive aborts while not paused (last: {fr}); "
+                    "raise ClientConfig.max_aborts_unpaused if the servers abort on purpose"
+                )
+        else:
+            st.aborts_unpaused = 0
+
+    async def _complete(self, rid: str, prompt: list[int], budget: int, sampling: dict, st: _Partial) -> ModelResponse:
+        """Resubmit segments until stop/length (``st`` may already hold tokens) and build the response."""
+        while st.reason not in FINAL_REASONS and len(st.tokens) < budget:
             await self._wait_unpaused()
             v_req = self.get_version()
             epoch = self._pause_epoch
-            remaining = budget - len(tokens)
-            payload = {
-                "input_ids": prompt + tokens,
-                "sampling_params": {**sampling, "max_new_tokens": remaining},
-                "return_logprob": True,
-                "stream": False,
-            }
-            if self._lora is not None:
-                payload["lora_path"] = adapter_name(self._lora, v_req)
-            new, new_lp, reason, fr, new_versions = await self._generate_segment(req.rid, payload, remaining)
-            if not ttft:
-                ttft = time.monotonic() - t0
-            tokens += new
-            logps += new_lp
-            # Tokens carry the version the engine says it sampled them with (exact across an in_place weight
-            # load, and honest when the engine holds older weights than the trainer's version); a server that
-            # reports none (SGLang) gets the pinned v_req, which eviction of unsynced servers keeps truthful.
-            versions += list(new_versions) if new_versions is not None else [v_req] * len(new)
-            if reason == "abort":
-                expected = self._paused or self._pause_epoch != epoch or self.get_version() != v_req
-                code = fr.get("status_code")
-                if not expected and isinstance(code, int) and 400 <= code < 500:
-                    raise EngineRejected(f"request {req.rid}: server rejected it: {fr.get('message', fr)}", code)
-                if not expected and isinstance(code, int) and code >= 500:
-                    raise EngineError(f"request {req.rid}: server aborted with an error: {fr}")
-                aborts_unpaused = 0 if expected else aborts_unpaused + 1
-                if aborts_unpaused >= self.cfg.max_aborts_unpaused:
-                    raise EngineError(
-                        f"request {req.rid}: {aborts_unpaused} consecutive aborts while not paused (last: {fr}); "
-                        "raise ClientConfig.max_aborts_unpaused if the servers abort on purpose"
-                    )
-            else:
-                aborts_unpaused = 0
-        if reason == "abort":  # loop ended on an exhausted budget
-            reason = "length"
+            remaining = budget - len(st.tokens)
+            payload = self._payload(prompt + st.tokens, sampling, remaining, v_req)
+            self._absorb(st, await self._generate_segment(rid, payload, remaining), v_req, epoch, rid)
+        reason = "length" if st.reason == "abort" else st.reason  # an abort with the budget used up
         return ModelResponse(
             input_tokens=prompt,
-            output_tokens=tokens,
-            output_logprobs=logps,
-            output_versions=versions,
+            output_tokens=st.tokens,
+            output_logprobs=st.logps,
+            output_versions=st.versions,
             stop_reason=reason,  # type: ignore[arg-type]
-            latency=time.monotonic() - t0,
-            ttft=ttft,
+            latency=time.monotonic() - st.t0,
+            ttft=st.ttft,
         )
 
-    async def _generate_segment(
-        self, rid: str, payload: dict, remaining: int
-    ) -> tuple[list[int], list[float], str, dict, list[int] | None]:
-        """One /generate call on the rid's server, re-routing when that server is marked dead."""
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate until stop/length, transparently resubmitting aborted segments (spec system.md §3.1).
+
+        Each segment: wait while paused → pin ``v_req`` → POST /generate with the prompt plus all tokens so
+        far and the remaining budget → append tokens, log-probs and ``v_req`` per token. A final abort
+        with the budget used up is reported as ``length``. Raises ``EngineError`` when every server failed,
+        on a 4xx, on an error abort, or after ``max_aborts_unpaused`` unexplained aborts in a row.
+        """
+        prompt, budget, sampling = self._budget(req)
+        return await self._complete(req.rid, prompt, budget, sampling, _Partial())
+
+    async def agenerate_group(self, req: ModelRequest, n: int) -> list[ModelResponse]:
+        """``n`` samples of one prompt (a GRPO group) from ONE /generate call: SGLang's batch form, the prompt
+        ``n`` times with the request's sampling parameters (what ``n`` separate ``agenerate`` calls coalesced into
+        one HTTP request send), routed to one server so the engine shares the prompt's KV. Each sample then
+        finishes exactly like :meth:`agenerate`: one cut short by a pause is resubmitted alone with its tokens so
+        far, under the version it resumes with. Returns the ``n`` responses in order; raises like ``agenerate``."""
+        if n < 1:
+            raise ValueError(f"agenerate_group needs n >= 1, got {n}")
+        prompt, budget, sampling = self._budget(req)
+        await self._wait_unpaused()
+        v_req = self.get_version()
+        epoch = self._pause_epoch
+        parts = [_Partial() for _ in range(n)]
+        payload = self._payload([prompt] * n, sampling, budget, v_req)
+        segs = await self._generate_segment(req.rid, payload, budget, batch=n)
+        for i, (st, seg) in enumerate(zip(parts, segs)):
+            self._absorb(st, seg, v_req, epoch, f"{req.rid}/{i}")
+        return list(await asyncio.gather(*(self._complete(req.rid, prompt, budget, sampling, st) for st in parts)))
+
+    async def _generate_segment(self, rid: str, payload: dict, remaining: int, batch: int | None = None) -> Any:
+        """One /generate call on the rid's server, re-routing when that server is marked dead; ``batch``: the
+        payload holds that many prompts and the answer is the list of their parsed segments."""
+
+        def check(b: Any) -> Any:
+            if batch is None:
+                return parse_generate(b, remaining)
+            if not isinstance(b, list) or len(b) != batch:
+                raise ValueError(f"batched /generate answered {type(b).__name__} of length "
+                                 f"{len(b) if isinstance(b, list) else '-'} for {batch} prompts")
+            return [parse_generate(x, remaining) for x in b]
+
         while True:
             server = self._choose(rid)
             try:
-                return await self._call(server, "POST", "/generate", payload, lambda b: parse_generate(b, remaining))
+                return await self._call(server, "POST", "/generate", payload, check)
             except _ServerFailed as e:
                 if not e.server.dead:
                     raise EngineError(f"request {rid}: /generate failed after {self.cfg.retries + 1} attempts: {e}") from e

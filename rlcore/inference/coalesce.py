@@ -12,7 +12,9 @@ rejects with a 4xx is re-sent one prompt at a time, so only the bad prompt's cal
 errors and timeouts raise in every caller of the batch (``EngineClient`` retries each, and the retries batch
 again). A batch returns when its last prompt finishes, so callers wait for the slowest prompt of their tick;
 pauses and aborts behave as for single calls (an aborted batch returns every prompt's partial output).
-Streaming requests, ``rid``-carrying requests and every other endpoint go through unchanged, one call each.
+A call that is itself a batch (``input_ids`` a list of prompts, e.g. ``EngineClient.agenerate_group``) joins with
+its prompts and gets back the list of its own answers. Streaming requests, ``rid``-carrying requests and every other
+endpoint go through unchanged, one call each.
 """
 
 from __future__ import annotations
@@ -112,11 +114,18 @@ class CoalescingHTTP:
         if len(queue) == 1:
             return [await self._http("POST", "/generate", queue[0][0])]
         first = queue[0][0]
-        batched = dict(first, input_ids=[p["input_ids"] for p, _ in queue])
+        # a caller's own batch (a GRPO group) joins as its prompts and gets its slice of the answer back
+        prompts = [x for p, _ in queue for x in (p["input_ids"] if _nested(p) else [p["input_ids"]])]
+        batched = dict(first, input_ids=prompts)
         self.batches += 1
         status, body = await self._http("POST", "/generate", batched)
-        if status == 200 and isinstance(body, list) and len(body) == len(queue):
-            return [(200, b) for b in body]
+        if status == 200 and isinstance(body, list) and len(body) == len(prompts):
+            out, at = [], 0
+            for p, _ in queue:
+                k = _n_prompts(p)
+                out.append((200, body[at: at + k] if _nested(p) else body[at]))
+                at += k
+            return out
         if 400 <= status < 500:  # one bad prompt fails the whole batch: resend one by one to blame only it
             return list(await asyncio.gather(*(self._http("POST", "/generate", p) for p, _ in queue)))
         if status == 200:
@@ -134,12 +143,24 @@ class _Batch:
         self.task: asyncio.Task | None = None
 
 
-def _batchable(p: dict) -> bool:
-    """A single-prompt, non-streaming, token-id request without a caller-chosen rid."""
+def _nested(p: dict) -> bool:
     ids = p.get("input_ids")
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+
+def _n_prompts(p: dict) -> int:
+    return len(p["input_ids"]) if _nested(p) else 1
+
+
+def _batchable(p: dict) -> bool:
+    """A non-streaming token-id request (one prompt, or a batch of non-empty prompts, e.g. a GRPO group) without a
+    caller-chosen rid."""
+    ids = p.get("input_ids")
+    flat = isinstance(ids, list) and bool(ids) and (
+        all(isinstance(x, list) and x and not isinstance(x[0], list) for x in ids) if _nested(p)
+        else not isinstance(ids[0], list))
     return (
-        isinstance(ids, list) and bool(ids) and not isinstance(ids[0], list)
-        and not p.get("stream") and p.get("rid") is None and p.get("text") is None
+        flat and not p.get("stream") and p.get("rid") is None and p.get("text") is None
         and isinstance(p.get("sampling_params", {}), dict) and (p.get("sampling_params") or {}).get("n", 1) == 1
     )
 

@@ -257,13 +257,66 @@ class _Row:
 
 
 # ----------------------------------------------------------------------------- workflows
-def rlvr(tokenizer: Any, reward_fn: RewardFn, cfg: WorkflowConfig = WorkflowConfig(), *, reward_pool: Any = None
-         ) -> Episode:
+@dataclass(frozen=True)
+class GroupEpisode:
+    """An episode that samples a whole group of one prompt itself (``group`` passes it through instead of running
+    it ``group_size`` times); called like any episode, it returns the group's ``(g, l)`` rows (``g <= group_size``:
+    samples whose reward failed are dropped, as ``group`` drops failed runs) or None."""
+
+    run: Episode
+    group_size: int
+
+    async def __call__(self, client: Any, item: Mapping) -> Traj | None:
+        return await self.run(client, item)
+
+
+async def _generate_group(client: Any, req: ModelRequest, n: int) -> list[ModelResponse]:
+    """``client.agenerate_group(req, n)`` when the client has it (one engine call), else ``n`` concurrent
+    ``agenerate`` calls."""
+    if hasattr(client, "agenerate_group"):
+        return await client.agenerate_group(req, n)
+    return list(await asyncio.gather(*(client.agenerate(req) for _ in range(n))))
+
+
+def rlvr(tokenizer: Any, reward_fn: RewardFn, cfg: WorkflowConfig = WorkflowConfig(), *, reward_pool: Any = None,
+         group_size: int | None = None) -> Episode:
     """Single-turn RLVR episode: one ``agenerate``, reward on the decoded completion, one ``(1, l)`` row.
 
     ``reward_pool`` (rlcore.rollout.rewards.pool.RewardPool) runs ``reward_fn`` in a worker process with a timeout.
+    ``group_size``: a :class:`GroupEpisode` instead, which asks for the group's ``group_size`` samples in one engine
+    call (``EngineClient.agenerate_group``: the prompt once, its KV shared) and scores them together: the same
+    samples, rewards and rows as ``group(rlvr(...), group_size)`` with one request, task and reward hop per group
+    instead of per sample (the rollout loop's Python cost, which bounds small-model jobs).
     """
     sampling = cfg.sampling(tokenizer)
+    if group_size is not None:
+        if group_size < 1:
+            raise ValueError(f"rlvr: group_size must be >= 1, got {group_size}")
+
+        async def group_episode(client: Any, item: Mapping) -> Traj | None:
+            prompt = prompt_ids(tokenizer, item, cfg.prompt_field)
+            req = ModelRequest(input_ids=prompt, sampling=sampling, max_tokens=cfg.max_tokens)
+            resps = await _generate_group(client, req, group_size)
+            texts = [tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in resps]
+            async def scored(i: int, text: str) -> float:
+                SAMPLE_IDX.set(i)  # each gathered task runs in its own copy of the context
+                return await _score(reward_fn, text, item, reward_pool)
+
+            rewards = await asyncio.gather(*(scored(i, t) for i, t in enumerate(texts)), return_exceptions=True)
+            for e in rewards:
+                if isinstance(e, BaseException) and not isinstance(e, Exception):
+                    raise e
+            rows = [trajectory.make_row(prompt, r.output_tokens, r.output_logprobs, r.output_versions, float(w))
+                    for r, w in zip(resps, rewards) if not isinstance(w, BaseException)]
+            failed = [w for w in rewards if isinstance(w, BaseException)]
+            if failed and not rows:
+                raise failed[0]
+            for e in failed:
+                log.warning("task %s: one sample of the group failed its reward: %s: %s", TASK_ID.get(),
+                            type(e).__name__, e)
+            return trajectory.concat(rows) if rows else None
+
+        return GroupEpisode(group_episode, group_size)
 
     async def episode(client: Any, item: Mapping) -> Traj | None:
         prompt = prompt_ids(tokenizer, item, cfg.prompt_field)
@@ -448,6 +501,18 @@ def group(episode: Episode, group_size: int, *, drop_incomplete: bool = False) -
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if isinstance(episode, GroupEpisode):  # it samples the group itself
+        if episode.group_size != group_size:
+            raise ValueError(f"the episode samples groups of {episode.group_size}, the controller asks for "
+                             f"{group_size}; build it with the controller's group_size")
+
+        async def whole(client: Any, item: Mapping) -> Traj | None:
+            rows = await episode(client, item)
+            if rows is None or (drop_incomplete and int(rows["input_ids"].shape[0]) < group_size):
+                return None
+            return rows
+
+        return whole
 
     async def run(client: Any, item: Mapping) -> Traj | None:
         async def one(i: int) -> Traj | None:
