@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "turn_ids")
@@ -34,24 +35,33 @@ def make_row(
     reward: float,
     turn: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """One single-turn row ``(1, len(prompt)+len(output))``: prompt masked, output trainable."""
+    """One single-turn row ``(1, len(prompt)+len(output))``: prompt masked, output trainable.
+
+    Each tensor is built from a NumPy array (``torch.from_numpy``): converting a Python list there is about three
+    times cheaper than ``torch.tensor(list)``, and rollouts build one row per sample."""
     if not (len(output_ids) == len(output_logprobs) == len(output_versions)):
         raise ValueError(
             f"output_ids/output_logprobs/output_versions must have equal lengths, got "
             f"{len(output_ids)}/{len(output_logprobs)}/{len(output_versions)}"
         )
     p, o = len(prompt_ids), len(output_ids)
-    ids = torch.tensor([*prompt_ids, *output_ids], dtype=torch.long)[None]
-    gen = torch.tensor([False] * p + [True] * o)[None]
+    gen = np.zeros((1, p + o), dtype=np.bool_)
+    gen[0, p:] = True
+    turns = np.full((1, p + o), -1, dtype=np.int64)
+    turns[0, p:] = int(turn)
     return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-        "loss_mask": gen,
-        "logprobs": torch.tensor([0.0] * p + [float(x) for x in output_logprobs], dtype=torch.float32)[None],
-        "versions": torch.tensor([-1] * p + [int(v) for v in output_versions], dtype=torch.long)[None],
-        "turn_ids": torch.where(gen, torch.tensor(turn), torch.tensor(-1)),
+        "input_ids": torch.from_numpy(np.array([[*prompt_ids, *output_ids]], dtype=np.int64)),
+        "attention_mask": torch.ones((1, p + o), dtype=torch.bool),
+        "loss_mask": torch.from_numpy(gen),
+        "logprobs": torch.from_numpy(np.array([[0.0] * p + [float(x) for x in output_logprobs]], dtype=np.float32)),
+        "versions": torch.from_numpy(np.array([[-1] * p + [int(v) for v in output_versions]], dtype=np.int64)),
+        "turn_ids": torch.from_numpy(turns),
         "rewards": torch.tensor([float(reward)], dtype=torch.float32),
     }
+
+
+def _is_token_key(k: str, v: torch.Tensor, width: int) -> bool:
+    return v.dim() >= 2 and v.shape[1] == width and k != "rewards"
 
 
 def concat(trajs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -59,20 +69,63 @@ def concat(trajs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
     Per-row keys (1-D tensors such as ``rewards``) are concatenated as they are; other keys must
     be tensors with a leading row dimension too.
+
+    Fast path (a group of single rows, e.g. ``make_row`` outputs, all with the same keys): each per-token key is one
+    ``torch.cat`` of the rows side by side, scattered into a pre-filled ``(b, width)`` tensor through a mask of the
+    real positions: three tensor operations per key instead of two per row and key. Same result as the general path.
     """
     if not trajs:
         raise ValueError("concat needs at least one trajectory")
-    width = max(int(t["input_ids"].shape[1]) for t in trajs)
+    widths = [int(t["input_ids"].shape[1]) for t in trajs]
+    width = max(widths)
+    if len(trajs) > 1 and min(widths) < width:
+        fast = _concat_single_rows(trajs, widths, width)
+        if fast is not None:
+            return fast
     out: dict[str, list[torch.Tensor]] = {}
     for t in trajs:
         for k, v in t.items():
-            if v.dim() >= 2 and v.shape[1] == t["input_ids"].shape[1] and k != "rewards":
+            if _is_token_key(k, v, t["input_ids"].shape[1]):
                 pad = width - v.shape[1]
                 if pad:
                     fill = PAD_VALUES.get(k, 0)
                     v = torch.cat([v, torch.full((v.shape[0], pad, *v.shape[2:]), fill, dtype=v.dtype)], dim=1)
             out.setdefault(k, []).append(v)
     return {k: torch.cat(vs, dim=0) for k, vs in out.items()}
+
+
+def _concat_single_rows(
+    trajs: Sequence[dict[str, torch.Tensor]], widths: list[int], width: int
+) -> dict[str, torch.Tensor] | None:
+    """``concat`` of trajectories that are one row each with the same keys (None when they are not): the per-token
+    keys of shape ``(1, l_i)`` become ``(b, width)``, the others are concatenated along rows. Each key must have one
+    dtype in every trajectory (the padding is then that dtype's fill, as on the general path)."""
+    keys = list(trajs[0])
+    kinds: list[tuple[bool, torch.dtype]] = []
+    for t, w in zip(trajs, widths):
+        if list(t) != keys:
+            return None
+        kind = []
+        for k, v in t.items():
+            s = v.shape
+            tok = len(s) >= 2 and s[1] == w and k != "rewards"
+            if tok and (len(s) != 2 or s[0] != 1):
+                return None
+            kind.append((tok, v.dtype))
+        if not kinds:
+            kinds = kind
+        elif kind != kinds:
+            return None
+    mask = torch.from_numpy(np.arange(width)[None, :] < np.array(widths)[:, None])  # (b, width): real positions
+    out: dict[str, torch.Tensor] = {}
+    for k, (tok, dtype) in zip(keys, kinds):
+        vs = [t[k] for t in trajs]
+        if not tok:
+            out[k] = torch.cat(vs, dim=0)
+            continue
+        flat = torch.cat(vs, dim=1)  # (1, sum l_i): the rows one after the other
+        out[k] = torch.full((len(trajs), width), PAD_VALUES.get(k, 0), dtype=dtype).masked_scatter_(mask, flat)
+    return out
 
 
 def num_rows(traj: dict[str, torch.Tensor]) -> int:

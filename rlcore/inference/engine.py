@@ -27,7 +27,6 @@ import os
 import random
 import threading
 import traceback
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,7 +40,7 @@ from rlcore.inference.blocks import BlockTables, build_kv_cache
 from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward
 from rlcore.inference.lora import LoraSlots
-from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams
+from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams, new_rid
 from rlcore.inference.sampling import (
     check_request,
     stop_strings,
@@ -437,7 +436,7 @@ class Engine(WeightUpdates):
                 "EngineConfig.max_waiting); retry later"
             )
         seed = int(sampling.seed) if sampling.seed is not None else self._rng.getrandbits(62)
-        req = _Request(rid or uuid.uuid4().hex, prompt, sampling, seed, cf.Future(), on_token=on_token)
+        req = _Request(rid or new_rid(), prompt, sampling, seed, cf.Future(), on_token=on_token)
         req.stops = stop_strings(sampling)
         if req.stops:
             # A stop string completed by the newest token starts within its last len(utf-8 bytes) tokens

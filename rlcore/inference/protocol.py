@@ -7,12 +7,37 @@ the same rollout code runs against the embedded engine, our HTTP server and a re
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-import uuid
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
+
+
+def _new_rid_source() -> tuple[str, itertools.count]:
+    return os.urandom(8).hex(), itertools.count()
+
+
+_RID_PREFIX, _RID_COUNT = _new_rid_source()
+
+
+def new_rid() -> str:
+    """A fresh request id: 32 lowercase hex characters, like ``uuid.uuid4().hex`` (what it replaces), made of a
+    random 64-bit prefix drawn once per process (``os.urandom``) and a 64-bit counter. Unique within the process and,
+    with the prefix, across processes and restarts; about ten times cheaper than a ``uuid4``, which reads the OS's
+    random source (a system call that also drops the GIL) on every request."""
+    return f"{_RID_PREFIX}{next(_RID_COUNT):016x}"
+
+
+def _reseed_rids() -> None:
+    global _RID_PREFIX, _RID_COUNT
+    _RID_PREFIX, _RID_COUNT = _new_rid_source()
+
+
+if hasattr(os, "register_at_fork"):  # a forked child draws its own prefix (spawned ones import afresh)
+    os.register_at_fork(after_in_child=_reseed_rids)
 
 
 @dataclass(frozen=True)
@@ -109,7 +134,7 @@ class ModelRequest:
 
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    rid: str = field(default_factory=new_rid)
     max_tokens: int | None = None
     """Optional cap on prompt + completion length."""
     metadata: dict = field(default_factory=dict)

@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import functools
 import json
-import uuid
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +33,7 @@ from rlcore.inference.protocol import (
     SamplingParams,
     json_ids,
     json_int,
+    new_rid,
     parallel_sampling,
     parse_n,
     parse_sampling_params,
@@ -387,7 +387,7 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
 
     futs, rids = [], []
     for k, (x, s, r) in enumerate(zip(plan.prompts, plan.params, plan.rids)):
-        rid = r or uuid.uuid4().hex
+        rid = r or new_rid()
         fut = engine.submit(x, s, rid, on_token=lambda t, lp, v, k=k: post((k, (t, lp, v))))
         fut.add_done_callback(lambda f, k=k: post((k, None)))
         futs.append(fut)

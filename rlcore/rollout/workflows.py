@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,6 +40,7 @@ import torch
 
 from rlcore.data import trajectory
 from rlcore.inference.protocol import ModelRequest, ModelResponse, SamplingParams
+from rlcore.rollout.rewards import inline as _inline_rewards
 from rlcore.rollout.rewards import pool as _reward_types
 from rlcore.rollout.rewards import sandbox
 
@@ -194,26 +193,15 @@ def feedback_suffix(tokenizer: Any, feedback: str) -> list[int]:
     return _encode(tokenizer, text[pos + len(mark) :])
 
 
-_INLINE_REWARDS: ThreadPoolExecutor | None = None
-
-
-def _inline_executor() -> ThreadPoolExecutor:
-    """Threads for rewards run without a pool (created on first use, shared by every loop)."""
-    global _INLINE_REWARDS
-    if _INLINE_REWARDS is None:
-        _INLINE_REWARDS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reward-inline")
-    return _INLINE_REWARDS
-
-
 async def _score(reward_fn: RewardFn, text: str, item: Mapping, pool: Any | None) -> float:
-    """Score off the event loop: in ``pool`` (worker processes, hard timeout) when given, else on a thread, so a
-    slow or blocking reward never freezes the other rollouts. The result must be an int, float or bool
-    (``rewards.pool.as_reward``): a string such as ``"0.75"`` raises TypeError, which rejects that run."""
-    sample_id = f"{TASK_ID.get()}/{SAMPLE_IDX.get()}"
+    """Score off the event loop: in ``pool`` (worker processes, hard timeout) when given, else on a thread
+    (``rewards.inline``: the calls of one loop tick share a thread-pool job), so a slow or blocking reward never
+    freezes the other rollouts. The result must be an int, float or bool (``rewards.pool.as_reward``): a string such
+    as ``"0.75"`` raises TypeError, which rejects that run."""
     if pool is not None:
+        sample_id = f"{TASK_ID.get()}/{SAMPLE_IDX.get()}"
         return float(await pool.acall(reward_fn, text, dict(item), sample_id=sample_id))
-    loop = asyncio.get_running_loop()
-    value = await loop.run_in_executor(_inline_executor(), functools.partial(reward_fn, text, item))
+    value = await _inline_rewards.score(reward_fn, text, item)
     return _reward_types.as_reward(value, reward_fn)
 
 

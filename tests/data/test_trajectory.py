@@ -1,0 +1,76 @@
+"""make_row and concat against a plain reference (one tensor per key and row, each row padded on its own)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore.data.trajectory import PAD_VALUES, concat, make_row
+
+
+def ref_row(prompt, out, lp, ver, reward, turn=0) -> dict[str, torch.Tensor]:
+    p, o = len(prompt), len(out)
+    return {
+        "input_ids": torch.tensor([[*prompt, *out]], dtype=torch.long),
+        "attention_mask": torch.ones((1, p + o), dtype=torch.bool),
+        "loss_mask": torch.tensor([[False] * p + [True] * o], dtype=torch.bool),
+        "logprobs": torch.tensor([[0.0] * p + list(lp)], dtype=torch.float32),
+        "versions": torch.tensor([[-1] * p + list(ver)], dtype=torch.long),
+        "turn_ids": torch.tensor([[-1] * p + [turn] * o], dtype=torch.long),
+        "rewards": torch.tensor([reward], dtype=torch.float32),
+    }
+
+
+def ref_concat(trajs) -> dict[str, torch.Tensor]:
+    width = max(t["input_ids"].shape[1] for t in trajs)
+    out: dict[str, list[torch.Tensor]] = {}
+    for t in trajs:
+        for k, v in t.items():
+            if v.dim() >= 2 and v.shape[1] == t["input_ids"].shape[1] and k != "rewards":
+                pad = torch.full((v.shape[0], width - v.shape[1], *v.shape[2:]), PAD_VALUES.get(k, 0), dtype=v.dtype)
+                v = torch.cat([v, pad], dim=1)
+            out.setdefault(k, []).append(v)
+    return {k: torch.cat(vs) for k, vs in out.items()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].stride() == b[k].stride(), k
+        assert torch.equal(a[k].nan_to_num(), b[k].nan_to_num()) and torch.equal(a[k].isnan(), b[k].isnan()), k
+
+
+@st.composite
+def row_args(draw, max_len=9):
+    p = draw(st.integers(1, max_len))
+    o = draw(st.integers(0, max_len))
+    ids = draw(st.lists(st.integers(0, 2**62), min_size=p + o, max_size=p + o))
+    lp = draw(st.lists(st.one_of(st.floats(-1e30, 0), st.just(float("nan")), st.just(float("-inf"))),
+                       min_size=o, max_size=o))
+    ver = draw(st.lists(st.integers(-1, 10**12), min_size=o, max_size=o))
+    return ids[:p], ids[p:], lp, ver, draw(st.floats(-1e6, 1e6)), draw(st.integers(-1, 50))
+
+
+@settings(max_examples=200, deadline=None)
+@given(row_args())
+def test_make_row_matches_the_reference(args):
+    assert_same(make_row(*args), ref_row(*args))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(row_args(), min_size=1, max_size=9), st.sampled_from(["rows", "extra", "multi", "dtype", "order"]))
+def test_concat_matches_the_reference(rows, variant):
+    trajs = [make_row(*a) for a in rows]
+    if variant == "extra":  # another per-token key (float64, 3-D) and a per-row key
+        for t in trajs:
+            t["adv"] = torch.randn(t["input_ids"].shape, dtype=torch.float64)
+            t["hidden"] = torch.randn(*t["input_ids"].shape, 2)
+            t["meta"] = torch.tensor([7])
+    elif variant == "multi" and len(trajs) > 1:  # a trajectory of two rows
+        trajs[0] = concat([trajs[0], trajs[-1]])
+    elif variant == "dtype" and len(trajs) > 1:  # one key with two dtypes
+        trajs[0]["logprobs"] = trajs[0]["logprobs"].double()
+    elif variant == "order" and len(trajs) > 1:  # keys in another order
+        trajs[-1] = dict(reversed(list(trajs[-1].items())))
+    assert_same(concat(trajs), ref_concat(trajs))
