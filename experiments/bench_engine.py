@@ -30,6 +30,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -99,8 +100,9 @@ class Config:
     """Profiler table path; default $OUT/bench_engine_profile.txt if OUT is set."""
     out: str | None = None
     """JSON output path; default $OUT/bench_engine.json if OUT is set."""
-    fused_kernels: bool = False
-    """EngineConfig.fused_kernels of the 256-request engine (liger RMSNorm / SwiGLU / RoPE on CUDA)."""
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
+    """EngineConfig.fused_kernels of the 256-request engine (liger RMSNorm / SwiGLU / RoPE on CUDA; auto: the
+    engine's default, on with CUDA and liger-kernel installed)."""
     compile_decode_layers: bool = False
     """EngineConfig.compile_decode_layers of the 256-request engine (torch.compile per decoder layer, then graphs)."""
     smoke: bool = False
@@ -194,7 +196,7 @@ def bench_engine(
         grouped_decode_attention=grouped,
         decode_attention=attention,
         block_size=cfg.block_size,
-        fused_kernels=cfg.fused_kernels,
+        fused_kernels={"auto": "auto", "on": True, "off": False}[cfg.fused_kernels],
         compile_decode_layers=cfg.compile_decode_layers,
     )
     reset_attention(model)

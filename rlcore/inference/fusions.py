@@ -4,7 +4,7 @@ The engine calls ``apply`` once at model setup, before any CUDA graph is capture
 kernels. Both levers patch **the module instance the engine serves** (as the engine already moves that instance
 to its device and dtype): nothing changes for other models in the process, the trainer's included.
 
-- ``EngineConfig.fused_kernels`` (default on): for the families in ``LIGER_FAMILIES`` (Llama, Mistral, Qwen2,
+- ``EngineConfig.fused_kernels`` (default ``"auto"``: on with CUDA and liger-kernel installed): for the families in ``LIGER_FAMILIES`` (Llama, Mistral, Qwen2,
   Qwen3: RMSNorm in the ``llama`` casting, SiLU-gated MLP, rotary embedding over the whole head), each RMSNorm's
   and MLP's ``forward`` is replaced on the instance by liger-kernel's Triton kernel (one kernel instead of
   pow / mean / rsqrt / mul / cast, and one instead of silu + mul), and the family's ``apply_rotary_pos_emb``
