@@ -2,25 +2,27 @@
 
 A 2-layer, width-64 Qwen2 (~0.1M parameters, one token per character) was warm-started by
 experiments/sft_warmstart.py to ~21% greedy success on 1,000 held-out Countdown prompts
-(``3579:42=`` -> ``7*5+9-3``). Here it trains with the whole library, in two processes (one core each):
+(``3579:42=`` -> ``7*5+9-3``). Here it trains with the whole library, in three processes (2 cores):
 
-    trainer process: RolloutController (staleness eta) -> EngineClient (HTTP, SGLang protocol)
-                                                                    |
-    engine process (python -m rlcore.serve, rlcore.inference.process): Engine
-      -> rlvr episodes, countdown reward -> groups of 8 -> train_batch: proximal recompute -> rewards (GRPO
-         group z-score) -> advantages (gae.compute_advantages) -> loss_fn (build_loss_fn: decoupled ppo.loss)
-         -> step.train_step -> publish_weights (pause -> safetensors file in /dev/shm -> engine loads it ->
-         version + 1 -> resume)
+    engine server (python -m rlcore.serve, SGLang's HTTP protocol on 127.0.0.1): Engine
+    rollout process (rlcore.rollout.remote): RolloutController (staleness eta) -> rlvr group episodes (one
+        /generate per group of 8, EngineClient) -> countdown reward -> finished groups over a pipe
+    trainer (this process): prepare_batch -> train_batch: rewards (GRPO group z-score) -> advantages
+        (gae.compute_advantages) -> loss_fn (build_loss_fn: decoupled ppo.loss, the proximal log-probs from the
+        training forward itself) -> step.train_step -> publish_weights (pause -> safetensors file in /dev/shm ->
+        the engine loads it -> version + 1 -> resume)
 
-Engine and trainer no longer share one GIL: while ``train_batch`` runs on batch k in this process, the engine
-process is already sampling batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects
-for that one step of staleness with the behaviour weight pi_prox / pi_behav. ``--engine thread`` runs the
-engine in a thread of this process instead (the old layout, for debugging: one process, in-process transport).
+No two of them share a GIL: while ``train_batch`` runs on batch k here, the engine and the rollout process are
+already producing batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects for that one
+step of staleness with the behaviour weight pi_prox / pi_behav. ``--engine process`` keeps the rollout loop in a
+thread of this process (engine server only), ``--engine rollout-process`` puts the engine inside the rollout
+process, ``--engine thread`` runs the engine in a thread of this process (one process, in-process transport, for
+debugging).
 
 The objective is a function: ``--objective`` picks PPO, GSPO or CISPO (and their settings) for
 ``build_loss_fn``; from Python, ``main(cfg, loss_fn=my_loss_fn)`` trains any ``loss_fn(logp, mb)``
 (notebooks/write_your_own_objective.py). Every step logs the train-vs-engine mismatch ``offpolicy/*`` of the
-proximal recompute (the step's first, pre-update forward; rlcore.training.offpolicy) by staleness and position,
+pre-update training forward (rlcore.training.offpolicy) by staleness and position,
 and warns when tokens of the current version disagree (e.g. ``--train-temperature 0.7`` against sampling at 1).
 
 Run:    python experiments/tiny_cpu.py                      # 10 minutes on 2 CPU cores
@@ -28,10 +30,10 @@ Smoke:  python experiments/tiny_cpu.py --minutes 0.2 --eval-prompts 64
 Replay: python experiments/tiny_cpu.py --record /tmp/rec && python -m rlcore.replay /tmp/rec   # docs/replay.md
 Resume: python experiments/tiny_cpu.py --checkpoint-dir /tmp/ck [--resume]   # nothing lost across a kill -9
 LoRA:   python experiments/tiny_cpu.py --lora     # rank-8 adapters only; publishes send the adapter (docs/lora.md)
-Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within two to
-        four minutes on an idle 2-core CPU and to ~50% at 10 minutes (measured with --engine thread: 20.8% ->
-        49.4%, 2,393 steps, and 20.8% -> 50.5%, 1,968 steps; docs/results.md#cpu-main-job). TensorBoard:
-        ``tensorboard --logdir runs`` (``perf/cores_busy``: average cores kept busy by both processes).
+Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within two to two and
+        a half minutes on an idle 2-core CPU and to 52-57% at 9 minutes (measured with pinned 2-core slots, seeds 0-2:
+        3,454-3,477 steps in 9 minutes; docs/benchmarks.md). TensorBoard: ``tensorboard --logdir runs``
+        (``perf/cores_busy``: average cores kept busy by all processes).
         With --lora (rank-8 adapters, lr 2e-3): 20.8% -> 33.9% (+13 points) in 5 minutes on a busy 2-core box, full
         fine-tuning 20.8% -> 40.8% in the same run conditions (docs/lora.md#numbers).
 """
