@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
 
@@ -204,11 +204,16 @@ def test_switched_module_still_honours_padding_masks_in_plain_hf_calls():
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
-def test_auto_keeps_cpu_path_and_bad_modes_raise():
+def test_auto_takes_the_padded_varlen_path_on_cpu_with_hf_results_and_bad_modes_raise():
     hf = tiny_qwen()
+    plain = copy.deepcopy(hf)
     ids, pos, cu = packed([3, 4])
-    models.PolicyModel(hf)(ids, pos, torch.roll(ids, -1), cu_seqlens=cu, max_seqlen=4)
-    assert hf.config._attn_implementation == "sdpa"  # auto on CPU: transformers' own path, unchanged
+    tgt = torch.roll(ids, -1)
+    got = models.PolicyModel(hf)(ids, pos, tgt, cu_seqlens=cu, max_seqlen=4)
+    assert hf.config._attn_implementation == models.VARLEN_ATTN  # auto on CPU too: one padded SDPA batch
+    want = models.PolicyModel(plain, attention="hf")(ids, pos, tgt, cu_seqlens=cu, max_seqlen=4)
+    assert plain.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="attention must be one of"):
         models.PolicyModel(hf, attention="flash")
     with pytest.raises(ValueError, match="max_seqlen"):
@@ -371,3 +376,25 @@ def test_fp32_inputs_use_autocast_dtype_or_exact_loop_without_breaking_the_kerne
     exact = models.varlen_attention(q, k, v, cu, 4)
     torch.testing.assert_close(exact.cpu(), ref, atol=1e-4, rtol=1e-4)
     assert not models._KERNEL_STATE.get("broken")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.sampled_from([(4, 4), (4, 2), (6, 1)]),
+       st.one_of(st.none(), st.integers(1, 5)))
+def test_padded_varlen_attention_equals_the_per_sequence_loop_values_and_gradients(lengths, heads, window):
+    """models.varlen_attention_padded (the CPU path) == varlen_attention_reference, GQA and sliding windows
+    included, forward and backward; and the fallback picks it for similar lengths."""
+    hq, hkv = heads
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(t * 31 + hq)
+    q, k, v = (torch.randn(t, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    a = models.varlen_attention_padded(q, k, v, cu, max(lengths), window=window)
+    gq = torch.autograd.grad(a.square().sum(), (q, k, v))
+    b = models.varlen_attention_reference(q, k, v, cu, window=window)
+    gr = torch.autograd.grad(b.square().sum(), (q, k, v))
+    torch.testing.assert_close(a, b)
+    for x, y in zip(gq, gr):
+        torch.testing.assert_close(x, y)
+    c = models.varlen_attention(q, k, v, cu, max(lengths), window=window)  # CPU: no kernel, the fallback
+    torch.testing.assert_close(c, b)
