@@ -224,19 +224,24 @@ for prop in (test_masked_tokens_get_zero_grad, test_padding_invariance,
 #
 # The train step takes a loss *function*: `rlcore.training.step.train_step(state, batch, loss_fn, cfg=...)` runs
 # the forward, calls `loss_fn(logp, mb)` on every micro-batch (`logp` with gradient; `mb` a
-# `rlcore.types.TokenBatch` carrying the engine's `logp_behav`, the recomputed `logp_prox`, the advantages `adv`,
+# `rlcore.types.TokenBatch` carrying the engine's `logp_behav`, the advantages `adv`,
 # `loss_mask` and the GLOBAL token count `n_tokens`), then backpropagates, clips and steps the optimizer. So the
 # new objective needs three plain lines to become a `loss_fn`; the main job (`experiments/tiny_cpu.py`) passes
 # its `loss_fn=` argument to `train_step` unchanged. Every other piece is the unchanged main job: the engine,
 # the rollout controller with staleness 1, GRPO advantages, weight publishing, the off-policy diagnostics.
 #
-# One caveat when reading the logged metrics: the main job takes one optimizer step per batch and recomputes
-# `pi_prox` just before it, so `r = 1` at the update, the penalty term is zero and only the behaviour weight
-# acts. The penalty (like PPO's clip) matters with several minibatches.
+# `pi_prox` is the policy the step starts from: with one optimizer step per batch (the main job) the training
+# forward itself computes it, so the main job leaves `mb.logp_prox` unset and `step.proximal_logp(logp, mb)` gives
+# the detached log-probs of this forward (no second forward pass; an experiment that recomputes them sets
+# `logp_prox` and gets its own tensor). One caveat when reading the logged metrics: `r = 1` at the update, the
+# penalty term is zero and only the behaviour weight acts. The penalty (like PPO's clip) matters with several
+# minibatches.
 
 # %%
 import importlib.util
 import tempfile
+
+from rlcore.training import step
 
 spec = importlib.util.spec_from_file_location("tiny_cpu", ROOT / "experiments" / "tiny_cpu.py")
 tiny_cpu = importlib.util.module_from_spec(spec)
@@ -248,7 +253,8 @@ def penalty_pg_loss_fn(cfg: PenaltyPGConfig):
     """The objective as the train step's ``loss_fn(logp (b t), mb)``, normalised by the minibatch-global count."""
 
     def loss_fn(logp, mb):
-        return penalty_pg_loss(logp, mb.logp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=cfg, denom=mb.n_tokens)
+        prox = step.proximal_logp(logp, mb)  # mb.logp_prox, or this forward's (the weights the step starts from)
+        return penalty_pg_loss(logp, prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=cfg, denom=mb.n_tokens)
 
     return loss_fn
 
