@@ -6,14 +6,28 @@ back-off rule and the validation of a /generate answer (a malformed answer is re
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rlcore.inference import server as server_lib
 from rlcore.inference.engine import Engine
 
 FINAL_REASONS = frozenset({"stop", "length", "tool_calls"})
+T = TypeVar("T")
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
+
+
+async def within(aw: Awaitable[T], timeout_s: float) -> T:
+    """``await asyncio.wait_for(aw, timeout_s)``, without the task Python 3.11's ``wait_for`` wraps ``aw`` in: with
+    ``asyncio.timeout`` it runs in the caller's task (one loop tick sooner, one task fewer per in-process call). Past
+    ``timeout_s`` it is cancelled and ``TimeoutError`` raised, as by ``wait_for``."""
+    if _TIMEOUT is None:
+        return await asyncio.wait_for(aw, timeout_s)
+    async with _TIMEOUT(timeout_s):
+        return await aw
 
 
 @dataclass(frozen=True)
