@@ -64,6 +64,7 @@ from rlcore.inference.routing import (  # noqa: F401  (re-exported: the client's
     _Retryable,
     _Server,
     parse_generate,
+    within,
 )
 
 log = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ class EngineClient:
         try:
             if server.engine is not None:
                 coro = server.engine.handle(endpoint, dict(payload or {}))
-                status, body = await asyncio.wait_for(coro, self.cfg.timeout_s)
+                status, body = await within(coro, self.cfg.timeout_s)
                 return status, body, _retry_after(None, body)
             timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
             kw: dict[str, Any] = {"timeout": timeout}

@@ -257,6 +257,7 @@ class Engine(WeightUpdates):
         self._tables = BlockTables(cfg.max_batch, max_blocks, self.device)
         self._rng = random.Random(cfg.seed)
         self._inbox: collections.deque = collections.deque()  # ("req", _Request) | ("cmd", fn, future)
+        self._inbox_reqs: collections.deque = collections.deque()  # one entry per "req" in the inbox: O(1) count
         self._wake = threading.Event()
         self._groups: dict[str, Any] = {}
         self._lora = LoraSlots(self.model)
@@ -409,7 +410,7 @@ class Engine(WeightUpdates):
     @property
     def num_waiting(self) -> int:
         """Requests queued for a slot (including ones not yet seen by the loop)."""
-        return len(self._s.waiting) + sum(1 for x in list(self._inbox) if x[0] == "req")
+        return len(self._s.waiting) + len(self._inbox_reqs)
 
     def num_generated(self, rid: str) -> int | None:
         """Tokens generated so far by an in-flight request, or None when ``rid`` is not in flight."""
@@ -448,6 +449,7 @@ class Engine(WeightUpdates):
         req.penalized = uses_penalty(sampling)
         if self._thread is None:
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
+        self._inbox_reqs.append(None)  # deque appends and pops are atomic: submit may run on any thread
         self._inbox.append(("req", req))
         self._wake.set()
         return req.future
@@ -636,6 +638,7 @@ class Engine(WeightUpdates):
         while self._inbox:
             item = self._inbox.popleft()
             if item[0] == "req":
+                self._inbox_reqs.pop()
                 r = item[1]
                 if r.rid in self._s.by_rid:
                     r.future.set_exception(EngineError(f"rid {r.rid!r} is already in flight; use a unique rid"))

@@ -188,6 +188,8 @@ class BadRequest(ValueError):
 
 
 def json_int(x: Any, name: str, lo: int | None = None) -> int:
+    if type(x) is int and (lo is None or x >= lo):  # the common case first (bool is not type int)
+        return x
     if (
         isinstance(x, bool)
         or not isinstance(x, (int, float))
@@ -208,7 +210,14 @@ def json_float(x: Any, name: str) -> float:
 def json_ids(x: Any, name: str) -> list[int]:
     if not isinstance(x, list) or not x:
         raise BadRequest(f"{name} must be a non-empty list of token ids")
+    if _all_ints(x) and min(x) >= 0:  # every id a plain int: what the loop below would return, without its names
+        return list(x)
     return [json_int(t, f"{name}[{i}]", 0) for i, t in enumerate(x)]
+
+
+def _all_ints(x: list) -> bool:
+    """Every element is exactly an ``int`` (not a bool, float or subclass)."""
+    return all(t is int for t in set(map(type, x)))
 
 
 def json_version(x: Any, name: str) -> int | None:
@@ -248,7 +257,10 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
         st = sp["stop_token_ids"]
         if not isinstance(st, list):
             raise BadRequest("sampling_params.stop_token_ids must be a list of token ids")
-        kw["stop_token_ids"] = tuple(json_int(t, "sampling_params.stop_token_ids[]", 0) for t in st)
+        if _all_ints(st) and (not st or min(st) >= 0):
+            kw["stop_token_ids"] = tuple(st)
+        else:
+            kw["stop_token_ids"] = tuple(json_int(t, "sampling_params.stop_token_ids[]", 0) for t in st)
     for key in ("max_new_tokens", "min_new_tokens", "stop_token_ids"):
         vals = kw.get(key, ())
         for v in vals if isinstance(vals, tuple) else (vals,):

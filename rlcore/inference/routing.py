@@ -6,14 +6,28 @@ back-off rule and the validation of a /generate answer (a malformed answer is re
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rlcore.inference import server as server_lib
 from rlcore.inference.engine import Engine
 
 FINAL_REASONS = frozenset({"stop", "length", "tool_calls"})
+T = TypeVar("T")
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
+
+
+async def within(aw: Awaitable[T], timeout_s: float) -> T:
+    """``await asyncio.wait_for(aw, timeout_s)``, without the task Python 3.11's ``wait_for`` wraps ``aw`` in: with
+    ``asyncio.timeout`` it runs in the caller's task (one loop tick sooner, one task fewer per in-process call). Past
+    ``timeout_s`` it is cancelled and ``TimeoutError`` raised, as by ``wait_for``."""
+    if _TIMEOUT is None:
+        return await asyncio.wait_for(aw, timeout_s)
+    async with _TIMEOUT(timeout_s):
+        return await aw
 
 
 @dataclass(frozen=True)
@@ -170,6 +184,48 @@ def parse_generate(
         triples = []
     if not isinstance(triples, list):
         raise ValueError("generate response: meta_info.output_token_logprobs must be a list of [logprob, id, text]")
+    fast = _fast_triples(triples)
+    if fast is not None:
+        tokens, logps = fast
+    else:
+        tokens, logps = _checked_triples(triples)
+    n_meta = meta.get("completion_tokens")
+    if n_meta is not None and n_meta != len(tokens):
+        raise ValueError(
+            f"generate response: meta_info.completion_tokens={n_meta} but {len(tokens)} output_token_logprobs"
+        )
+    if len(tokens) > max_new_tokens:
+        raise ValueError(f"generate response: {len(tokens)} tokens returned for max_new_tokens={max_new_tokens}")
+    versions = meta.get("output_token_versions")
+    if versions is not None:
+        ok = isinstance(versions, list) and len(versions) == len(tokens)
+        if not ok or not (set(map(type, versions)) <= {int}
+                          or all(isinstance(v, int) and not isinstance(v, bool) for v in versions)):
+            raise ValueError("generate response: meta_info.output_token_versions must list one int per output token")
+    return tokens, logps, fr["type"], fr, versions
+
+
+def _fast_triples(triples: list) -> tuple[list[int], list[float]] | None:
+    """Tokens and log-probs of well-formed triples, checked a column at a time; None if any check fails (then
+    ``_checked_triples`` finds the culprit and names it)."""
+    if not triples:
+        return [], []
+    if not set(map(type, triples)) <= {list, tuple} or min(map(len, triples)) < 2:
+        return None
+    tokens = [tr[1] for tr in triples]
+    lps = [tr[0] for tr in triples]
+    if set(map(type, tokens)) != {int} or not set(map(type, lps)) <= {float, int}:
+        return None
+    try:
+        logps = [float(x) for x in lps]
+    except OverflowError:  # an int too large for a float
+        return None
+    if not all(map(math.isfinite, logps)):
+        return None
+    return tokens, logps
+
+
+def _checked_triples(triples: list) -> tuple[list[int], list[float]]:
     tokens: list[int] = []
     logps: list[float] = []
     for i, tr in enumerate(triples):
@@ -182,16 +238,4 @@ def parse_generate(
             raise ValueError(f"generate response: log-prob at output_token_logprobs[{i}] is not finite: {lp!r}")
         tokens.append(tok)
         logps.append(float(lp))
-    n_meta = meta.get("completion_tokens")
-    if n_meta is not None and n_meta != len(tokens):
-        raise ValueError(
-            f"generate response: meta_info.completion_tokens={n_meta} but {len(tokens)} output_token_logprobs"
-        )
-    if len(tokens) > max_new_tokens:
-        raise ValueError(f"generate response: {len(tokens)} tokens returned for max_new_tokens={max_new_tokens}")
-    versions = meta.get("output_token_versions")
-    if versions is not None:
-        ok = isinstance(versions, list) and len(versions) == len(tokens)
-        if not ok or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
-            raise ValueError("generate response: meta_info.output_token_versions must list one int per output token")
-    return tokens, logps, fr["type"], fr, versions
+    return tokens, logps

@@ -195,9 +195,10 @@ def _max_token_chars(tok: Any) -> int | None:
 
 async def _plan(engine: Engine, p: dict) -> _Plan:
     """Parse and validate a /generate payload (raises ``BadRequest`` / ``EngineError``); nothing is queued."""
-    for key, why in UNSUPPORTED_FIELDS.items():
-        if p.get(key) not in (None, False, [], {}, 0, ""):
-            raise BadRequest(f"{key} is not supported by the embedded engine: {why}")
+    if not p.keys().isdisjoint(UNSUPPORTED_FIELDS):
+        for key, why in UNSUPPORTED_FIELDS.items():
+            if p.get(key) not in (None, False, [], {}, 0, ""):
+                raise BadRequest(f"{key} is not supported by the embedded engine: {why}")
     if p.get("stream") is not None and not isinstance(p["stream"], bool):
         raise BadRequest("stream must be true or false")
     raw_sp = p.get("sampling_params")

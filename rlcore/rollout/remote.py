@@ -29,6 +29,7 @@ an exception raised in the child is raised again in the trainer with the child's
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import multiprocessing as mp
 import os
@@ -81,12 +82,23 @@ class RolloutProcessConfig:
     """Seconds to wait for the child to build its parts and start its engine."""
     stop_timeout_s: float = 10.0
     """Seconds ``__exit__`` waits for a clean stop before SIGTERM, then as long again before SIGKILL."""
+    gc_freeze: bool = True
+    """Once the parts are built, move every object then alive (model, tokenizer, dataset, the imported modules) out of
+    the cyclic garbage collector's reach (``gc.freeze``) and run its young passes every ``GC_THRESHOLD0`` allocations
+    instead of 700. The rollout loop allocates fast (tasks, futures, request dicts), so with the defaults the full
+    passes, each walking all of those objects (~0.2 s on a busy 2-core box), and the young ones cost it about 40% of
+    its CPU. Objects are still freed by reference counting and new reference cycles still collected; only a cycle among
+    the frozen objects would wait for the exit."""
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"RolloutProcessConfig.threads must be >= 1, got {self.threads}")
         if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("RolloutProcessConfig.start_timeout_s and stop_timeout_s must be > 0")
+
+
+GC_THRESHOLD0 = 10_000
+"""Allocations between two young-generation passes of the child's garbage collector (``gc_freeze``; CPython: 700)."""
 
 
 class RolloutProcessError(RuntimeError):
@@ -222,6 +234,11 @@ def _child_main(conn: Any, build: Callable[[], RolloutParts], cfg: RolloutProces
             # first requests need (e.g. a LoRA run's version-0 adapter)
             ctl = controller_lib.RolloutController(client, parts.episode, parts.loader, parts.rollout)
             stack.callback(ctl.close)
+            if cfg.gc_freeze:
+                gc.collect()
+                gc.freeze()
+                stack.callback(gc.unfreeze)  # a clean interpreter exit finalizes them as usual
+                gc.set_threshold(GC_THRESHOLD0, *gc.get_threshold()[1:])
         except BaseException as e:  # noqa: BLE001 (the trainer gets it and raises it)
             conn.send_bytes(_dumps(("err", _portable(e))))
             return
