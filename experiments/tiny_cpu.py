@@ -264,10 +264,10 @@ def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
         pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place",
                                         lora_keep_versions=keep)
         return Layout(rp.controller, [rp.engine], pub, (rp.pid,), rp.controller.set_lora)
-    parts = rollout_parts(cfg)
     if cfg.engine == "thread":
         # The engine in a thread of this process, in-process transport: the client calls the SGLang handlers
         # directly, no HTTP. It has its own copy of the weights, and only publish_weights moves trained ones across.
+        parts = rollout_parts(cfg)
         engine = stack.enter_context(parts.engine)
         client = engine_client.EngineClient(engine)
         targets: list = [engine]
@@ -278,11 +278,11 @@ def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
         # The engine alone in its own process, behind the same client and protocol as a remote SGLang server: one
         # client for the rollouts, one blocking client for the publish's control calls; weights through a file in
         # /dev/shm. The rollout client's /generate calls of one event-loop tick share one (batched) HTTP request.
-        parts.engine.close()
         ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
             model=cfg.model_dir, threads=cfg.engine_threads, cpus=engine_cpus, dtype="float32", device="cpu",
             max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed,
         )))
+        parts = rollout_parts(cfg, ep.address)
         client = engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address))
         targets = [stack.enter_context(engine_client.connect(ep.address))]
         pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place", lora_keep_versions=keep)
