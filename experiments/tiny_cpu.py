@@ -206,6 +206,7 @@ def rollout_parts(cfg: Config, address: str | None = None) -> remote.RolloutPart
     # accepted fall behind v * B and the generator run arbitrarily far ahead.)
     rollout_cfg = rollout.RolloutConfig(
         batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=cfg.max_staleness,
+        max_concurrent=(cfg.max_staleness + 1) * cfg.prompts_per_step,
     )
     loader = PromptLoader(PromptIds(countdown.CountdownDataset(200_000, seed=cfg.seed), tok), seed=cfg.seed)
     # The engine loads the same warm-start directory as the trainer, so both start at version 0 (a LoRA run's

@@ -404,3 +404,18 @@ def test_each_main_job_run_logs_to_its_own_directory(tmp_path, monkeypatch):
     b = mod.run_dir(cfg)
     assert a != b and Path(a).parent == Path(b).parent == Path(mod.RUNS_ROOT) and "seed3" in Path(a).name
     assert mod.run_dir(mod.Config(log_dir=str(tmp_path / "mine"))) == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_tiny_cpu_rollout_keeps_every_batch_the_gate_allows_in_flight(eta):
+    """The rollout's concurrency cap follows the staleness bound: (eta + 1) * B groups may be in flight, the same
+    number the engine has batch slots for. With the controller's default cap of B, only one batch was ever in
+    flight, so a larger eta could not run the generator further ahead (measured: eta 1/2/4 all ~230 steps/min)."""
+    spec = importlib.util.spec_from_file_location("tiny_cpu", ROOT / "experiments" / "tiny_cpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tiny_cpu"] = mod
+    spec.loader.exec_module(mod)
+    cfg = dataclasses.replace(mod.SMOKE, max_staleness=eta)
+    parts = mod.rollout_parts(cfg, address="http://127.0.0.1:1")
+    assert parts.rollout.concurrency == (eta + 1) * cfg.prompts_per_step
+    assert mod.max_batch(cfg) == parts.rollout.concurrency * cfg.group_size
