@@ -206,6 +206,8 @@ def rollout_parts(cfg: Config, address: str | None = None) -> remote.RolloutPart
     # accepted fall behind v * B and the generator run arbitrarily far ahead.)
     rollout_cfg = rollout.RolloutConfig(
         batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=cfg.max_staleness,
+        # every group the gate admits may be in flight (the controller's default cap is one batch, B): the engine
+        # then decodes batch k+2 while the rollout finishes k+1 and the trainer trains on k
         max_concurrent=(cfg.max_staleness + 1) * cfg.prompts_per_step,
     )
     loader = PromptLoader(PromptIds(countdown.CountdownDataset(200_000, seed=cfg.seed), tok), seed=cfg.seed)
