@@ -1,7 +1,7 @@
 """Sort-free sampling (``rlcore.inference.sampling.sample_tokens``) against the sort-based reference.
 
-The reference is the engine's previous sort path, kept verbatim here (``sort_sample_tokens``), and the kept-set
-rule written out over a descending sort in float64 (``reference_kept``). Properties: the kept set equals the
+The reference is the engine's previous sort path, kept verbatim in experiments/bench_sampling.py
+(``sort_sample_tokens``), and the kept-set rule written out over a descending sort in float64 (``reference_kept``). Properties: the kept set equals the
 sort-based definition (ties at the boundary kept together); every draw lands in it and reports exactly the
 log-prob of the renormalised filtered distribution; the draws follow that distribution (a stratified sweep that
 must match the probabilities to within one draw per token, and a chi-square test on counter-based uniforms for
@@ -10,7 +10,10 @@ the new path and the sort path alike); rows without filters are bit-identical on
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,36 +28,24 @@ from rlcore.inference.sampling import (
     threshold_method,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
+
 # ----------------------------------------------------------------------------------------------------------------
 # References
 
 
-def sort_sample_tokens(logits, temperature, top_p, top_k, uniform, *, filtered):
-    """The engine's previous sampling step (sort + full-vocabulary cumsum), verbatim: the reference path."""
-    greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
-    scaled = logits.to(torch.float32) / temp[:, None]
-    if filtered:
-        top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
-        top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
-        srt, idx = scaled.sort(dim=-1, descending=True)
-        probs = srt.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        rank = torch.arange(srt.shape[-1], device=srt.device)
-        keep = (mass_before < top_p[:, None].to(probs.dtype)) & (
-            (top_k[:, None] <= 0) | (rank[None] < top_k[:, None])
-        )
-        keep[:, 0] = True
-        logp_sorted = torch.where(keep, srt, torch.full_like(srt, -math.inf)).log_softmax(dim=-1)
-        cdf = logp_sorted.exp().cumsum(dim=-1)
-        j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=srt.shape[-1] - 1)
-        j = torch.where(greedy[:, None], torch.zeros_like(j), j)
-        return idx.gather(-1, j).squeeze(-1), logp_sorted.gather(-1, j).squeeze(-1)
-    logp_all = scaled.log_softmax(dim=-1)
-    cdf = logp_all.exp().cumsum(dim=-1)
-    j = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
-    ids = torch.where(greedy[:, None], scaled.argmax(dim=-1, keepdim=True), j)
-    return ids.squeeze(-1), logp_all.gather(-1, ids).squeeze(-1)
+def _bench_sampling():
+    """``experiments/bench_sampling.py`` as a module: it keeps the engine's previous sort path verbatim
+    (``sort_sample_tokens``), the one copy both the benchmark and these tests use."""
+    spec = importlib.util.spec_from_file_location("bench_sampling", ROOT / "experiments" / "bench_sampling.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_sampling"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sort_sample_tokens = _bench_sampling().sort_sample_tokens
+"""The engine's previous sampling step (sort + full-vocabulary cumsum), verbatim: the reference path."""
 
 
 def scaled_d(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
