@@ -70,6 +70,7 @@ from rlcore.inference.routing import (  # noqa: F401  (re-exported: the client's
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
 @dataclass
 class _Partial:
     """One sample's tokens so far across its /generate segments."""

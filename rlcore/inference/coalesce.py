@@ -156,11 +156,11 @@ def _batchable(p: dict) -> bool:
     """A non-streaming token-id request (one prompt, or a batch of non-empty prompts, e.g. a GRPO group) without a
     caller-chosen rid."""
     ids = p.get("input_ids")
-    flat = isinstance(ids, list) and bool(ids) and (
-        all(isinstance(x, list) and x and not isinstance(x[0], list) for x in ids) if _nested(p)
-        else not isinstance(ids[0], list))
+    # one prompt (its first element is then not a list), or a batch whose every prompt is a non-empty flat list
+    tokens = isinstance(ids, list) and bool(ids) and (
+        not _nested(p) or all(isinstance(x, list) and x and not isinstance(x[0], list) for x in ids))
     return (
-        flat and not p.get("stream") and p.get("rid") is None and p.get("text") is None
+        tokens and not p.get("stream") and p.get("rid") is None and p.get("text") is None
         and isinstance(p.get("sampling_params", {}), dict) and (p.get("sampling_params") or {}).get("n", 1) == 1
     )
 

@@ -4,16 +4,16 @@ The engine calls ``apply`` once at model setup, before any CUDA graph is capture
 kernels. Both levers patch **the module instance the engine serves** (as the engine already moves that instance
 to its device and dtype): nothing changes for other models in the process, the trainer's included.
 
-- ``EngineConfig.fused_kernels`` (default ``"auto"``: on with CUDA and liger-kernel installed): for the families in ``LIGER_FAMILIES`` (Llama, Mistral, Qwen2,
-  Qwen3: RMSNorm in the ``llama`` casting, SiLU-gated MLP, rotary embedding over the whole head), each RMSNorm's
-  and MLP's ``forward`` is replaced on the instance by liger-kernel's Triton kernel (one kernel instead of
-  pow / mean / rsqrt / mul / cast, and one instead of silu + mul), and the family's ``apply_rotary_pos_emb``
-  goes to liger's one-kernel RoPE (instead of two ``cat`` copies and six elementwise kernels per layer) while
-  one of this model's attention modules is running on this thread. That last part is the only module-level
-  change: the family's function is wrapped once by a dispatcher that calls the original unless such a scope is
-  active, so every other caller gets the original function. liger-kernel imports triton, so it is an optional
-  extra (``pip install 'rlcore[gpu]'``); without it, or on CPU, or for another family, the model runs HF's own
-  modules and ``apply`` says why in ``Fusions.note``.
+- ``EngineConfig.fused_kernels`` (default ``"auto"``: on with CUDA and liger-kernel installed): for the families in
+  ``LIGER_FAMILIES`` (Llama, Mistral, Qwen2, Qwen3: RMSNorm in the ``llama`` casting, SiLU-gated MLP, rotary
+  embedding over the whole head), each RMSNorm's and MLP's ``forward`` is replaced on the instance by liger-kernel's
+  Triton kernel (one kernel instead of pow / mean / rsqrt / mul / cast, and one instead of silu + mul), and the
+  family's ``apply_rotary_pos_emb`` goes to liger's one-kernel RoPE (instead of two ``cat`` copies and six
+  elementwise kernels per layer) while one of this model's attention modules is running on this thread. That last
+  part is the only module-level change: the family's function is wrapped once by a dispatcher that calls the
+  original unless such a scope is active, so every other caller gets the original function. liger-kernel imports
+  triton, so it is an optional extra (``pip install 'rlcore[gpu]'``); without it, or on CPU, or for another family,
+  the model runs HF's own modules and ``apply`` says why in ``Fusions.note``.
 - ``EngineConfig.compile_decode_layers`` (default off): ``torch.compile(dynamic=True)`` of every decoder layer
   with its attention module left eager (``torch.compiler.disable``: the KV cache's Python bookkeeping stays out
   of the graph). Inductor then fuses each residual add with the next RMSNorm and the MLP's activation, which

@@ -286,6 +286,7 @@ def rlvr(tokenizer: Any, reward_fn: RewardFn, cfg: WorkflowConfig = WorkflowConf
             req = ModelRequest(input_ids=prompt, sampling=sampling, max_tokens=cfg.max_tokens)
             resps = await _generate_group(client, req, group_size)
             texts = [tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in resps]
+
             async def scored(i: int, text: str) -> float:
                 SAMPLE_IDX.set(i)  # each gathered task runs in its own copy of the context
                 return await _score(reward_fn, text, item, reward_pool)

@@ -1,11 +1,12 @@
 """Sort-free sampling (``rlcore.inference.sampling.sample_tokens``) against the sort-based reference.
 
 The reference is the engine's previous sort path, kept verbatim in experiments/bench_sampling.py
-(``sort_sample_tokens``), and the kept-set rule written out over a descending sort in float64 (``reference_kept``). Properties: the kept set equals the
-sort-based definition (ties at the boundary kept together); every draw lands in it and reports exactly the
-log-prob of the renormalised filtered distribution; the draws follow that distribution (a stratified sweep that
-must match the probabilities to within one draw per token, and a chi-square test on counter-based uniforms for
-the new path and the sort path alike); rows without filters are bit-identical on both code paths.
+(``sort_sample_tokens``), and the kept-set rule written out over a descending sort in float64 (``reference_kept``).
+Properties: the kept set equals the sort-based definition (ties at the boundary kept together); every draw lands in
+it and reports exactly the log-prob of the renormalised filtered distribution; the draws follow that distribution (a
+stratified sweep that must match the probabilities to within one draw per token, and a chi-square test on
+counter-based uniforms for the new path and the sort path alike); rows without filters are bit-identical on both
+code paths.
 """
 
 from __future__ import annotations
