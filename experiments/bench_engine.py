@@ -7,7 +7,8 @@ Output: a table on stdout and JSON at --out (default $OUT/bench_engine.json when
         profiler table of the decode step at --profile-out (default $OUT/bench_engine_profile.txt).
 
 Sections (each in its own try/except, so one failure still leaves the other numbers):
-- ``engine`` (and ``engine_gather``, ``engine_eager``, ``engine_repeat_kv`` ablations, ``hf_generate``): 256
+- ``engine`` (and ``engine_gather``, ``engine_varlen``, ``engine_eager``, ``engine_repeat_kv`` ablations,
+  ``hf_generate``): 256
   concurrent requests x 256 new tokens, prompt 128. "decode tok/s" excludes prefill: for the engine it is measured
   inside its scheduler (tokens of decode steps / time in decode steps, including sampling and host bookkeeping);
   for HF it is (new_tokens - 1) * batch / (time of the full generate - time of a 1-token generate).
@@ -15,7 +16,8 @@ Sections (each in its own try/except, so one failure still leaves the other numb
   128; ``kv_cache_tokens=auto``. Reports KV blocks (total, peak used), preemptions, tok/s.
 - ``group_prefill``: one GRPO group (16 samples of one 1k-token prompt) vs one request of that prompt vs 16
   different prompts: prefill seconds per admission (median of reps; each request generates one token).
-- ``profile`` (CUDA): torch.profiler over decode steps of the 256-request run: kernels and GPU time per step.
+- ``profile`` (CUDA): torch.profiler over decode steps of the 256-request run: kernels and GPU time per step,
+  decode only (a profiled prefill-only run of the same requests is subtracted kernel by kernel).
 
 The model is randomly initialised (no hub access); throughput does not depend on the weights. Every request
 generates exactly its target length (ignore_eos / min_new_tokens) at temperature 1 with top_p = 1.
@@ -70,6 +72,11 @@ class Config:
     """Also time the engine with HF's repeat_kv sdpa decode attention (gather path, grouped_decode_attention=False)."""
     ablate_gather: bool = True
     """Also time the engine with dense gather decode attention (decode_attention="gather")."""
+    ablate_varlen: bool = True
+    """Also time the engine with flash-attention varlen on gathered live blocks (decode_attention="varlen", the
+    CUDA default before the in-place paged kernel)."""
+    decode_attention: Literal["auto", "gather", "varlen", "paged"] = "auto"
+    """EngineConfig.decode_attention of the main 256-request engine section (and of its profile)."""
     block_size: int = 16
     """Tokens per KV block."""
     long_tail: bool = True
@@ -246,54 +253,67 @@ def bench_engine(
 
 
 def profile_decode(eng, prompts: list[list[int]], sp, device, path: str, steps: int = 24) -> dict:
-    """torch.profiler over ``steps`` decode steps of the full batch (after its prefill): kernels and GPU time per
-    step; the table of the top kernels goes to ``path``."""
+    """torch.profiler over ``steps`` decode steps of the full batch: kernels and GPU time per decode step, the
+    prefill excluded (a profiled run of the same requests generating one token, i.e. prefill only, is subtracted
+    kernel by kernel); the table of the top kernels goes to ``path``."""
     import dataclasses as dc
 
     from torch.profiler import ProfilerActivity, profile
 
     steps = min(steps, eng.max_seq_len - max(len(p) for p in prompts) - 1)
-    short = dc.replace(sp, max_new_tokens=steps + 1, min_new_tokens=steps + 1)
-    eng.pause("in_place")
-    futs = [eng.submit(p, short) for p in prompts]
-    eng.continue_generation()
-    [f.result() for f in futs]  # warm-up: every graph the profiled run uses is captured
-    eng.pause("in_place")
-    futs = [eng.submit(p, short) for p in prompts]
-    sync(device)
-    base = dict(eng.stats)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+
+    def profiled(new_tokens: int) -> tuple[dict[str, list[float]], dict]:
+        short = dc.replace(sp, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        eng.pause("in_place")
+        futs = [eng.submit(p, short) for p in prompts]
         eng.continue_generation()
-        [f.result() for f in futs]
+        [f.result() for f in futs]  # warm-up: every graph the profiled run uses is captured
+        eng.pause("in_place")
+        futs = [eng.submit(p, short) for p in prompts]
         sync(device)
-    st = engine_stats(eng, base)
-    n = max(st.get("decode_steps", 1), 1)
-    by_name: dict[str, list[float]] = {}
-    try:  # every device activity (kernels launched by CUDA graphs too), from the raw kineto events
-        kev = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
-        n_ops, gpu_us = len(kev), sum(e.duration_ns() for e in kev) / 1e3
-        for e in kev:
-            c = by_name.setdefault(e.name()[:100], [0, 0.0])
-            c[0] += 1
-            c[1] += e.duration_ns() / 1e3
+        base = dict(eng.stats)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eng.continue_generation()
+            [f.result() for f in futs]
+            sync(device)
+        by_name: dict[str, list[float]] = {}
+        # every device activity (kernels launched by CUDA graphs too), from the raw kineto events
+        for e in prof.profiler.kineto_results.events():
+            if e.device_type() == torch.autograd.DeviceType.CUDA:
+                c = by_name.setdefault(e.name()[:100], [0, 0.0])
+                c[0] += 1
+                c[1] += e.duration_ns() / 1e3
+        return by_name, engine_stats(eng, base)
+
+    try:
+        full, st = profiled(steps + 1)
+        pre, st0 = profiled(1)
     except Exception:
-        n_ops, gpu_us = -1, -1.0
+        return {"error": traceback.format_exc()}
+    n = max(st.get("decode_steps", 1) - st0.get("decode_steps", 0), 1)
+    per = {
+        k: ((c - pre.get(k, [0, 0.0])[0]) / n, (us - pre.get(k, [0, 0.0])[1]) / n)
+        for k, (c, us) in full.items()
+    }
     lines = [f"{'us/step':>10} {'calls/step':>10}  kernel"]
-    for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]:
-        lines.append(f"{us / n:>10.1f} {calls / n:>10.1f}  {name}")
+    for name, (calls, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:60]:
+        lines.append(f"{us:>10.1f} {calls:>10.1f}  {name}")
+    ops = sum(c for c, _ in per.values())
+    busy_ms = sum(us for _, us in per.values()) / 1e3
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(
-            f"{n} decode steps + {st.get('prefill_forwards', 0)} prefill of {len(prompts)} requests: "
-            f"{n_ops / n:.0f} device ops and {gpu_us / 1e3 / n:.3f} ms device time per decode step "
-            f"(wall {1e3 * st.get('decode_s', 0) / n:.3f} ms)\n\n" + "\n".join(lines) + "\n"
+            f"{n} decode steps of {len(prompts)} requests (prefill-only run subtracted), attention "
+            f"{eng.decode_attention}: {ops:.0f} device ops and {busy_ms:.3f} ms device time per decode step "
+            f"(wall {1e3 * st.get('decode_s', 0) / max(st.get('decode_steps', 1), 1):.3f} ms)\n\n"
+            + "\n".join(lines)
+            + "\n"
         )
     return {
         "decode_steps": n,
-        "prefill_forwards": st.get("prefill_forwards", 0),
-        "gpu_kernels_per_step": n_ops / n,
-        "gpu_busy_ms_per_step": gpu_us / 1e3 / n,
-        "wall_ms_per_decode_step": 1e3 * st.get("decode_s", 0) / n,
+        "gpu_kernels_per_step": ops,
+        "gpu_busy_ms_per_step": busy_ms,
+        "wall_ms_per_decode_step": 1e3 * st.get("decode_s", 0) / max(st.get("decode_steps", 1), 1),
         "table": path,
     }
 
@@ -308,7 +328,10 @@ def bench_long_tail(cfg: Config, model, device) -> dict:
 
     rng = random.Random(cfg.seed + 1)
     mu = math.log(cfg.lt_median)
-    lens = [max(1, min(cfg.lt_cap, int(round(rng.lognormvariate(mu, cfg.lt_sigma))))) for _ in range(cfg.lt_requests)]
+    lens = [
+        max(1, min(cfg.lt_cap, int(round(rng.lognormvariate(mu, cfg.lt_sigma)))))
+        for _ in range(cfg.lt_requests)
+    ]
     g = torch.Generator().manual_seed(cfg.seed + 2)
     prompts = torch.randint(1, cfg.vocab, (cfg.lt_requests, cfg.lt_prompt_len), generator=g).tolist()
     ecfg = EngineConfig(
@@ -431,7 +454,9 @@ def bench_group_prefill(cfg: Config, model, device) -> dict:
                 "prefix_shared_tokens": st.get("prefix_shared_tokens", 0),
             }
     res["group_over_single"] = res["group"]["prefill_s_median"] / max(res["single"]["prefill_s_median"], 1e-9)
-    res["distinct_over_single"] = res["distinct"]["prefill_s_median"] / max(res["single"]["prefill_s_median"], 1e-9)
+    res["distinct_over_single"] = res["distinct"]["prefill_s_median"] / max(
+        res["single"]["prefill_s_median"], 1e-9
+    )
     return res
 
 
@@ -531,7 +556,17 @@ def main(cfg: Config) -> dict:
     if cfg.profile and device.type == "cuda" and prof_path is None:
         prof_path = "bench_engine_profile.txt"
     prof = prof_path if (cfg.profile and device.type == "cuda") else None
-    section("engine", lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True, profile_to=prof))
+    section(
+        "engine",
+        lambda: bench_engine(
+            cfg, model, prompts, device, cuda_graph=True, attention=cfg.decode_attention, profile_to=prof
+        ),
+    )
+    if cfg.ablate_varlen and device.type == "cuda" and cfg.decode_attention != "varlen":
+        section(
+            "engine_varlen",
+            lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True, attention="varlen"),
+        )
     if cfg.ablate_gather:
         section(
             "engine_gather",
@@ -542,7 +577,9 @@ def main(cfg: Config) -> dict:
     if cfg.ablate_grouped:
         section(
             "engine_repeat_kv",
-            lambda: bench_engine(cfg, model, prompts, device, cuda_graph=True, grouped=False, attention="gather"),
+            lambda: bench_engine(
+                cfg, model, prompts, device, cuda_graph=True, grouped=False, attention="gather"
+            ),
         )
     if cfg.hf:
         section("hf_generate", lambda: bench_hf(cfg, model, prompts, device))
@@ -559,7 +596,14 @@ def main(cfg: Config) -> dict:
         f"\n{cfg.requests} requests x {cfg.new_tokens} new tokens, prompt {cfg.prompt_len}, {result['env']['device']}, {dtype}"
     )
     print(f"{'system':<18}{'decode tok/s':>14}{'e2e tok/s':>12}{'ms/step':>10}{'wall s':>9}  attention")
-    for name in ("engine", "engine_gather", "engine_eager", "engine_repeat_kv", "hf_generate"):
+    for name in (
+        "engine",
+        "engine_gather",
+        "engine_varlen",
+        "engine_eager",
+        "engine_repeat_kv",
+        "hf_generate",
+    ):
         r = result.get(name)
         if r:
             print(
@@ -570,7 +614,7 @@ def main(cfg: Config) -> dict:
         print(
             f"speedup (decode) engine / HF generate: {result['speedup_decode']:.2f}x  (e2e {result['speedup_e2e']:.2f}x)"
         )
-    if "profile" in result.get("engine", {}):
+    if "gpu_kernels_per_step" in result.get("engine", {}).get("profile", {}):
         p = result["engine"]["profile"]
         print(
             f"decode step profile: {p['gpu_kernels_per_step']:.0f} kernels, {p['gpu_busy_ms_per_step']:.2f} ms GPU "

@@ -6,6 +6,8 @@
   attends over its own live blocks, concatenated in ``key (total, kv_heads, d)``, with per-row offsets
   ``cu_k`` and lengths ``used_k``: ``varlen_decode`` (flash-attention varlen on CUDA half precision, a pure-torch
   reference elsewhere). No mask is built and only live tokens are read.
+- *paged decode* (``CTX.varlen`` with ``kernel="paged"`` and the 4-D block pools as key / value): the same
+  attention read through the block tables in place by ``kernels/paged_decode.py`` (no gather at all).
 - *dense decode with grouped KV heads* (``CTX.grouped``): one-token queries folded per KV head,
   ``grouped_decode_attention`` (no ``repeat_kv`` copies).
 - everything else (prefill, training calls from other threads, MHA, softcap, sinks): HF's sdpa function
@@ -41,7 +43,12 @@ class Varlen(NamedTuple):
     max_k: int
     """Upper bound on ``used_k`` (the kernel's ``max_seqlen_k``)."""
     kernel: str | None
-    """``flash`` (``aten._flash_attention_forward``) or ``torch`` (``varlen_attention_torch``)."""
+    """``flash`` (``aten._flash_attention_forward``), ``torch`` (``varlen_attention_torch``) or ``paged``
+    (``kernels/paged_decode.py`` on the pools; ``cu_q`` / ``cu_k`` unused)."""
+    tables: torch.Tensor | None = None
+    """``paged``: ``(b, max_blocks)`` block tables, read in place."""
+    splits: int = 1
+    """``paged``: key slices per row run by separate programs (a power of two, fixed per CUDA graph)."""
 
 
 @dataclass
@@ -69,6 +76,57 @@ def flash_varlen_available() -> bool:
     """True when this torch's flash-attention op takes per-row key lengths (``seqused_k``)."""
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)
     return op is not None and "seqused_k" in str(op.default._schema)
+
+
+def paged_decode_available(device: torch.device, head_dims: set[int]) -> str | None:
+    """None when ``kernels/paged_decode.py`` can run decode attention on ``device`` (CUDA with triton, or CPU under
+    ``TRITON_INTERPRET=1``) for these head sizes, else why not (for ``EngineConfig.decode_attention="paged"``)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the triton kernel needs CUDA (or TRITON_INTERPRET=1 on CPU), the engine is on {device.type}"
+    if not head_dims or max(head_dims) > 256:
+        return f"head sizes {sorted(head_dims)} (the kernel takes up to 256)"
+    return None
+
+
+def paged_decode_selftest(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Run ``kernels/paged_decode.py`` once on small random pools against ``varlen_attention_torch``: None when it
+    compiles and agrees, else why not (so ``decode_attention="auto"`` falls back instead of failing mid-run)."""
+    try:
+        from kernels.paged_decode import paged_decode_attention
+
+        g = torch.Generator().manual_seed(0)
+        bs, kvh, h, lens = 16, 2, 4, [1, 40, 17]
+        kp = torch.randn(8, bs, kvh, head_dim, generator=g).to(device, dtype)
+        vp = torch.randn(8, bs, kvh, head_dim, generator=g).to(device, dtype)
+        q = torch.randn(len(lens), h, head_dim, generator=g).to(device, dtype)
+        tables = torch.tensor([[5, 0, 0], [1, 3, 2], [7, 4, 0]], device=device)
+        used = torch.tensor(lens, dtype=torch.int32, device=device)
+        got = paged_decode_attention(q, kp, vp, tables, used, head_dim**-0.5).float()
+        k = torch.cat([kp[tables[i, : -(-n // bs)]].reshape(-1, kvh, head_dim) for i, n in enumerate(lens)])
+        v = torch.cat([vp[tables[i, : -(-n // bs)]].reshape(-1, kvh, head_dim) for i, n in enumerate(lens)])
+        cu = torch.tensor([0, 16, 64, 96], device=device)
+        ref = varlen_attention_torch(q.float(), k.float(), v.float(), cu, used, 48, head_dim**-0.5)
+        err = (got - ref).abs().max().item()
+    except Exception as exc:  # triton missing, no compiler, an unsupported GPU: the other paths remain
+        return f"the kernel failed its self-test ({type(exc).__name__}: {exc})"
+    return None if err < 5e-2 else f"the kernel disagrees with the reference by {err:.3g} in its self-test"
+
+
+def paged_splits(rows: int, kv_heads: int, max_k: int) -> int:
+    """Key slices per row for ``kernels/paged_decode.py``: 1 while ``rows * kv_heads`` programs fill the GPU or rows
+    are short, else up to 16 so long rows of a small batch still spread over the SMs (a power of two)."""
+    programs = max(rows * kv_heads, 1)
+    if programs >= 256 or max_k <= 1024:
+        return 1
+    s = 1
+    while s < 16 and programs * s < 256 and max_k // (2 * s) >= 512:
+        s *= 2
+    return s
 
 
 def varlen_attention_torch(
@@ -174,6 +232,14 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             ctx.probe.unusual.add("dropout")
         ctx.probe.head_dims.add((query.shape[-1], value.shape[-1]))
     vl = ctx.varlen
+    if vl is not None and vl.kernel == "paged" and key.dim() == 4:
+        from kernels.paged_decode import paged_decode_attention
+
+        if scaling is None:
+            scaling = 1.0 / math.sqrt(query.shape[-1])
+        q = query[:, :, 0].contiguous()  # (b h d)
+        out = paged_decode_attention(q, key, value, vl.tables, vl.used_k, scaling, splits=vl.splits)
+        return out[:, None], None
     if vl is not None and key.dim() == 3:
         if scaling is None:
             scaling = 1.0 / math.sqrt(query.shape[-1])

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlcore.inference.attention import flash_varlen_available
+from rlcore.inference.attention import flash_varlen_available, paged_decode_available, paged_decode_selftest
 from rlcore.inference.kv_cache import ModelForward, PagedKVCache
 from rlcore.inference.protocol import EngineError
 
@@ -252,12 +252,20 @@ def free_cuda_bytes(device: torch.device) -> int:
 
 
 def decode_attention_path(
-    requested: str, own: bool, probe: Any, shapes: dict, windowed: bool, flash_ok: bool
+    requested: str,
+    own: bool,
+    probe: Any,
+    shapes: dict,
+    windowed: bool,
+    flash_ok: bool,
+    paged_ok: str | None = "not requested",
 ) -> tuple[str, str | None]:
-    """``(path, why_not_varlen)`` for ``EngineConfig.decode_attention``: ``gather``, ``varlen-flash`` or
-    ``varlen-torch``. Varlen needs the engine's attention function in every KV layer of the probe forward (see
-    ``ModelForward.probe``), nothing unusual passed to it (softcap, sinks, windows, dropout) and one KV shape;
-    ``auto`` takes it only where flash applies (``flash_ok``: CUDA half precision, the op, the head size)."""
+    """``(path, why_not_varlen)`` for ``EngineConfig.decode_attention``: ``gather``, ``varlen-flash``,
+    ``varlen-torch`` or ``paged-triton``. Varlen and paged need the engine's attention function in every KV layer
+    of the probe forward (see ``ModelForward.probe``), nothing unusual passed to it (softcap, sinks, windows,
+    dropout) and one KV shape. ``paged`` also needs its Triton kernel to run here (``paged_ok``: None when it can,
+    else why not); ``auto`` takes ``paged`` where it runs, else varlen where flash applies (``flash_ok``: CUDA
+    half precision, the op, the head size), else ``gather``."""
     layers = len(shapes)
     why = None
     if not own:
@@ -269,10 +277,13 @@ def decode_attention_path(
     elif len({(s.kv_heads, s.head_dim, s.v_heads, s.v_dim) for s in shapes.values()}) != 1:
         why = "its layers have different KV shapes"
     flash = why is None and flash_ok
-    if requested == "gather" or (requested == "auto" and not flash):
+    paged = why is None and paged_ok is None
+    if requested == "gather" or (requested == "auto" and not flash and not paged):
         return "gather", why
     if why is not None:
         return "refused", why
+    if requested == "paged" or (requested == "auto" and paged):
+        return ("paged-triton", None) if paged_ok is None else ("refused", paged_ok)
     return ("varlen-flash" if flash else "varlen-torch"), None
 
 
@@ -317,12 +328,18 @@ def build_kv_cache(
         and max(dims) % 8 == 0
         and max(dims) <= 256
     )
+    paged_ok: str | None = "not requested"
+    if cfg.decode_attention == "paged" or (cfg.decode_attention == "auto" and device.type == "cuda"):
+        paged_ok = paged_decode_available(device, dims)
+        if paged_ok is None and cfg.decode_attention == "auto":
+            paged_ok = paged_decode_selftest(device, dtype, max(dims))
     path, why = decode_attention_path(
-        cfg.decode_attention, own_attention, probe, shapes, fwd.windowed, flash_ok
+        cfg.decode_attention, own_attention, probe, shapes, fwd.windowed, flash_ok, paged_ok
     )
     if path == "refused":
         raise EngineError(
-            f"EngineConfig.decode_attention='varlen' cannot serve this model: {why}; use 'auto'"
+            f"EngineConfig.decode_attention={cfg.decode_attention!r} cannot serve this model here: {why}; "
+            "use 'auto'"
         )
-    fwd.varlen_kernel = path.removeprefix("varlen-") if path != "gather" else None
+    fwd.varlen_kernel = {"varlen-flash": "flash", "varlen-torch": "torch", "paged-triton": "paged"}.get(path)
     return cache, tokens, path

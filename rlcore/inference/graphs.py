@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rlcore.inference.attention import paged_splits
 from rlcore.inference.kv_cache import ModelForward, PagedKVCache
 
 
@@ -35,7 +36,9 @@ class DecodeGraphs:
     A step's shape is ``(b, width)``: ``b`` a power-of-two batch bucket ``>= m`` and ``width`` the key bucket in
     blocks: dense decode gathers ``width`` blocks per row (a power of two ``>=`` the longest row's blocks, at
     least ``min_blocks``); packed decode gathers ``b * w`` blocks in all, ``w`` a power of two ``>=`` the mean
-    blocks per row. The block tables are the scheduler's own device tensor, read in place by the graphs.
+    blocks per row; paged decode (``fwd.varlen_kernel == "paged"``) gathers nothing and ``width`` is the kernel's
+    key slices per row (``attention.paged_splits``: 1 for most batches). The block tables are the scheduler's own
+    device tensor, read in place by the graphs.
     """
 
     def __init__(
@@ -59,9 +62,15 @@ class DecodeGraphs:
         self.pool = None
         self.static: dict[str, torch.Tensor] = {}
         self.device = device
+        self.paged = packed and fwd.varlen_kernel == "paged"
+        shapes = list(cache.shapes.values())
+        self.kv_heads = shapes[0].kv_heads if shapes else 1
 
     def width(self, m: int, longest_blocks: int, total_blocks: int) -> int:
         """The key bucket of a step with ``m`` live rows (module docstring)."""
+        if self.paged:
+            b = _bucket(m, self.max_batch)
+            return paged_splits(b, self.kv_heads, _bucket(longest_blocks, self.max_blocks) * self.bs)
         if not self.packed:
             return min(max(_bucket(longest_blocks, self.max_blocks), self.min_blocks), self.max_blocks)
         b = _bucket(m, self.max_batch)
@@ -130,6 +139,11 @@ class DecodeGraphs:
     def buckets(self) -> list[tuple[int, int]]:
         """Every ``(b, width)`` bucket a step can use (packed: only gathers the pool's blocks can fill)."""
         bs = _powers(1, self.max_batch)
+        if self.paged:
+            top = self.max_blocks * self.bs
+            return sorted(
+                {(b, paged_splits(b, self.kv_heads, k)) for b in bs for k in (top >> i for i in range(20))}
+            )
         if not self.packed:
             return [(b, w) for b in bs for w in _powers(self.min_blocks, self.max_blocks)]
         out = []

@@ -19,6 +19,8 @@ The engine drives the *unmodified* HF forward with explicit ``position_ids`` thr
   4-D mask hiding columns past each row's position; any attention implementation can read it) and *packed*
   (only each row's live blocks, concatenated, ``(total, h, d)``, read by ``attention.engine_attention`` with
   per-row offsets and lengths: flash-attention varlen on CUDA, no mask, traffic proportional to live tokens).
+  With ``gather = None`` (the ``paged`` decode path) nothing is gathered: the pools themselves are returned and
+  ``kernels/paged_decode.py`` reads each row's blocks through its table.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class PagedKVCache(DynamicCache):
         # decode: one query per row; key_states (b h 1 d)
         kflat.index_copy_(0, self.slots, key_states[:, :, 0])
         vflat.index_copy_(0, self.slots, value_states[:, :, 0])
+        if self.gather is None:  # paged decode: the kernel reads the pools through the block tables
+            return kp, vp
         kg, vg = kp.index_select(0, self.gather), vp.index_select(0, self.gather)  # (g bs h d)
         if self.packed:
             return kg.view(-1, kp.shape[2], kp.shape[3]), vg.view(-1, vp.shape[2], vp.shape[3])
@@ -190,7 +194,8 @@ class ModelForward:
         self.grouped = False
         """Fold one-token decode queries per KV head (``attention.grouped_decode_attention``) in dense decode."""
         self.varlen_kernel: str | None = None
-        """``flash`` / ``torch``: the kernel of packed decode attention (``attention.varlen_decode``)."""
+        """``flash`` / ``torch``: the kernel of packed decode attention (``attention.varlen_decode``); ``paged``:
+        the in-place kernel over the pools (``kernels/paged_decode.py``)."""
 
     @property
     def windowed(self) -> bool:
@@ -333,7 +338,8 @@ class ModelForward:
             ``[j * block_size, (j + 1) * block_size)``); entries past a row's last block are never attended.
           width: dense: blocks gathered per row (``T = width * block_size`` key columns, all rows); packed: the
             length of the packed gather in blocks (``>=`` the rows' live blocks, the rest reads the trash block).
-          packed: gather only live blocks and attend with per-row lengths (``attention.varlen_decode``).
+          packed: gather only live blocks and attend with per-row lengths (``attention.varlen_decode``); with
+            ``varlen_kernel == "paged"`` nothing is gathered and ``width`` is the kernel's key slices per row.
           max_k: an upper bound on any row's key count (packed only; the kernel's ``max_seqlen_k``).
         Everything is computed from tensors (no host synchronisation), so the step can be captured in a CUDA graph.
         """
@@ -343,7 +349,13 @@ class ModelForward:
         col = pos // bs
         cache.slots = tables[rows, col] * bs + pos % bs
         cache.mode, cache.rows, cache.packed = "decode", b, packed
-        if packed:
+        if packed and self.varlen_kernel == "paged":
+            cache.gather = None
+            attention.CTX.varlen = attention.Varlen(
+                None, None, (pos + 1).to(torch.int32), max_k, "paged", tables, width
+            )
+            mask = torch.zeros((b, 1, 1, 1), dtype=dtype, device=ids.device)  # unused by the kernel
+        elif packed:
             nblk = col + 1  # live blocks per row, after this step's write
             ends = nblk.cumsum(0)
             j = torch.arange(tables.shape[1], device=ids.device)

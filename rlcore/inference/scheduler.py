@@ -606,7 +606,8 @@ class Scheduler:
                       "this GPU in this process, set EngineConfig.capture_at_start=True)", flush=True)
                 self.static_mode = None
                 self.graphs.graphs.clear()
-        width = total_blocks if self.packed else longest
+        width = self.graphs.width(m, longest, total_blocks) if self.graphs.paged else (
+            total_blocks if self.packed else longest)
         return self.fwd.decode(self.tok[:, None], self.pos, self.tables.t[:m], self.cache, width, self.packed,
                                longest * self.pool.block_size, self.dtype)
 
