@@ -22,6 +22,10 @@ before torch starts, so both sides see exactly one device:
           ``--engine-process`` the engine is its own OS process on that GPU (rlcore.serve over HTTP on
           127.0.0.1, weights by CUDA IPC through /update_weights_from_tensor), so engine and trainer no longer
           share one Python interpreter.
+          ``--kv-after-update keep`` (``EngineConfig.kv_after_update``, both layouts): requests in flight at a
+          publish keep their KV and decode on under the new weights instead of being re-prefilled. It needs a
+          pause that keeps them (``--pause-mode auto`` picks ``in_place`` with keep, ``abort`` otherwise): an
+          aborted request is resubmitted by the client and prefilled again whatever the engine keeps.
 
 If TRL (or datasets) cannot be imported the trl section is skipped with the reason, and rlcore still runs.
 Wheels to carry (pip download --no-deps, py3.12 x86_64): trl-1.16.0, datasets-5.2.0, dill-0.4.1,
@@ -31,6 +35,8 @@ multiprocess-0.70.19 (accelerate, pyarrow, pandas, xxhash, psutil are on the dev
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import os
 import sys
@@ -196,13 +202,39 @@ def run_trl(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
     return res
 
 
+@contextlib.contextmanager
+def kv_after_update(mode: str):
+    """``EngineConfig.kv_after_update = mode`` for the engines ``bench_async.build_setup`` builds meanwhile.
+
+    ``build_setup`` constructs the thread engine's ``EngineConfig`` and, with ``--engine-process``, the child's
+    ``EngineProcessConfig`` (which passes ``--kv-after-update`` to ``rlcore.serve``) itself, by keyword; both
+    classes get ``kv_after_update=mode`` bound while it runs and are restored afterwards."""
+    from rlcore.inference import engine as engine_lib
+    from rlcore.inference import process
+
+    saved = engine_lib.EngineConfig, process.EngineProcessConfig
+    engine_lib.EngineConfig = functools.partial(saved[0], kv_after_update=mode)
+    process.EngineProcessConfig = functools.partial(saved[1], kv_after_update=mode)
+    try:
+        yield
+    finally:
+        engine_lib.EngineConfig, process.EngineProcessConfig = saved
+
+
+KV_STATS = ("prefill_tokens", "reprefill_requests", "reprefill_tokens", "kv_kept_requests", "kv_kept_tokens",
+            "weight_loads")
+"""Engine counters that show what the publishes did to the KV of requests in flight (``engine_kv`` of a run:
+over the whole ``run_rl`` call, its reset and final drain included, so its ``prefill_tokens`` can exceed the
+run's ``engine_prefill_tokens``)."""
+
+
 def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
     """bench_async.run_rl on one device (engine and trainer colocated), fixed-length completions."""
     argv = ["--fixed-len", str(args.completion_len), "--batch-groups", str(args.prompts_per_step),
             "--group-size", str(args.group_size), "--prompt-len", str(args.prompt_len),
             "--engine-device", args.device, "--train-device", args.device, "--seed", str(args.seed),
             "--len-cap", str(args.completion_len), "--eta", str(max(args.etas)), "--int-concurrency", "1",
-            "--budget-s", str(max(budget.left(), 1.0))]
+            "--budget-s", str(max(budget.left(), 1.0)), "--pause-mode", args.pause_mode]
     if args.smoke:
         argv.append("--smoke")
     if args.engine_process:
@@ -214,18 +246,24 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
                                                             args.prompts_per_step, args.group_size)
     a.prompt_len = args.prompt_len
     a.max_batch = (max(args.etas) + 1) * args.prompts_per_step * args.group_size
-    setup = bench_async.build_setup(a)
+    with kv_after_update(args.kv_after_update):
+        setup = bench_async.build_setup(a)
+    if not args.engine_process:
+        assert setup.engine.cfg.kv_after_update == args.kv_after_update, setup.engine.cfg
     out: dict = {"devices": {"engine": str(setup.engine_dev), "trainer": str(setup.train_dev)},
-                 "build_s": setup.build_s}
+                 "build_s": setup.build_s, "kv_after_update": args.kv_after_update, "pause_mode": args.pause_mode}
     try:
         for eta in args.etas:
             if budget.expired():
                 out.setdefault("skipped", []).append(f"eta{eta}")
                 continue
             conc = args.max_concurrent_groups * args.prompts_per_step if eta > 0 and args.max_concurrent_groups else None
+            st0 = dict(setup.engine.stats)
             r = bench_async.run_rl(setup, eta=eta, steps=args.ours_steps, batch_groups=args.prompts_per_step,
                                    fixed_len=args.completion_len, budget=budget, seed=args.seed,
                                    label=f"ours eta={eta}", max_concurrent=conc)
+            st1 = dict(setup.engine.stats)
+            r["engine_kv"] = {k: st1.get(k, 0) - st0.get(k, 0) for k in KV_STATS}
             r.pop("per_step", None)
             out[f"eta{eta}"] = r
     finally:
@@ -286,7 +324,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="eta > 0: at most this many batches of groups in flight (0: eta + 1)")
     p.add_argument("--engine-process", action="store_true",
                    help="rlcore's engine in its own process on the same GPU (HTTP + CUDA IPC weights), not a thread")
+    p.add_argument("--kv-after-update", choices=("recompute", "keep"), default="recompute",
+                   help="what a publish does to the KV of requests in flight: re-prefill them under the new weights, "
+                        "or keep it and decode on (EngineConfig.kv_after_update)")
+    p.add_argument("--pause-mode", choices=("auto", "abort", "in_place", "retract"), default="auto",
+                   help="engine pause at each publish; auto: in_place with --kv-after-update keep, else abort "
+                        "(aborted requests are resubmitted and prefilled again, so keep needs in_place or retract)")
     args = p.parse_args(argv)
+    if args.pause_mode == "auto":
+        args.pause_mode = "in_place" if args.kv_after_update == "keep" else "abort"
+    if args.kv_after_update == "keep" and args.pause_mode == "abort":
+        p.error("--kv-after-update keep does nothing with --pause-mode abort (every request in flight is aborted "
+                "and resubmitted, then prefilled); pass --pause-mode in_place or retract")
     if args.smoke:
         for k, v in dict(prompts_per_step=2, group_size=4, completion_len=8, prompt_len=8, micro_batch=4, steps=1,
                          ours_steps=2).items():

@@ -46,6 +46,9 @@ class ServeConfig:
     """Capture the decode step in CUDA graphs on GPU."""
     grouped_decode_attention: bool = True
     """Decode attention without repeat_kv copies on grouped-KV sdpa models (see docs/engine.md)."""
+    kv_after_update: Literal["recompute", "keep"] = "recompute"
+    """After a weight load, in-flight requests are re-prefilled (recompute) or decode on with the KV they hold
+    (keep); ``EngineConfig.kv_after_update``, docs/engine.md."""
     seed: int = 0
     """Seed for per-request seeds of requests that bring none."""
     weight_version: int = 0
@@ -121,6 +124,7 @@ def main(cfg: ServeConfig) -> None:
         cuda_graph=cfg.cuda_graph,
         grouped_decode_attention=cfg.grouped_decode_attention,
         seed=cfg.seed,
+        kv_after_update=cfg.kv_after_update,
     )
     engine = Engine(
         cfg.model, ecfg, tokenizer=tokenizer, tokenizer_path=cfg.tokenizer, version=cfg.weight_version

@@ -13,8 +13,9 @@ and weight reading, staged (atomic) loads and the update group in ``weights.py``
 
 Concurrency invariants:
 - only the loop thread touches the model, the KV store and the request tables;
-- a weight load bumps an internal epoch; any request whose KV was computed under an older epoch is
-  re-prefilled (prompt + tokens so far) before it decodes again, so no token mixes two weight versions;
+- a weight load bumps an internal epoch; with ``kv_after_update="recompute"`` (the default) any request whose KV
+  was computed under an older epoch is re-prefilled (prompt + tokens so far) before it decodes again, so no token
+  mixes two weight versions; with ``"keep"`` requests in flight continue on their KV (``EngineConfig``);
 - while paused, new requests queue and nothing is scheduled until ``continue_generation``.
 """
 
@@ -126,6 +127,18 @@ class EngineConfig:
     """For sdpa models with grouped KV heads, run one-token dense (``gather``) decode attention with the query
     heads folded per KV head instead of HF's ``repeat_kv`` copies (same math; every other call goes to HF's sdpa
     unchanged). The ``varlen`` path handles grouped heads in its kernel."""
+    kv_after_update: Literal["recompute", "keep"] = "recompute"
+    """What a weight load does to the KV of requests in flight (running, paused in place, or retracted with their
+    blocks). ``recompute``: their KV is dropped and re-prefilled (prompt + tokens so far) under the new weights
+    before they decode again, so each token's logits come from one weight version end to end; costs a prefill of
+    every in-flight sequence per load (``stats["reprefill_tokens"]``). ``keep`` (PipelineRL's choice; what
+    SGLang's in-place pause does when weights change underneath it): they continue decoding on the KV they hold,
+    so tokens sampled after the load come from the new weights attending over KV partly computed with the old
+    ones; nothing is recomputed (``stats["kv_kept_requests"]``, ``stats["kv_kept_tokens"]``). Either way every
+    token carries the version it was sampled under and its log-prob is exactly that of the distribution it was
+    drawn from (what decoupled PPO needs), but under ``keep`` the post-load log-probs are not those of a
+    teacher-forced forward of the new weights. A new request never shares prompt KV computed under older weights
+    (prefix joins need the current epoch) in either mode."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -157,6 +170,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.prefill_defer_steps must be >= 0, got {self.prefill_defer_steps}; pass e.g. 8 "
                 "(or 0 to prefill joiners at once)."
+            )
+        if self.kv_after_update not in ("recompute", "keep"):
+            raise ValueError(
+                f"EngineConfig.kv_after_update must be 'recompute' or 'keep', got {self.kv_after_update!r}; pass "
+                "'recompute' (re-prefill in-flight requests after a weight load) or 'keep' (continue on their KV)."
             )
 
 
@@ -515,7 +533,8 @@ class Engine(WeightUpdates):
         return self._call(lambda: self._s.do_pause(mode))
 
     def continue_generation(self) -> None:
-        """Lift a pause; kept requests whose KV predates a weight load are re-prefilled first."""
+        """Lift a pause; kept requests whose KV predates a weight load are re-prefilled first (unless
+        ``cfg.kv_after_update="keep"``: they continue on their KV)."""
         self._call(self._s.do_continue)
 
     def abort(self, rid: str | None = None) -> int:

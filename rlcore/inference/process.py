@@ -264,6 +264,9 @@ class EngineProcessConfig:
     """Seed of the per-request sampling seeds."""
     weight_version: int = 0
     """Version label of the initial weights."""
+    kv_after_update: Literal["recompute", "keep"] = "recompute"
+    """``--kv-after-update`` of the child: re-prefill in-flight requests after a weight load, or keep their KV
+    (``EngineConfig.kv_after_update``)."""
     shm_root: str = ""
     """Where the trainer publishes weight files (empty: ``/dev/shm``); the child cleans it if the trainer dies."""
     extra_args: tuple[str, ...] = ()
@@ -282,6 +285,10 @@ class EngineProcessConfig:
             raise ValueError(f"EngineProcessConfig.threads must be >= 1, got {self.threads}")
         if self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("EngineProcessConfig.startup_timeout_s and stop_timeout_s must be > 0")
+        if self.kv_after_update not in ("recompute", "keep"):
+            raise ValueError(
+                f"EngineProcessConfig.kv_after_update must be 'recompute' or 'keep', got {self.kv_after_update!r}"
+            )
 
     def command(self, parent_pid: int, lifetime_fd: int, pdeathsig: bool) -> list[str]:
         """The child's command line."""
@@ -290,6 +297,7 @@ class EngineProcessConfig:
             "--dtype", self.dtype, "--device", self.device, "--max-batch", str(self.max_batch),
             "--max-seq-len", str(self.max_seq_len), "--seed", str(self.seed),
             "--weight-version", str(self.weight_version), "--threads", str(self.threads),
+            "--kv-after-update", self.kv_after_update,
             "--parent-pid", str(parent_pid), "--lifetime-fd", str(lifetime_fd),
         ]
         if self.tokenizer:

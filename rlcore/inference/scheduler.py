@@ -36,7 +36,7 @@ from rlcore.inference.kv_cache import ModelForward, PagedKVCache
 from rlcore.inference.protocol import EngineError, GenerateOutput
 from rlcore.inference.requests import Request as _Request
 from rlcore.inference.sampling import RowParams, counter_uniform, process_logits, row_params, sample_tokens
-from rlcore.inference.weights import commit_weights, move_tensors
+from rlcore.inference.weights import move_tensors
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -88,6 +88,8 @@ class Scheduler:
         """Decode gathers only live blocks and attends with per-row lengths (``attention.varlen_decode``)."""
         self.version = int(version)
         self.epoch = 0
+        self.keep_kv = cfg.kv_after_update == "keep"  # in-flight KV survives weight loads (no re-prefill)
+        self.stale: set[_Request] = set()  # gave up their KV to a weight load, not prefilled again yet (stats)
         self.static_mode = static_mode
         """``graph`` (CUDA graphs), ``eager-static`` (the same fixed shapes, eagerly) or None (plain eager)."""
         self.paused: PauseMode | None = None
@@ -126,9 +128,10 @@ class Scheduler:
         ran."""
         if self.paused is not None or self.released:
             return False
-        # KV computed under old weights is recomputed before the row decodes again.
-        stale = [r for r in self.running if r.epoch != self.epoch]
+        # KV computed under old weights is recomputed before the row decodes again (unless kv_after_update="keep").
+        stale = [] if self.keep_kv else [r for r in self.running if r.epoch != self.epoch]
         if stale:
+            self.stale.update(stale)
             self.release([r.slot for r in stale])
             for r in reversed(stale):
                 r.slot = -1
@@ -237,18 +240,9 @@ class Scheduler:
     def note_peak(self) -> None:
         self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.pool.num_used)
 
-    def commit(self, staged: list[tuple[torch.Tensor, torch.Tensor]], version: int | None) -> None:
-        commit_weights(staged)
-        self.epoch += 1
-        if version is not None:
-            self.version = int(version)
-        for r in self.waiting:  # parked KV predates the new weights
-            if r.blocks:
-                self.drop_kv(r)
-        self.stats["weight_loads"] += 1
-
     def finish(self, r: _Request, reason: dict) -> None:
         self.by_rid.pop(r.rid, None)
+        self.stale.discard(r)
         self.drop_kv(r)
         now = time.perf_counter()
         out = GenerateOutput(
@@ -424,11 +418,11 @@ class Scheduler:
         return False
 
     def resume_parked(self, free: int) -> None:
-        """Parked (retracted) requests whose KV is current decode again without a prefill, up to ``free`` rows."""
+        """Parked (retracted) requests whose KV is current (or kept: ``keep_kv``) decode again without a prefill."""
         keep: collections.deque[_Request] = collections.deque()
         back: list[_Request] = []
         for r in self.waiting:
-            if r.parked and r.epoch == self.epoch and len(back) < free:
+            if r.parked and (r.epoch == self.epoch or self.keep_kv) and len(back) < free:
                 r.parked = False
                 self.parked -= 1
                 self.running.append(r)
@@ -451,7 +445,7 @@ class Scheduler:
         room = pool.num_free - self.growth_need() - 1
         for i, r in enumerate(self.waiting):
             h = self.live.get(blocks.prompt_key(r)) if i < free and not r.out_ids and not r.solo else None
-            if h is None or len(joined) >= room or not h.blocks or h.epoch != self.epoch:
+            if h is None or len(joined) >= room or not h.blocks or h.epoch != self.epoch:  # not stale KV
                 keep.append(r)
                 continue
             shared, tail = blocks.join_blocks(h.blocks, len(r.prompt), bs)
@@ -536,6 +530,10 @@ class Scheduler:
             logits = logits.index_select(0, torch.tensor(src, dtype=torch.long, device=logits.device))
             self.stats["prefix_shared_tokens"] += sum(n * (len(g) - 1) for n, g in zip(lens, uniq))
         self.stats["prefill_tokens"] += sum(lens)
+        if self.stale:  # re-prefills of requests whose KV a weight load dropped
+            self.stats["reprefill_requests"] += len(self.stale.intersection(rows))
+            self.stats["reprefill_tokens"] += sum(n for n, g in zip(lens, uniq) if not self.stale.isdisjoint(g))
+            self.stale.difference_update(rows)
         self.stats["prefill_padded_tokens"] += longest * len(seqs)
         self.stats["prefill_forwards"] += 1
         self.dirty = True

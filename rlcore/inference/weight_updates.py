@@ -19,6 +19,7 @@ from rlcore.inference.lora import LoraAdapter
 from rlcore.inference.protocol import EngineError
 from rlcore.inference.weights import (
     check_specs,
+    commit_weights,
     init_custom_process_group,
     parse_dtype,
     read_safetensors,
@@ -38,6 +39,29 @@ class WeightUpdates:
     def _call(self, fn, timeout: float | None = None) -> Any:  # provided by Engine
         raise NotImplementedError
 
+    def _commit(self, staged: list[tuple[torch.Tensor, torch.Tensor]], version: int | None) -> None:
+        """Run by the loop thread between two forward passes: copy the staged tensors in, bump the scheduler's
+        epoch and set ``version`` (when given). Then, by ``EngineConfig.kv_after_update``: ``recompute``: retracted
+        requests drop the blocks they kept now and running rows theirs at the next ``Scheduler.step``; all are
+        prefilled again (``stats["reprefill_requests"]``, ``stats["reprefill_tokens"]``, counted by
+        ``Scheduler.admit``). ``keep``: running and retracted requests keep their KV and decode on under the new
+        weights (``stats["kv_kept_requests"]``, ``stats["kv_kept_tokens"]``); each request's ``epoch`` stays the one
+        its prompt was prefilled under, so no new request joins those blocks (``Scheduler.join_live``)."""
+        s = self._s
+        commit_weights(staged)
+        s.epoch += 1
+        if version is not None:
+            s.version = int(version)
+        held = [r for r in s.waiting if r.blocks]  # retracted requests that kept their blocks
+        if s.keep_kv:
+            s.stats["kv_kept_requests"] += len(s.running) + len(held)
+            s.stats["kv_kept_tokens"] += sum(r.kv_tokens for r in s.running + held)
+        else:  # their KV predates the new weights
+            s.stale.update(held)
+            for r in held:
+                s.drop_kv(r)
+        s.stats["weight_loads"] += 1
+
     def update_weights_from_state_dict(
         self, state_dict: dict[str, torch.Tensor], version: int | None = None
     ) -> None:
@@ -46,7 +70,7 @@ class WeightUpdates:
         while a LoRA adapter is loaded (``load_lora_adapter``)."""
         with self._lora.full_load():
             staged = stage_weights(self.model, state_dict.items())
-            self._call(lambda: self._s.commit(staged, version))
+            self._call(lambda: self._commit(staged, version))
 
     def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
         """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``.
@@ -57,7 +81,7 @@ class WeightUpdates:
         """
         with self._lora.full_load():
             staged = stage_weights(self.model, read_safetensors(path))
-            self._call(lambda: self._s.commit(staged, version))
+            self._call(lambda: self._commit(staged, version))
 
     def update_weights_from_tensors(
         self, named: Sequence[tuple[str, torch.Tensor]], version: int | None = None
@@ -69,7 +93,7 @@ class WeightUpdates:
         buffers as soon as the call returns."""
         with self._lora.full_load():
             staged = stage_weights(self.model, named)
-            self._call(lambda: self._s.commit(staged, version))
+            self._call(lambda: self._commit(staged, version))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         staged.clear()  # drop the references to the sender's memory
@@ -125,7 +149,7 @@ class WeightUpdates:
             received.append((n, buf))
         with self._lora.full_load():
             staged = stage_weights(self.model, received)
-            self._call(lambda: self._s.commit(staged, version))
+            self._call(lambda: self._commit(staged, version))
 
     # -- LoRA adapters (rlcore.inference.lora: merged into the live weights from a kept base copy) -----------------
 
@@ -147,11 +171,12 @@ class WeightUpdates:
         The adapter is read, checked against the model and merged (``W_base + s · B @ A``) on the calling thread
         while generation continues; the loop thread then copies the new weights in between two forward passes and
         sets ``version`` (when given), like a full weight load: requests whose KV predates it are re-prefilled, so
-        no token mixes two adapters. It becomes the applied adapter (the previous one stays loaded, superseded).
+        no token mixes two adapters (with ``EngineConfig.kv_after_update="keep"`` they continue on their KV). It
+        becomes the applied adapter (the previous one stays loaded, superseded).
         A failed load (bad path, unknown module, wrong shape, name already loaded) changes nothing.
         """
         return self._lora.load(name, adapter, lambda staged, done: self._call(
-            lambda: (self._s.commit(staged, version) if staged else None, done())))
+            lambda: (self._commit(staged, version) if staged else None, done())))
 
     def unload_lora_adapter(self, name: str, version: int | None = None) -> dict[str, str]:
         """Unload an adapter; returns the loaded set. Unloading the applied one applies the newest remaining adapter,
@@ -159,4 +184,4 @@ class WeightUpdates:
         ``version`` set when given. Unloading a superseded adapter changes no weight (nor the version). Unknown names
         raise."""
         return self._lora.unload(name, lambda staged, done: self._call(
-            lambda: (self._s.commit(staged, version) if staged else None, done())))
+            lambda: (self._commit(staged, version) if staged else None, done())))
