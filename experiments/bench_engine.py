@@ -77,6 +77,9 @@ class Config:
     CUDA default before the in-place paged kernel)."""
     decode_attention: Literal["auto", "gather", "varlen", "paged"] = "auto"
     """EngineConfig.decode_attention of the main 256-request engine section (and of its profile)."""
+    overlap_decode: Literal["auto", "on", "off"] = "auto"
+    """EngineConfig.overlap_decode of every engine here (launch step k + 1 before step k's tokens reach the host;
+    auto: on with CUDA)."""
     block_size: int = 16
     """Tokens per KV block."""
     long_tail: bool = True
@@ -205,6 +208,7 @@ def bench_engine(
         block_size=cfg.block_size,
         fused_kernels={"auto": "auto", "on": True, "off": False}[cfg.fused_kernels],
         compile_decode_layers=cfg.compile_decode_layers,
+        overlap_decode={"auto": "auto", "on": True, "off": False}[cfg.overlap_decode],
     )
     reset_attention(model)
     sp = SamplingParams(max_new_tokens=cfg.new_tokens, temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=True)
@@ -242,6 +246,9 @@ def bench_engine(
             cuda_graph_active=eng._static_mode == "graph",
             grouped_attention=eng.grouped_attention,
             decode_attention=eng.decode_attention,
+            overlap_decode=eng._s.overlap,
+            decode_steps_ahead=st.get("decode_steps_ahead", 0),
+            decode_rows_discarded=st.get("decode_rows_discarded", 0),
             kv_blocks=eng.kv_blocks,
             kv_blocks_peak=eng.stats.get("kv_blocks_peak", 0),
             block_size=cfg.block_size,

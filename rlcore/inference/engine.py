@@ -123,6 +123,12 @@ class EngineConfig:
     max_waiting: int = 4096
     """Most requests queued for a slot (paused or not); one more is refused with ``EngineBusy`` (HTTP 503 with
     ``Retry-After``), so a client backs off instead of growing the queue without bound."""
+    overlap_decode: bool | Literal["auto"] = "auto"
+    """Launch decode step k + 1 (on step k's tokens, still on the device) before step k's tokens are copied to the
+    host, so the host's per-step bookkeeping (appending tokens, stop checks, streaming, finishing requests) runs
+    while the device computes the next step. Outputs are the same as without it; a row that finishes at step k
+    computes one extra token that is discarded, and the step after a row finishes (or joins, or anything else
+    changes the rows) runs without overlap. ``auto``: on with CUDA."""
     grouped_decode_attention: bool = True
     """For sdpa models with grouped KV heads, run one-token dense (``gather``) decode attention with the query
     heads folded per KV head instead of HF's ``repeat_kv`` copies (same math; every other call goes to HF's sdpa
@@ -162,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.block_size < 1:
             raise ValueError(f"EngineConfig.block_size must be >= 1, got {self.block_size}; pass e.g. 16.")
+        if self.overlap_decode not in (True, False, "auto"):
+            raise ValueError(f"EngineConfig.overlap_decode must be True, False or 'auto', got {self.overlap_decode!r}")
         if self.decode_attention not in ("auto", "gather", "varlen", "paged"):
             raise ValueError(
                 f"EngineConfig.decode_attention must be auto, gather, varlen or paged: {self.decode_attention!r}"
@@ -674,6 +682,7 @@ class Engine(WeightUpdates):
             else:
                 _, fn, fut = item
                 try:
+                    self._s.settle()  # commands see every launched step committed (rows, weights, versions)
                     fut.set_result(fn())
                 except BaseException as e:  # the caller gets the exception; the loop keeps going
                     fut.set_exception(e)
@@ -692,6 +701,7 @@ class Engine(WeightUpdates):
             finally:
                 self._s.step_rows = []
         self._drain_inbox()
+        self._s.settle()
         self._s.abort_where(lambda r: True, "engine closed")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import time
 import traceback
 from collections.abc import Callable
@@ -31,11 +30,12 @@ import torch
 
 from rlcore.inference import blocks
 from rlcore.inference.blocks import BlockPool, BlockTables
+from rlcore.inference.decode_step import DecodeStep, _error_reason, _Inflight
 from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward, PagedKVCache
 from rlcore.inference.protocol import EngineError, GenerateOutput
 from rlcore.inference.requests import Request as _Request
-from rlcore.inference.sampling import RowParams, counter_uniform, process_logits, row_params, sample_tokens
+from rlcore.inference.sampling import RowParams
 from rlcore.inference.weights import move_tensors
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -44,16 +44,11 @@ PauseMode = Literal["abort", "retract", "in_place"]
 _MAX_STRIKES = 3
 
 
-def _error_reason(message: str, status: int = 500) -> dict:
-    """SGLang's finish reason for a request the engine failed (its server answers with ``status_code``)."""
-    return {"type": "abort", "message": message, "status_code": status}
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The loop-thread state
 
 
-class Scheduler:
+class Scheduler(DecodeStep):
     """Waiting queue, running rows, KV blocks, weight version and epoch, and the step that advances them.
 
     Built and owned by ``Engine``; every method runs on the engine's loop thread.
@@ -107,6 +102,10 @@ class Scheduler:
         self.pos: Any = None
         self.first: Any = None
         self.max_pos = 0
+        self.overlap = bool(cfg.overlap_decode) if cfg.overlap_decode != "auto" else device.type == "cuda"
+        """Launch decode step k + 1 before reading step k's tokens back (``EngineConfig.overlap_decode``)."""
+        self.inflight: _Inflight | None = None
+        """A sampled step whose tokens are not read back and committed yet (``land``)."""
         self.deferred = 0  # decode steps since joiners started waiting without being prefilled
         self.step_rows: list[_Request] = []  # the requests of the forward in progress (failed alone on error)
         self.sp: RowParams | None = None
@@ -125,12 +124,15 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration unless paused or released: requeue stale KV, maybe admit, decode; True when a decode step
-        ran."""
+        ran. A step launched ahead (``overlap``) is landed before anything but another decode step happens."""
+        if self.paused is not None or self.released or not self.running:
+            self.settle()
         if self.paused is not None or self.released:
             return False
         # KV computed under old weights is recomputed before the row decodes again (unless kv_after_update="keep").
         stale = [] if self.keep_kv else [r for r in self.running if r.epoch != self.epoch]
         if stale:
+            self.settle()
             self.stale.update(stale)
             self.release([r.slot for r in stale])
             for r in reversed(stale):
@@ -138,6 +140,7 @@ class Scheduler:
                 self.drop_kv(r)
                 self.waiting.appendleft(r)
         if self.should_admit():
+            self.settle()
             self.admit()
         if self.running:
             self.decode()
@@ -370,6 +373,7 @@ class Scheduler:
         alone (a failure only a batch shows). Nothing outside the step is touched.
         """
         self.error = e
+        self.inflight = None  # a step launched ahead is dropped with the rest: its rows are retried below
         self.stats["loop_errors"] += 1
         traceback.print_exc()
         msg = f"engine error: {type(e).__name__}: {e}"
@@ -559,161 +563,3 @@ class Scheduler:
             where = (torch.tensor(slots, device=dev), torch.tensor(ids, device=dev))
             ones = torch.ones(len(ids), dtype=torch.float32, device=dev)
             self.counts.index_put_(where, ones, accumulate=True)
-
-    # -- decode ------------------------------------------------------------------------------------------------
-
-    def rebuild(self) -> None:
-        rs, dev = self.running, self.device
-        self.tok = torch.tensor([(r.out_ids or r.prompt)[-1] for r in rs], dtype=torch.long, device=dev)
-        pos = [len(r.prompt) + len(r.out_ids) - 1 for r in rs]
-        self.pos = torch.tensor(pos, dtype=torch.long, device=dev)
-        self.first = torch.tensor([len(r.prompt) - 1 for r in rs], dtype=torch.long, device=dev)
-        self.max_pos = max(pos)
-        self.sp = self.params(rs)
-        self.dirty = False
-
-    def params(self, rs: list[_Request]) -> RowParams:
-        sps, seeds, slots = [r.sampling for r in rs], [r.seed for r in rs], [r.slot for r in rs]
-        return row_params(sps, seeds, slots, eos_ids=self.eos_ids, vocab_size=self.vocab_size, device=self.device)
-
-    def decode(self) -> None:
-        t0 = time.perf_counter()
-        total_blocks = self.grow()
-        self.step_rows = list(self.running)
-        self.tables.flush()
-        if self.dirty:
-            self.rebuild()
-        m = len(self.running)
-        logits = self.decode_logits(m, total_blocks)
-        count = self.pos - self.first  # tokens generated so far, per row
-        self.sample_and_commit(logits, list(self.running), self.sp, count, self.pos + 1)
-        self.max_pos += 1
-        self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += m
-        self.stats["decode_s"] += time.perf_counter() - t0
-
-    def decode_logits(self, m: int, total_blocks: int) -> torch.Tensor:
-        longest = self.max_pos // self.pool.block_size + 1
-        if self.static_mode is not None:
-            try:
-                width = self.graphs.width(m, longest, total_blocks)
-                return self.graphs.decode(self.tok, self.pos, width, graph=self.static_mode == "graph")
-            except Exception:
-                traceback.print_exc()
-                print("[rlcore.engine] CUDA graph capture failed; falling back to eager decode (with a trainer on "
-                      "this GPU in this process, set EngineConfig.capture_at_start=True)", flush=True)
-                self.static_mode = None
-                self.graphs.graphs.clear()
-        width = self.graphs.width(m, longest, total_blocks) if self.graphs.paged else (
-            total_blocks if self.packed else longest)
-        return self.fwd.decode(self.tok[:, None], self.pos, self.tables.t[:m], self.cache, width, self.packed,
-                               longest * self.pool.block_size, self.dtype)
-
-    def sample(
-        self, logits: torch.Tensor, p: RowParams, count: torch.Tensor, pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids (m,), logp (m,))`` for ``logits (m v)``; records the penalised rows' new tokens."""
-        if p.proc is not None:
-            logits = process_logits(logits, p.proc, self.counts, count)
-        u = counter_uniform(p.seed, pos)  # keyed by absolute position: a resubmission continues the stream
-        ids, logp = sample_tokens(logits, p.temperature, p.top_p, p.top_k, u, filtered=p.filtered)
-        if p.proc is not None and p.proc.pen_rows is not None:
-            assert self.counts is not None
-            k = p.proc.pen_rows.shape[0]
-            self.counts.index_put_(
-                (p.proc.pen_slots, ids.index_select(0, p.proc.pen_rows)),
-                torch.ones(k, dtype=torch.float32, device=ids.device),
-                accumulate=True,
-            )
-        return ids, logp
-
-    def sample_rows(
-        self, logits: torch.Tensor, rows: list[_Request], count: torch.Tensor, pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, BaseException]]:
-        """The batched sampling step failed: sample row by row so only the rows that fail are lost."""
-        ids, logp, failed = [], [], {}
-        for i, r in enumerate(rows):
-            try:
-                t, lp = self.sample(logits[i : i + 1], self.params([r]), count[i : i + 1], pos[i : i + 1])
-            except Exception as e:
-                failed[i] = e
-                t = torch.zeros(1, dtype=torch.long, device=logits.device)
-                lp = torch.full((1,), math.nan, device=logits.device)
-            ids.append(t)
-            logp.append(lp.to(torch.float32))
-        self.dirty = True  # rebuild the decode rows from the requests (failed rows leave)
-        return torch.cat(ids), torch.cat(logp), failed
-
-    def sample_and_commit(
-        self,
-        logits: torch.Tensor,
-        rows: list[_Request],
-        params: RowParams,
-        count: torch.Tensor,
-        pos: torch.Tensor,
-        t_prefill: float | None = None,
-    ) -> None:
-        """Sample one token per row (``logits (m v)``, ``pos (m,)`` the new tokens' positions), append it, finish
-        rows that stop. A row whose sampling raises or gives a non-finite log-prob fails alone (HTTP 500).
-        ``t_prefill``: when the prefill of these rows started (``stats["prefill_s"]`` gets the time to the sync)."""
-        failed: dict[int, BaseException] = {}
-        try:
-            ids, logp = self.sample(logits, params, count, pos)
-        except Exception:
-            ids, logp, failed = self.sample_rows(logits, rows, count, pos)
-        if not self.dirty:  # decode: advance the device-side row state without rebuilding it
-            self.tok = ids
-            self.pos = self.pos + 1
-        host = torch.stack([ids.to(torch.float64), logp.to(torch.float64)]).tolist()  # one device->host sync
-        ids_l, logp_l = [int(t) for t in host[0]], host[1]
-        now = time.perf_counter()
-        if t_prefill is not None:
-            self.stats["prefill_s"] += now - t_prefill
-        done: list[tuple[_Request, dict]] = []
-        ver, limit, bs = self.version, self.max_seq_len, self.pool.block_size
-        for i, (r, t, lp) in enumerate(zip(rows, ids_l, logp_l)):
-            if i in failed or not math.isfinite(lp):
-                e = failed.get(i)
-                why = f"{type(e).__name__}: {e}" if e is not None else f"non-finite log-prob {lp} (check the weights)"
-                self.stats["request_errors"] += 1
-                done.append((r, _error_reason(f"engine error in the sampling step: {why}")))
-                self.dirty = True
-                continue
-            r.out_ids.append(t)
-            r.out_logp.append(lp)
-            r.out_ver.append(ver)
-            if r.cow or (len(r.prompt) + len(r.out_ids) - 1) % bs == 0:  # the next write starts a block
-                self.due.append(r)
-            if not r.t_first:
-                r.t_first = now
-            if r.on_token is not None:
-                self.notify(r, t, lp, ver)
-            sp = r.sampling
-            if t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_ids):
-                done.append((r, {"type": "stop", "matched": t}))
-            elif r.stop_window and (hit := self.match_stop(r)) is not None:
-                done.append((r, {"type": "stop", "matched": hit}))
-            elif len(r.out_ids) >= sp.max_new_tokens or len(r.prompt) + len(r.out_ids) >= limit:
-                done.append((r, {"type": "length", "length": len(r.out_ids)}))
-        if done:
-            self.release([r.slot for r, _ in done])
-            for r, reason in done:
-                r.slot = -1
-                self.finish(r, reason)
-
-    def match_stop(self, r: _Request) -> str | None:
-        """The first of ``r.stops`` found in the decoded last ``stop_window`` tokens of the output."""
-        tail = self.tokenizer.decode(r.out_ids[-r.stop_window :], skip_special_tokens=False)
-        for x in r.stops:
-            if x in tail:
-                return x
-        return None
-
-    def notify(self, r: _Request, t: int, lp: float, ver: int) -> None:
-        try:
-            r.on_token(t, lp, ver)
-        except Exception:  # a broken listener must not stop the engine
-            self.hook_errors += 1
-            if self.hook_errors <= 3:
-                traceback.print_exc()
-

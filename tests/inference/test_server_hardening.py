@@ -339,6 +339,7 @@ def test_a_full_waiting_queue_answers_503_with_retry_after():
 
 def test_engine_modules_stay_small():
     root = Path(__file__).resolve().parents[2] / "rlcore" / "inference"
-    mine = ["engine", "scheduler", "sampling", "kv_cache", "attention", "weights", "graphs", "server", "protocol"]
+    mine = ["engine", "scheduler", "decode_step", "sampling", "kv_cache", "attention", "weights", "graphs", "server"]
+    mine += ["protocol"]
     sizes = {m: len((root / f"{m}.py").read_text().splitlines()) for m in mine}
     assert max(sizes.values()) <= 720, sizes

@@ -1,0 +1,286 @@
+"""The decode step of the engine's scheduler: launch (forward + sampling on the device), land (read the tokens
+back and commit them), and the overlapped loop that launches step k + 1 before step k lands.
+
+``DecodeStep`` is a part of ``scheduler.Scheduler`` (kept in its own module to keep each one readable); every
+method runs on the engine's loop thread and uses the scheduler's state (rows, tables, pool, stats).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlcore.inference.requests import Request as _Request
+from rlcore.inference.sampling import RowParams, counter_uniform, process_logits, row_params, sample_tokens
+
+
+def _error_reason(message: str, status: int = 500) -> dict:
+    """SGLang's finish reason for a request the engine failed (its server answers with ``status_code``)."""
+    return {"type": "abort", "message": message, "status_code": status}
+
+
+@dataclass
+class _Inflight:
+    """A sampled step whose tokens are still on their way to the host (``Scheduler.launch_sample``)."""
+
+    rows: list[_Request]
+    """The rows of the step, in batch order (row ``i`` sampled ``host[:, i]``)."""
+    host: torch.Tensor
+    """``(2, m)`` float64 token ids and log-probs; on CUDA a pinned buffer filled by an asynchronous copy."""
+    event: Any
+    """CUDA event recorded after the copy (None off CUDA, where the copy is done)."""
+    failed: dict[int, BaseException]
+    """Rows whose sampling raised (they fail alone)."""
+    version: int
+    """Weight version the step ran under (its tokens' label)."""
+    t_prefill: float | None
+    """When the prefill behind this step started (None for a decode step)."""
+
+
+
+class DecodeStep:
+    """Decode-step methods of ``Scheduler`` (module docstring)."""
+
+
+    def rebuild(self) -> None:
+        rs, dev = self.running, self.device
+        self.tok = torch.tensor([(r.out_ids or r.prompt)[-1] for r in rs], dtype=torch.long, device=dev)
+        pos = [len(r.prompt) + len(r.out_ids) - 1 for r in rs]
+        self.pos = torch.tensor(pos, dtype=torch.long, device=dev)
+        self.first = torch.tensor([len(r.prompt) - 1 for r in rs], dtype=torch.long, device=dev)
+        self.max_pos = max(pos)
+        self.sp = self.params(rs)
+        self.dirty = False
+
+    def params(self, rs: list[_Request]) -> RowParams:
+        sps, seeds, slots = [r.sampling for r in rs], [r.seed for r in rs], [r.slot for r in rs]
+        return row_params(sps, seeds, slots, eos_ids=self.eos_ids, vocab_size=self.vocab_size, device=self.device)
+
+    def decode(self) -> None:
+        """One decode step. With ``overlap`` the next step is launched (on the tokens this one sampled, still on
+        the device) before this one's tokens are read back, so the host's bookkeeping of step k runs while the
+        device computes step k + 1; the launched step is landed by the next call (or by ``settle``)."""
+        t0 = time.perf_counter()
+        if self.inflight is None:
+            total_blocks = self.grow()
+            self.step_rows = list(self.running)
+            self.tables.flush()
+            if self.dirty:
+                self.rebuild()
+            self.inflight = self.launch_decode(total_blocks)
+        ahead = self.launch_ahead() if self.can_overlap() else None
+        cur, self.inflight = self.inflight, None
+        self.land(cur)
+        self.inflight = ahead
+        self.stats["decode_steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    def launch_decode(self, total_blocks: int) -> _Inflight:
+        """Run the decode forward and the sampling of the running rows; nothing is read back yet."""
+        m = len(self.running)
+        logits = self.decode_logits(m, total_blocks)
+        count = self.pos - self.first  # tokens generated so far, per row
+        inf = self.launch_sample(logits, list(self.running), self.sp, count, self.pos + 1)
+        self.max_pos += 1
+        return inf
+
+    def can_overlap(self) -> bool:
+        """Step k + 1 can be launched before step k lands: the rows stay as they are (nothing to rebuild, no
+        penalties, whose counts the host updates, no copy-on-write pending) and the pool has the blocks step k + 1
+        writes into."""
+        if not self.overlap or self.dirty or self.inflight is None or self.inflight.failed or not self.running:
+            return False
+        if self.sp is None or self.sp.proc is not None or any(r.cow for r in self.running):
+            return False
+        bs = self.pool.block_size
+        need = sum(1 for r in self.running if (len(r.prompt) + len(r.out_ids)) // bs >= len(r.blocks))
+        return need <= self.pool.num_free
+
+    def launch_ahead(self) -> _Inflight:
+        """Launch step k + 1 while step k is in flight: the rows whose k + 1 write starts a block get it now (rows
+        step k finishes write one token into blocks they then release; it is discarded on landing)."""
+        bs = self.pool.block_size
+        for r in self.running:
+            if (len(r.prompt) + len(r.out_ids)) // bs >= len(r.blocks):  # step k + 1 writes position kv_tokens + 1
+                (b,) = self.pool.alloc()
+                r.blocks.append(b)
+                self.tables.cell(r, len(r.blocks) - 1, b)
+        self.due = []  # every row's next write is placed; ``grow`` re-checks whatever landing adds
+        self.note_peak()
+        self.tables.flush()
+        total = sum(len(r.blocks) for r in self.running) if self.packed else 0
+        self.stats["decode_steps_ahead"] += 1
+        return self.launch_decode(total)
+
+    def settle(self) -> None:
+        """Land the step launched ahead, if any (before anything changes the rows, the weights or the pause)."""
+        if self.inflight is not None:
+            cur, self.inflight = self.inflight, None
+            self.land(cur)
+
+    def decode_logits(self, m: int, total_blocks: int) -> torch.Tensor:
+        longest = self.max_pos // self.pool.block_size + 1
+        if self.static_mode is not None:
+            try:
+                width = self.graphs.width(m, longest, total_blocks)
+                return self.graphs.decode(self.tok, self.pos, width, graph=self.static_mode == "graph")
+            except Exception:
+                traceback.print_exc()
+                print("[rlcore.engine] CUDA graph capture failed; falling back to eager decode (with a trainer on "
+                      "this GPU in this process, set EngineConfig.capture_at_start=True)", flush=True)
+                self.static_mode = None
+                self.graphs.graphs.clear()
+        width = self.graphs.width(m, longest, total_blocks) if self.graphs.paged else (
+            total_blocks if self.packed else longest)
+        return self.fwd.decode(self.tok[:, None], self.pos, self.tables.t[:m], self.cache, width, self.packed,
+                               longest * self.pool.block_size, self.dtype)
+
+    def sample(
+        self, logits: torch.Tensor, p: RowParams, count: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids (m,), logp (m,))`` for ``logits (m v)``; records the penalised rows' new tokens."""
+        if p.proc is not None:
+            logits = process_logits(logits, p.proc, self.counts, count)
+        u = counter_uniform(p.seed, pos)  # keyed by absolute position: a resubmission continues the stream
+        ids, logp = sample_tokens(logits, p.temperature, p.top_p, p.top_k, u, filtered=p.filtered)
+        if p.proc is not None and p.proc.pen_rows is not None:
+            assert self.counts is not None
+            k = p.proc.pen_rows.shape[0]
+            self.counts.index_put_(
+                (p.proc.pen_slots, ids.index_select(0, p.proc.pen_rows)),
+                torch.ones(k, dtype=torch.float32, device=ids.device),
+                accumulate=True,
+            )
+        return ids, logp
+
+    def sample_rows(
+        self, logits: torch.Tensor, rows: list[_Request], count: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, BaseException]]:
+        """The batched sampling step failed: sample row by row so only the rows that fail are lost."""
+        ids, logp, failed = [], [], {}
+        for i, r in enumerate(rows):
+            try:
+                t, lp = self.sample(logits[i : i + 1], self.params([r]), count[i : i + 1], pos[i : i + 1])
+            except Exception as e:
+                failed[i] = e
+                t = torch.zeros(1, dtype=torch.long, device=logits.device)
+                lp = torch.full((1,), math.nan, device=logits.device)
+            ids.append(t)
+            logp.append(lp.to(torch.float32))
+        self.dirty = True  # rebuild the decode rows from the requests (failed rows leave)
+        return torch.cat(ids), torch.cat(logp), failed
+
+    def sample_and_commit(
+        self,
+        logits: torch.Tensor,
+        rows: list[_Request],
+        params: RowParams,
+        count: torch.Tensor,
+        pos: torch.Tensor,
+        t_prefill: float | None = None,
+    ) -> None:
+        """Sample one token per row (``logits (m v)``, ``pos (m,)`` the new tokens' positions), append it, finish
+        rows that stop. A row whose sampling raises or gives a non-finite log-prob fails alone (HTTP 500).
+        ``t_prefill``: when the prefill of these rows started (``stats["prefill_s"]`` gets the time to the sync)."""
+        self.land(self.launch_sample(logits, rows, params, count, pos, t_prefill))
+
+    def launch_sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[_Request],
+        params: RowParams,
+        count: torch.Tensor,
+        pos: torch.Tensor,
+        t_prefill: float | None = None,
+    ) -> _Inflight:
+        """Sample (on the device) and start the copy of the tokens and log-probs to the host; ``land`` commits."""
+        failed: dict[int, BaseException] = {}
+        try:
+            ids, logp = self.sample(logits, params, count, pos)
+        except Exception:
+            ids, logp, failed = self.sample_rows(logits, rows, count, pos)
+        if not self.dirty:  # decode: advance the device-side row state without rebuilding it
+            self.tok = ids
+            self.pos = self.pos + 1
+        both = torch.stack([ids.to(torch.float64), logp.to(torch.float64)])
+        event = None
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = both
+        return _Inflight(rows, host, event, failed, self.version, t_prefill)
+
+    def land(self, inf: _Inflight) -> None:
+        """Wait for a launched step's tokens (one device->host copy) and commit them: append, stream, finish rows
+        that stop. Rows that finished or left since the launch (a step launched ahead) are skipped."""
+        if inf.event is not None:
+            inf.event.synchronize()
+        host = inf.host.tolist()
+        ids_l, logp_l = [int(t) for t in host[0]], host[1]
+        rows, failed = inf.rows, inf.failed
+        now = time.perf_counter()
+        if inf.t_prefill is not None:
+            self.stats["prefill_s"] += now - inf.t_prefill
+        done: list[tuple[_Request, dict]] = []
+        ver, limit, bs = inf.version, self.max_seq_len, self.pool.block_size
+        committed = 0
+        for i, (r, t, lp) in enumerate(zip(rows, ids_l, logp_l)):
+            if r.slot < 0 or r.future.done():  # finished (or left) after this step was launched ahead
+                self.stats["decode_rows_discarded"] += 1
+                continue
+            committed += 1
+            if i in failed or not math.isfinite(lp):
+                e = failed.get(i)
+                why = f"{type(e).__name__}: {e}" if e is not None else f"non-finite log-prob {lp} (check the weights)"
+                self.stats["request_errors"] += 1
+                done.append((r, _error_reason(f"engine error in the sampling step: {why}")))
+                self.dirty = True
+                continue
+            r.out_ids.append(t)
+            r.out_logp.append(lp)
+            r.out_ver.append(ver)
+            if r.cow or (len(r.prompt) + len(r.out_ids) - 1) % bs == 0:  # the next write starts a block
+                self.due.append(r)
+            if not r.t_first:
+                r.t_first = now
+            if r.on_token is not None:
+                self.notify(r, t, lp, ver)
+            sp = r.sampling
+            if t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_ids):
+                done.append((r, {"type": "stop", "matched": t}))
+            elif r.stop_window and (hit := self.match_stop(r)) is not None:
+                done.append((r, {"type": "stop", "matched": hit}))
+            elif len(r.out_ids) >= sp.max_new_tokens or len(r.prompt) + len(r.out_ids) >= limit:
+                done.append((r, {"type": "length", "length": len(r.out_ids)}))
+        if inf.t_prefill is None:
+            self.stats["decode_tokens"] += committed
+        if done:
+            self.release([r.slot for r, _ in done])
+            for r, reason in done:
+                r.slot = -1
+                self.finish(r, reason)
+
+    def match_stop(self, r: _Request) -> str | None:
+        """The first of ``r.stops`` found in the decoded last ``stop_window`` tokens of the output."""
+        tail = self.tokenizer.decode(r.out_ids[-r.stop_window :], skip_special_tokens=False)
+        for x in r.stops:
+            if x in tail:
+                return x
+        return None
+
+    def notify(self, r: _Request, t: int, lp: float, ver: int) -> None:
+        try:
+            r.on_token(t, lp, ver)
+        except Exception:  # a broken listener must not stop the engine
+            self.hook_errors += 1
+            if self.hook_errors <= 3:
+                traceback.print_exc()
+
