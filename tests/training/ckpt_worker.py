@@ -1,7 +1,8 @@
 """torchrun / in-process worker for the checkpoint resharding tests (tests/training/test_checkpoint.py).
 
 Usage: torchrun --nproc_per_node N tests/training/ckpt_worker.py {save|load} CKPT_DIR OUT.pt [async] [export=DIR]
-  [cuda [nccl]]
+  [cuda [nccl]] [+ {save|load} CKPT_DIR2 OUT2.pt ...]
+Jobs separated by ``+`` run one after the other in the same processes and process group (one torchrun start-up).
 ``save``: one AdamW RL step (``test_step.rl_update``: train_step + decoupled-PPO loss_fn) on FSDP2-sharded tiny Qwen2 (plain module at world size 1), ``checkpoint.save``,
 then one more step. ``load``: a differently seeded state, ``checkpoint.restore``, then the same next step.
 Rank 0 writes ``{"snap": full weights + Adam moments + step right after the save/restore, "next_loss": global
@@ -56,7 +57,8 @@ def _full(st) -> dict:
     }
 
 
-def run(mode: str, ckpt: str, out: str, *flags: str) -> None:
+def run(mode: str, ckpt: str, out: str, *flags: str, finish: bool = True) -> None:
+    """One save or load job; ``finish=False`` keeps the process group for a next job."""
     torch.set_num_threads(1)
     kw: dict = {}
     if "cuda" in flags:
@@ -91,8 +93,20 @@ def run(mode: str, ckpt: str, out: str, *flags: str) -> None:
                     "sharded": fsdp.is_sharded(st.model), "device": str(info.device)}, out)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        if finish:
+            torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    jobs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "+":
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    for i, job in enumerate(jobs):
+        run(*job, finish=i == len(jobs) - 1)
 
 
 if __name__ == "__main__":
-    run(*sys.argv[1:])
+    main(sys.argv[1:])

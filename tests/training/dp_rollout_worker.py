@@ -343,7 +343,8 @@ def nonfinite(rank: int) -> dict:
     }
 
 
-def run(out_dir: str) -> None:
+def run(out_dir: str, *, finish: bool = True) -> None:
+    """Every scenario; ``finish=False`` keeps the process group for a next job (two_ranks.py)."""
     torch.set_num_threads(1)
     info = fsdp.setup_distributed()
     r = info.rank
@@ -360,7 +361,8 @@ def run(out_dir: str) -> None:
     torch.save(res, f"{out_dir}/rank{r}.pt")
     if info.world_size > 1:
         dist.barrier()
-        dist.destroy_process_group()
+        if finish:
+            dist.destroy_process_group()
 
 
 def reference(groups: list[dict[str, torch.Tensor]]):

@@ -21,7 +21,8 @@ from rlcore.training import (  # noqa: E402
 from tests.training import test_step as common  # noqa: E402
 
 
-def run(out_path: str, device: str = "cpu") -> None:
+def run(out_path: str, device: str = "cpu", *, finish: bool = True) -> None:
+    """One RL step; ``finish=False`` keeps the process group for a next job (two_ranks.py)."""
     torch.set_num_threads(1)
     info = fsdp.setup_distributed()
     kw = {}
@@ -48,7 +49,8 @@ def run(out_path: str, device: str = "cpu") -> None:
                     "sharded": fsdp.is_sharded(st.model)}, out_path)
     if info.world_size > 1:
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        if finish:
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

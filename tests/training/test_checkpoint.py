@@ -316,7 +316,9 @@ def _kill_trials(tmp_path, trials: int, seed: int) -> list[float]:
 
 
 def test_sigkill_at_random_moments_while_saving(tmp_path):
-    _kill_trials(tmp_path, trials=4, seed=0)
+    # one sync and one async trial (~5 s each after the zygote's start-up); the slow test below runs 30, and
+    # test_resave_survives_a_kill_at_every_file_operation kills at every file operation deterministically
+    _kill_trials(tmp_path, trials=2, seed=0)
 
 
 @pytest.mark.slow
@@ -543,32 +545,42 @@ def _assert_resharded(saved: dict, loaded: dict, loss_tol: float = 1e-6) -> None
         torch.testing.assert_close(loaded["next_weights"][k], w, atol=1e-5, rtol=1e-4, msg=k)
 
 
-def test_reshard_two_ranks_async_save_to_one_rank(tmp_path):
-    """2 gloo ranks save (dcp.async_save, each its own shard); a single process restores (~25 s on 2 cores)."""
+TWO_RANK_JOBS = ("ckpt",)  # run by the session's one torchrun launch (tests/training/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def reshard_runs(two_ranks) -> Path:
+    """Both resharding directions from the session's one torchrun launch (tests/training/two_ranks.py's ``ckpt``).
+
+    A single process saved ``one/ckpt``; 2 gloo ranks restored it (exporting the HF model and stepping:
+    ``one/loaded.pt``) and, in the same processes, saved ``two/ckpt`` with dcp.async_save (``two/saved.pt``).
+    The single-process restore of ``two/ckpt`` is left to its test."""
+    return two_ranks.result("ckpt") / "ckpt"
+
+
+def test_reshard_two_ranks_async_save_to_one_rank(reshard_runs, tmp_path):
+    """2 gloo ranks save (dcp.async_save, each its own shard); a single process restores."""
     from tests.training import ckpt_worker
 
-    _torchrun(2, "save", str(tmp_path / "ckpt"), str(tmp_path / "saved.pt"), "async")
-    step = tmp_path / "ckpt" / "step_00000001"
+    two = reshard_runs / "two"
+    step = two / "ckpt" / "step_00000001"
     assert sorted(p.name for p in (step / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert sorted(p.name for p in (step / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
-    ckpt_worker.run("load", str(tmp_path / "ckpt"), str(tmp_path / "loaded.pt"))
-    saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
+    ckpt_worker.run("load", str(two / "ckpt"), str(tmp_path / "loaded.pt"))
+    saved, loaded = torch.load(two / "saved.pt"), torch.load(tmp_path / "loaded.pt")
     assert (saved["world"], loaded["world"]) == (2, 1)
     _assert_resharded(saved, loaded)
 
 
-def test_reshard_one_rank_to_two_ranks_and_export_hf(tmp_path):
-    """A single process saves; 2 gloo ranks restore, export the HF model and step (~25 s on 2 cores)."""
+def test_reshard_one_rank_to_two_ranks_and_export_hf(reshard_runs):
+    """A single process saves; 2 gloo ranks restore, export the HF model and step."""
     from safetensors.torch import load_file
 
-    from tests.training import ckpt_worker
-
-    ckpt_worker.run("save", str(tmp_path / "ckpt"), str(tmp_path / "saved.pt"))
-    _torchrun(2, "load", str(tmp_path / "ckpt"), str(tmp_path / "loaded.pt"), f"export={tmp_path / 'hf'}")
-    saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
+    one = reshard_runs / "one"
+    saved, loaded = torch.load(one / "saved.pt"), torch.load(one / "loaded.pt")
     assert (saved["world"], loaded["world"]) == (1, 2)
     _assert_resharded(saved, loaded)
-    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    exported = load_file(one / "hf" / "model.safetensors")
     assert exported and all(torch.equal(v, saved["snap"]["weights"]["hf." + k]) for k, v in exported.items())
 
 

@@ -1,17 +1,14 @@
 """One staleness gate for data-parallel ranks (issue 16 item 5): rlcore.training.dp_rollout on 2 gloo ranks.
 
-The 2-rank scenarios run once, in one torchrun launch (tests/training/dp_rollout_worker.py, ~20 s on 2 cores);
-each test below checks one property of what the ranks recorded.
+The 2-rank scenarios run once (tests/training/dp_rollout_worker.py, ~10 s on 2 cores), in the torchrun launch that
+the session's two-rank tests share (``two_ranks`` in tests/training/conftest.py); each test below checks one
+property of what the ranks recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,27 +17,15 @@ from rlcore.advantages import normalize
 from rlcore.training import dp_rollout
 from tests.training import dp_rollout_worker as worker
 
-ROOT = Path(__file__).resolve().parents[2]
 ETA = 1  # the staleness scenario's max_staleness
 
 
+TWO_RANK_JOBS = ("dp_rollout",)  # run by the session's one torchrun launch (tests/training/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> tuple[dict, dict]:
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not on PATH")
-    out = tmp_path_factory.mktemp("dp_rollout")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [
-        torchrun,
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(ROOT / "tests/training/dp_rollout_worker.py"),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def ranks(two_ranks) -> tuple[dict, dict]:
+    out = two_ranks.result("dp_rollout") / "dp_rollout"
     return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))  # type: ignore[return-value]
 
 

@@ -1,7 +1,6 @@
 """FSDP2 tests: sharded == unsharded updates (world size 1 in-process; 2 gloo ranks under torchrun)."""
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -61,24 +60,18 @@ def test_sharded_world_one_matches_unsharded(tmp_path, monkeypatch):
         assert torch.allclose(a["delta"][k], b["delta"][k], atol=1e-6), k
 
 
-def test_torchrun_two_ranks_match_one_rank(tmp_path):
-    """Same global batch split over 2 gloo ranks gives the same loss and update as 1 rank (~25 s on 2 cores)."""
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not on PATH")
+TWO_RANK_JOBS = ("fsdp",)  # run by the session's one torchrun launch (tests/training/conftest.py)
+
+
+def test_torchrun_two_ranks_match_one_rank(two_ranks, tmp_path):
+    """Same global batch split over 2 gloo ranks gives the same loss and update as 1 rank."""
     ref = tmp_path / "ref.pt"
     fsdp_worker.run(str(ref))
-    out = tmp_path / "two.pt"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(ROOT / "tests/training/fsdp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = torch.load(ref), torch.load(out)
+    a, b = torch.load(ref), torch.load(two_ranks.result("fsdp") / "fsdp.pt")
     assert b["sharded"]
     assert abs(a["loss"] - b["loss"]) < 1e-5
     for k in a["delta"]:
         assert torch.allclose(a["delta"][k], b["delta"][k], atol=1e-5), k
-
 
 
 @pytest.mark.gpu

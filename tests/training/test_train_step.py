@@ -11,10 +11,6 @@ every aggregation mode, the non-finite skip, no mutation of the caller's batch, 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +24,6 @@ from rlcore.training import train_state as ts
 from rlcore.types import RolloutBatch
 from tests.training import test_step as common
 
-ROOT = Path(__file__).resolve().parents[2]
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 OBJECTIVES = {
     "ppo": (ppo.loss, ppo.PPOConfig),
@@ -279,20 +274,16 @@ def test_train_step_gradient_equals_func_grad_under_any_budget(name, agg, monkey
         assert_grad_equal(delta, g)
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
-def test_train_step_two_ranks_match_one_rank_for_every_agg(tmp_path):
-    """The same global batch on 2 gloo ranks (FSDP2) vs 1 rank, for every objective x agg mode (~1 min on 2 cores)."""
+TWO_RANK_JOBS = ("train_step",)  # run by the session's one torchrun launch (tests/training/conftest.py)
+
+
+def test_train_step_two_ranks_match_one_rank_for_every_agg(two_ranks, tmp_path):
+    """The same global batch on 2 gloo ranks (FSDP2) vs 1 rank, for every objective x agg mode."""
     from tests.training import train_step_worker
 
     ref = tmp_path / "one.pt"
     train_step_worker.run(str(ref))
-    out = tmp_path / "two.pt"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [shutil.which("torchrun"), "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests/training/train_step_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = torch.load(ref), torch.load(out)
+    a, b = torch.load(ref), torch.load(two_ranks.result("train_step") / "train_step.pt")
     assert b["sharded"] and set(a["runs"]) == set(b["runs"]) == {f"{n}/{g}" for n in OBJECTIVES for g in AGGS}
     for key in a["runs"]:
         da, db = a["runs"][key], b["runs"][key]

@@ -19,7 +19,8 @@ from tests.training import test_step as common  # noqa: E402
 from tests.training import test_train_step as tts  # noqa: E402
 
 
-def run(out_path: str) -> None:
+def run(out_path: str, *, finish: bool = True) -> None:
+    """Every objective x agg; ``finish=False`` keeps the process group for a next job (two_ranks.py)."""
     torch.set_num_threads(1)
     info = fsdp.setup_distributed()
     batch = common.make_batch(4, n=8, stale=True)
@@ -45,7 +46,8 @@ def run(out_path: str) -> None:
         torch.save({"runs": runs, "sharded": sharded}, out_path)
     if info.world_size > 1:
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        if finish:
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
