@@ -12,7 +12,11 @@ both load ``ci`` (unless ``HYPOTHESIS_PROFILE`` names another), so a suite that 
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -27,3 +31,22 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_staleness_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One tiny staleness sweep through the CLI driver (experiments/staleness_ablation.py --sweep), run once per session.
+
+    Three ~5 s cells, two at a time on pinned cores (~45 s on 2 cores). tests/test_staleness_ablation.py checks its
+    results file, tests/test_notebooks.py feeds the same results.json to notebooks/staleness_ablation.py
+    (RLCORE_NB_RESULTS) instead of running a second sweep inside the notebook. Returns (out dir, the finished run).
+    """
+    out = tmp_path_factory.mktemp("staleness_sweep")
+    cmd = [sys.executable, str(ROOT / "experiments" / "staleness_ablation.py"), "--sweep", "--jobs", "2",
+           "--cells", "naive:0", "recompute:2", "loglinear:2", "--seeds", "0", "--budget-s", "5",
+           "--prompts-per-step", "8", "--group-size", "4", "--eval-prompts", "48", "--eval-every-s", "2.5",
+           "--out-dir", str(out)]  # fmt: skip
+    return out, subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)

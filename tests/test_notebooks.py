@@ -6,6 +6,13 @@ the first test checks that the sources are exactly the expected notebooks, parse
 a python3 kernel that uses THIS interpreter (a kernelspec written into a temp dir, nothing registered globally), with figures redirected
 to a temp dir via RLCORE_NB_IMG_DIR, and check the figures the notebook promises. Assertions about the maths
 and the runs live inside the notebooks' cells, so a failing cell fails the test with its traceback.
+
+Suite time: objective_geometry and write_your_own_objective run end to end in the default suite (~15 s each).
+staleness_ablation runs every cell there too, but reads the tiny sweep that tests/test_staleness_ablation.py runs
+anyway through the CLI driver (RLCORE_NB_RESULTS, the session fixture ``tiny_staleness_sweep`` in conftest.py)
+instead of launching a second sweep of its own (~35 s); its own-sweep run and offpolicy_diagnostics (three 12 s
+main jobs, ~50 s; its metrics are checked in the default suite by tests/test_tiny.py's main-job smoke) are marked
+slow: ``python -m pytest -q -m slow tests`` runs them.
 """
 
 from __future__ import annotations
@@ -71,13 +78,33 @@ def test_notebooks_are_percent_scripts_without_committed_outputs():
     assert not tracked, f"generated notebooks are committed (remove them, commit only the .py): {tracked}"
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_notebook_executes(name: str, tmp_path: Path):
+# (notebook, read the shared tiny sweep instead of running one in the notebook); see the module docstring
+CASES = [
+    pytest.param("objective_geometry", False, id="objective_geometry"),
+    pytest.param("offpolicy_diagnostics", False, id="offpolicy_diagnostics", marks=pytest.mark.slow),
+    pytest.param("staleness_ablation", True, id="staleness_ablation-shared_sweep"),
+    pytest.param("staleness_ablation", False, id="staleness_ablation", marks=pytest.mark.slow),
+    pytest.param("write_your_own_objective", False, id="write_your_own_objective"),
+]
+
+
+def test_every_notebook_has_a_case():
+    assert {c.values[0] for c in CASES} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name,shared_sweep", CASES)
+def test_notebook_executes(name: str, shared_sweep: bool, tmp_path: Path, request: pytest.FixtureRequest):
     nb = _read_source(name)
     img = tmp_path / "img"
     # tiny setting, one thread, figures to tmp; MPLBACKEND unset so the kernel's inline backend displays plots
-    env = {k: v for k, v in os.environ.items() if k not in ("RLCORE_NB_FULL", "MPLBACKEND")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RLCORE_NB_FULL", "RLCORE_NB_RESULTS", "MPLBACKEND")}
     env.update(RLCORE_NB_IMG_DIR=str(img), RLCORE_NB_THREADS="1", OMP_NUM_THREADS="1")
+    must, must_not = EXPECTED[name]
+    if shared_sweep:
+        sweep_dir, r = request.getfixturevalue("tiny_staleness_sweep")
+        assert r.returncode == 0, "the shared tiny sweep failed:\n" + r.stdout[-3000:] + r.stderr[-3000:]
+        env["RLCORE_NB_RESULTS"] = str(sweep_dir / "results.json")
+        must, must_not = must | must_not, set()  # a finished sweep's figure is the docs one (to the redirected dir)
     client = nbclient.NotebookClient(
         nb,
         km=_kernel_manager(tmp_path),
@@ -89,7 +116,6 @@ def test_notebook_executes(name: str, tmp_path: Path):
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{name} displayed no plot"
     written = {p.name for p in img.glob("*.png")} if img.exists() else set()
-    must, must_not = EXPECTED[name]
     assert must <= written, f"{name} did not save {sorted(must - written)}"
     assert not (must_not & written), f"{name} saved full-setting figures {sorted(must_not & written)} in tiny mode"
     assert all(n.startswith("nb_") for n in written), written

@@ -1,6 +1,7 @@
 """The staleness ablation (experiments/staleness_ablation.py, issue 20): its loss knob, its metrics, and a tiny sweep.
 
-The sweep test runs three ~6 s cells through the CLI driver with ``--jobs 2`` (two parallel pinned processes) and
+The sweep test runs three ~5 s cells through the CLI driver with ``--jobs 2`` (two parallel pinned processes; run once
+per session by ``tiny_staleness_sweep`` in conftest.py, whose results the staleness notebook's test also reads) and
 checks the per-cell JSON schema, the staleness bound (eta = 0 synchronous, eta = 2 at most 2), that the results
 file and the figure are written. The loss tests check on a synthetic stale batch that the objective knob changes
 the loss and the gradient, and that the three objectives coincide where the theory says they must.
@@ -112,11 +113,8 @@ STEP_KEYS = {"step", "version", "t", "samples", "informative_groups", "staleness
 WEIGHT_KEYS = {"mean", "p10", "p50", "p90", "p99", "max", "ess", "n"}
 
 
-def test_sweep_driver_tiny(tmp_path: Path):
-    cmd = [sys.executable, str(SCRIPT), "--sweep", "--jobs", "2", "--cells", "naive:0", "recompute:2", "loglinear:2",
-           "--seeds", "0", "--budget-s", "5", "--prompts-per-step", "8", "--group-size", "4", "--eval-prompts", "48",
-           "--eval-every-s", "2.5", "--out-dir", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_sweep_driver_tiny(tiny_staleness_sweep: tuple[Path, subprocess.CompletedProcess]):
+    tmp_path, r = tiny_staleness_sweep  # the CLI driver's run, shared with tests/test_notebooks.py (conftest.py)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "FAILED" not in r.stdout, r.stdout
     assert (tmp_path / "staleness_ablation.png").stat().st_size > 10_000
