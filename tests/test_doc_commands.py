@@ -6,12 +6,23 @@ blocks of one file run IN ORDER in ONE bash session from the repository root, ex
 that end in ``&`` and name ``--port N`` start a server: the runner then waits (like a user reading the printed
 address) until 127.0.0.1:N accepts connections. ``curl`` gets ``--fail`` so an HTTP error fails the script.
 A renamed flag or a moved file therefore breaks this test, not a user.
+
+Suite time: run as written, the quickstart takes ~2.5 minutes on 2 cores, most of it two commands whose runs other
+default tests already make: the 12 s main job (``experiments/tiny_cpu.py``: tests/test_tiny.py's main-job smoke in
+the same default layout) and ``rlcore-launch`` (tests/test_launch.py runs the same launcher command under torchrun).
+The default suite runs every other quickstart command as written, in order, in one session, and parses those two
+commands' flags with their own CLIs (a renamed flag still fails); the full run as written is marked slow
+(``python -m pytest -q -m slow tests``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import re
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,18 +60,112 @@ def test_script_builder_waits_for_servers_and_hardens_curl():
     assert "/dev/tcp/127.0.0.1/30000" in s and "curl -s --fail-with-body" in s and "comment" not in s
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/quickstart.md"])
+# quickstart commands whose run the default suite leaves to the tests named (their flags are parsed instead)
+LONG = {
+    "python experiments/tiny_cpu.py": "tests/test_tiny.py::test_tiny_cpu_main_job_smoke",
+    "rlcore-launch": "tests/test_launch.py::test_launcher_cpu_broadcast_publish_under_torchrun",
+}
+
+
+def commands(block: str) -> list[str]:
+    """The block's command lines, continuation lines joined, comments dropped (as ``script_for`` reads them)."""
+    lines = [ln for ln in block.replace("\\\n", " ").splitlines() if not ln.lstrip().startswith("#")]
+    return [c for c in (ln.split(" #", 1)[0].rstrip() for ln in lines) if c]
+
+
+def split_long(blocks: list[str]) -> tuple[list[str], list[str]]:
+    """(the blocks to run, the LONG commands left out); a left-out block holds that one command and nothing else."""
+    keep, long = [], []
+    for block in blocks:
+        cmds = commands(block)
+        if any(c.startswith(tuple(LONG)) for c in cmds):
+            assert len(cmds) == 1 and not cmds[0].endswith("&"), f"a long command shares its block: {cmds}"
+            long.append(cmds[0])
+        else:
+            keep.append(block)
+    return keep, long
+
+
+@functools.cache
+def _experiment(name: str):
+    # a private module name: the copies other tests import under the script's own name stay untouched
+    path = ROOT / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_doc_commands_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses (and tyro) resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def parse_with_its_cli(command: str) -> None:
+    """Parse a LONG command's arguments exactly as its ``__main__`` / entry point does, without running it."""
+    import tyro
+
+    argv = shlex.split(command)
+    try:
+        if argv[:2] == ["python", "experiments/tiny_cpu.py"]:
+            mod = _experiment("tiny_cpu")
+            tyro.cli(mod.Config, default=mod.Config(), args=argv[2:])  # = tiny_cpu.py's __main__
+        elif argv[0] == "rlcore-launch":
+            from rlcore.launch import cli as launch_cli
+
+            # = launch_cli.main's parse, then gsm8k_grpo.py's __main__ on the trainer command after '--'
+            a = tyro.cli(launch_cli.LaunchArgs, args=argv[1:], prog="rlcore-launch")
+            assert a.cmd[0] == "experiments/gsm8k_grpo.py", a.cmd
+            assert (ROOT / a.cmd[0]).exists()
+            gsm = _experiment("gsm8k_grpo")
+            tyro.extras.overridable_config_cli(gsm.PRESETS, args=list(a.cmd[1:]))
+        else:
+            raise AssertionError(f"no parser for {command!r}: add one to parse_with_its_cli")
+    except SystemExit as e:  # tyro exits 2 on an unknown or renamed flag, having printed why
+        raise AssertionError(f"the documented command does not parse (exit {e.code}): {command}") from e
+
+
+def test_split_long_leaves_out_only_the_named_commands():
+    tiny, sft = "python experiments/tiny_cpu.py --minutes 0.2   # 12 s\n", "sft.py \\\n  --x 1\n"
+    keep, long = split_long([tiny, sft])
+    assert long == ["python experiments/tiny_cpu.py --minutes 0.2"] and keep == [sft]
+    with pytest.raises(AssertionError, match="shares its block"):
+        split_long(["rlcore-launch --alloc engines:1+trainer:1\ncurl -s x\n"])
+    with pytest.raises(AssertionError, match="does not parse"):
+        parse_with_its_cli("python experiments/tiny_cpu.py --minutes-renamed 0.2")
+    with pytest.raises(AssertionError, match="does not parse"):  # the trainer's flags after '--' count too
+        parse_with_its_cli(
+            "rlcore-launch --alloc engines:1+trainer:1 --model m -- experiments/gsm8k_grpo.py grpo --stepz 2"
+        )
+
+
+def _run_script(doc: str, blocks: list[str], tmp_path: Path) -> None:
+    script = tmp_path / "doc.sh"
+    script.write_text(script_for(blocks))
+    r = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (
+        f"{doc}: a documented command failed\n--- script\n{script.read_text()}\n"
+        f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.parametrize("doc", ["README.md", pytest.param("docs/quickstart.md", marks=pytest.mark.slow)])
 def test_marked_commands_run_as_written(doc: str, tmp_path: Path):
+    """Every marked command, the long ones included (the quickstart's full run, ~2.5 min: slow)."""
     blocks = runnable_blocks(ROOT / doc)
     if doc == "docs/quickstart.md":
         assert len(blocks) >= 5, "the quickstart's CPU commands must stay marked runnable"
     if not blocks:
         pytest.skip(f"{doc} marks no runnable block")
-    script = tmp_path / "doc.sh"
-    script.write_text(script_for(blocks))
-    r = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"{doc}: a documented command failed\n--- script\n{script.read_text()}\n" \
-                              f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    _run_script(doc, blocks, tmp_path)
+
+
+def test_quickstart_commands_run_as_written_but_the_long_ones(tmp_path: Path):
+    """The default suite's quickstart check: every marked command but LONG runs as written, in order, in one
+    session; the LONG ones (run by the tests named in LONG) parse with their own CLIs."""
+    blocks = runnable_blocks(ROOT / "docs" / "quickstart.md")
+    assert len(blocks) >= 5, "the quickstart's CPU commands must stay marked runnable"
+    keep, long = split_long(blocks)
+    assert len(long) == len(LONG), f"expected one block for each of {sorted(LONG)}, found {long}"
+    for command in long:
+        parse_with_its_cli(command)
+    _run_script("docs/quickstart.md", keep, tmp_path)
 
 
 def test_readme_install_lines_and_ci_agree():
