@@ -180,8 +180,8 @@ GSM8K_ROWS = [
 
 
 def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = (), *,
-                  alloc: str = "engines:1+trainer:1") -> None:
-    """Run experiments/gsm8k_grpo.py for 3 steps under ``rlcore.launch --alloc ALLOC`` and check it."""
+                  alloc: str = "engines:1+trainer:1", steps: int = 3, max_new_tokens: int = 32) -> None:
+    """Run experiments/gsm8k_grpo.py for ``steps`` steps under ``rlcore.launch --alloc ALLOC`` and check it."""
     import json
     import subprocess
     from pathlib import Path
@@ -204,8 +204,8 @@ def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = ()
         (data / f"{split}.jsonl").write_text(rows)
     cmd = [
         sys.executable, "-m", "rlcore.launch", "--alloc", alloc, "--model", str(model), "--",
-        "experiments/gsm8k_grpo.py", "grpo", "--model", str(model), "--data-dir", str(data), "--steps", "3",
-        "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "32", "--eval-limit", "4",
+        "experiments/gsm8k_grpo.py", "grpo", "--model", str(model), "--data-dir", str(data), "--steps", str(steps),
+        "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", str(max_new_tokens), "--eval-limit", "4",
         "--eval-every", "0", "--no-progress", "--engine.max-seq-len", "1024", "--engine.publish", publish,
         "--engine.disk-root", str(tmp_path / "weights"), "--export-dir", str(tmp_path / "out"), *extra,
     ]  # fmt: skip
@@ -231,10 +231,12 @@ def _launch_gsm8k(tmp_path, publish: str, model_cfg, extra: tuple[str, ...] = ()
 
 def test_launcher_cpu_broadcast_publish_under_torchrun(tmp_path):
     """Weight broadcast from a torchrun trainer to a separate rlcore.serve (gloo here, NCCL on GPUs): the group's
-    store must be hosted by trainer rank 0 even though torchrun's agent hosts the default store (~20 s)."""
+    store must be hosted by trainer rank 0 even though torchrun's agent hosts the default store (~20-30 s, most
+    of it start-up; two steps with short answers: every step still broadcasts, the policy still moves)."""
     from rlcore import tiny
 
-    _launch_gsm8k(tmp_path, "distributed", tiny.TinyModelConfig(max_positions=1024), ("--threads", "1"))
+    _launch_gsm8k(tmp_path, "distributed", tiny.TinyModelConfig(max_positions=1024), ("--threads", "1"), steps=2,
+                  max_new_tokens=8)
 
 
 @pytest.mark.gpu

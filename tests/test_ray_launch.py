@@ -2,8 +2,11 @@
 
 The Ray tests share one module-scoped local cluster (skipped when ray is not installed). Most use a fake HTTP
 engine and a small gloo script; two serve a tiny Qwen2 from two ``rlcore.serve`` actors and train two gloo ranks:
-tests/ray_trainer.py while an engine actor is killed mid-run (default suite, ~35 s) and experiments/gsm8k_grpo.py
-unchanged (``slow``, ~45 s).
+tests/ray_trainer.py while an engine actor is killed mid-run (~35-65 s on 2 cores) and experiments/gsm8k_grpo.py
+unchanged (~45 s). Both are ``slow`` (``python -m pytest -q -m slow tests``): their cost is four processes starting
+on a 4-CPU cluster. The default suite keeps the launcher on Ray through the fake-engine tests (a real two-rank gloo
+trainer, failure propagation, teardown, SIGTERM), and routing around a dead server through tests/inference/
+test_client.py and tests/rollout/test_controller.py (a real engine server killed mid-rollout).
 """
 
 from __future__ import annotations
@@ -379,6 +382,7 @@ def test_ray_gsm8k_grpo_end_to_end(ray_cluster, tiny_model_dir, tmp_path, monkey
     _assert_torn_down(ray_cluster, "t-gsm8k")
 
 
+@pytest.mark.slow  # ~35-65 s of process start-up on 2 cores; see the module docstring
 def test_ray_engine_actor_killed_mid_run_training_continues(ray_cluster, tiny_model_dir, tmp_path):
     """Kill engine 0's actor after step 1 (its server dies with it): steps 2-4 run on engine 1 alone.
 

@@ -153,7 +153,10 @@ def test_sft_warmstart_smoke(tmp_path):
     assert tiny.load_tokenizer(tmp_path)("12").input_ids == TOK("12").input_ids
 
 
-@pytest.mark.parametrize("layout", ["processes", "rollout-process", pytest.param("process", marks=pytest.mark.slow)])
+# The default layout in the default suite; the other two (~15 s each, mostly child start-up) are slow: the rollout
+# process itself is tested in tests/rollout/test_remote.py, the engine process in tests/inference/test_process.py.
+@pytest.mark.parametrize("layout", ["processes", pytest.param("rollout-process", marks=pytest.mark.slow),
+                                    pytest.param("process", marks=pytest.mark.slow)])  # fmt: skip
 def test_tiny_cpu_main_job_smoke(layout, capsys):
     """The README's main job composes engine, client, controller, train_step and publish_weights end to end in each
     process layout: engine server + rollout process + trainer (the default), engine and rollout in one child, or the
