@@ -157,52 +157,57 @@ def test_process_layout_end_to_end(model_dir):
     assert my_shm_files() == []
 
 
-@pytest.mark.parametrize("spawn_thread", ["main", "worker"])
-def test_engine_process_dies_with_its_parent_on_sigkill(model_dir, tmp_path, spawn_thread):
+def test_engine_process_dies_with_its_parent_on_sigkill(model_dir, tmp_path):
     """SIGKILL of the trainer: the engine child exits on its own and deletes the trainer's weight files.
 
-    From the main thread the child has both PR_SET_PDEATHSIG and the lifetime pipe; from a worker thread (where
-    the parent-death signal would be tied to that thread) it has only the pipe."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    One trainer holds two engine children, started from the main thread and from a worker thread: the first has
+    both PR_SET_PDEATHSIG and the lifetime pipe, the second (where the parent-death signal would be tied to that
+    thread) only the pipe. One parent for both cases: its start-up is most of the test's time on 2 cores."""
+    shm = tmp_path / "shm"  # one root per child: each must delete the leftover in its own
+    for where in ("main", "worker"):
+        (shm / where).mkdir(parents=True)
     script = textwrap.dedent(f"""
         import os, sys, threading, time
         from rlcore.inference import process
-        cfg = process.EngineProcessConfig(model={str(model_dir)!r}, threads=1, dtype="float32", device="cpu",
-                                          max_batch=4, max_seq_len=32, shm_root={str(shm)!r})
-        def run():
+        def run(where):
+            root = os.path.join({str(shm)!r}, where)
+            cfg = process.EngineProcessConfig(model={str(model_dir)!r}, threads=1, dtype="float32", device="cpu",
+                                              max_batch=4, max_seq_len=32, shm_root=root)
             with process.engine_process(cfg) as ep:
-                leftover = process.shm_weights_file({str(shm)!r}, os.getpid(), 7)
+                leftover = process.shm_weights_file(root, os.getpid(), 7)
                 leftover.write_bytes(b"half-written weights of a publish in progress")
-                print(ep.pid, flush=True)
+                print(where, ep.pid, flush=True)
                 time.sleep(600)
-        if {spawn_thread!r} == "main":
-            run()
-        else:
-            t = threading.Thread(target=run); t.start(); t.join()
+        threading.Thread(target=run, args=("worker",), daemon=True).start()
+        run("main")
     """)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    child = None
+    children: dict[str, int] = {}
     try:
-        line = parent.stdout.readline()
-        assert line.strip(), f"parent failed to start the engine: {parent.stderr.read().decode()[-2000:]}"
-        child = int(line)
-        assert not gone(child)
-        assert len(list(shm.iterdir())) == 1
+        while len(children) < 2:
+            line = parent.stdout.readline().decode()
+            assert line.strip(), f"parent failed to start the engines: {parent.stderr.read().decode()[-2000:]}"
+            where, pid = line.split()
+            children[where] = int(pid)
+        assert set(children) == {"main", "worker"} and not any(gone(c) for c in children.values())
+        assert [len(list((shm / w).iterdir())) for w in ("main", "worker")] == [1, 1]
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 20
-        while not gone(child) and time.monotonic() < deadline:
+        while not all(gone(c) for c in children.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert gone(child), f"engine process {child} outlived its SIGKILLed parent"
-        assert list(shm.iterdir()) == []
+        alive = {w: c for w, c in children.items() if not gone(c)}
+        assert not alive, f"engine processes outlived their SIGKILLed parent (started from the thread named): {alive}"
+        left = {w: sorted(p.name for p in (shm / w).iterdir()) for w in ("main", "worker")}
+        assert left == {"main": [], "worker": []}, f"leftover weight files not deleted: {left}"
     finally:
         if parent.poll() is None:
             parent.kill()
-        if child is not None and not gone(child):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        for child in children.values():
+            if not gone(child):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
 
 
 def test_health_timeout_error_names_the_setting_and_quotes_stderr(model_dir, tmp_path):
