@@ -5,6 +5,9 @@ Reference: ``rlcore.inference.attention.varlen_attention_torch`` on the row's bl
 reads the row's block table and loads each key / value straight from the pool, so a decode step reads the live
 KV once instead of reading it, writing a packed copy and reading that copy again.
 
+Optionally the kernel also writes the step's new key / value into the pools (``new_k`` / ``new_v`` at ``slots``)
+before attending, which saves the two cache-write kernels of every layer.
+
 Shapes: ``q (b, h, d)``; pools ``k (nblk, bs, kvh, d)``, ``v (nblk, bs, kvh, dv)``; ``tables (b, max_blocks)``
 (row ``i``'s token ``t`` lives at ``tables[i, t // bs]``, offset ``t % bs``); ``used (b,)`` keys per row (its
 position + 1). Query head ``j`` reads KV head ``j // (h / kvh)`` (HF's ``repeat_kv`` convention). Output
@@ -35,6 +38,9 @@ def _paged_decode_kernel(
     used_ptr,
     o_ptr,
     lse_ptr,
+    kn_ptr,
+    vn_ptr,
+    slot_ptr,
     scale,
     stride_qb,
     stride_qh,
@@ -48,6 +54,11 @@ def _paged_decode_kernel(
     stride_ob,
     stride_oh,
     stride_os,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    WRITE: tl.constexpr,
     H: tl.constexpr,
     SPLITS: tl.constexpr,
     G: tl.constexpr,
@@ -76,6 +87,24 @@ def _paged_decode_kernel(
         mask=(gi[:, None] < G) & (di[None, :] < D),
         other=0.0,
     )
+    if WRITE:  # the step's new key / value go to their slot first, written by the program that reads them
+        if sp == (n - 1) // per:
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            wb = slot // BS
+            wo = slot % BS
+            kn = tl.load(kn_ptr + row * stride_knb + kh * stride_knh + di, mask=di < D)
+            tl.store(
+                k_ptr + wb * stride_kb + wo * stride_kt + kh * stride_kh + di,
+                kn.to(k_ptr.dtype.element_ty),
+                mask=di < D,
+            )
+            vn = tl.load(vn_ptr + row * stride_vnb + kh * stride_vnh + vi, mask=vi < DV)
+            tl.store(
+                v_ptr + wb * stride_vb + wo * stride_vt + kh * stride_vh + vi,
+                vn.to(v_ptr.dtype.element_ty),
+                mask=vi < DV,
+            )
+            tl.debug_barrier()  # the block's loads below see the stores (one CTA per program)
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, DV_PAD), tl.float32)
@@ -168,8 +197,16 @@ def paged_decode_attention(
     scale: float,
     splits: int = 1,
     chunk: int = 64,
+    new_k: Tensor | None = None,
+    new_v: Tensor | None = None,
+    slots: Tensor | None = None,
+    num_warps: int = 4,
 ) -> Tensor:
     """Decode attention over paged KV read in place (module docstring gives the layout).
+
+    With ``new_k (b, kvh, d)``, ``new_v (b, kvh, dv)`` and ``slots (b,)`` the kernel first writes each row's new
+    key / value into the pools at flat slot ``slots[i]`` (``block * bs + offset``, the row's token ``used[i] - 1``)
+    and then attends over them too: the cache write and the attention are one launch.
 
     Args:
       q: ``(b, h, d)``, last dim contiguous.
@@ -179,6 +216,7 @@ def paged_decode_attention(
       scale: softmax scale.
       splits: slices of each row's keys run by separate programs and merged (a power of two; 1 for short rows).
       chunk: tokens per inner iteration (a power of two ``>= 16``).
+      num_warps: warps per program (triton's launch option).
     Returns:
       ``(b, h, dv)`` in ``q``'s dtype.
     """
@@ -206,6 +244,10 @@ def paged_decode_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32 products)
     )
     used = used.to(torch.int32)
+    write = new_k is not None
+    if write and (new_v is None or slots is None):
+        raise ValueError("new_k, new_v and slots come together")
+    kn, vn, sl = (new_k, new_v, slots) if write else (q, q, used)
     out = torch.empty((b, h, dv), dtype=q.dtype, device=q.device)
     if splits == 1:
         part, lse, so = out, out, 0
@@ -221,6 +263,9 @@ def paged_decode_attention(
         used,
         part,
         lse,
+        kn,
+        vn,
+        sl,
         scale,
         q.stride(0),
         q.stride(1),
@@ -234,7 +279,13 @@ def paged_decode_attention(
         part.stride(0),
         part.stride(1),
         so,
+        kn.stride(0),
+        kn.stride(1),
+        vn.stride(0),
+        vn.stride(1),
+        WRITE=write,
         **consts,
+        num_warps=num_warps,
     )
     if splits > 1:
         _merge_kernel[(b, h)](

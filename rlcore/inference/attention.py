@@ -7,7 +7,8 @@
   ``cu_k`` and lengths ``used_k``: ``varlen_decode`` (flash-attention varlen on CUDA half precision, a pure-torch
   reference elsewhere). No mask is built and only live tokens are read.
 - *paged decode* (``CTX.varlen`` with ``kernel="paged"`` and the 4-D block pools as key / value): the same
-  attention read through the block tables in place by ``kernels/paged_decode.py`` (no gather at all).
+  attention read through the block tables in place by ``kernels/paged_decode.py`` (no gather at all), which also
+  writes the layer's new key / value (``CTX.new_kv``) into the pools.
 - *dense decode with grouped KV heads* (``CTX.grouped``): one-token queries folded per KV head,
   ``grouped_decode_attention`` (no ``repeat_kv`` copies).
 - everything else (prefill, training calls from other threads, MHA, softcap, sinks): HF's sdpa function
@@ -66,6 +67,9 @@ class _Ctx(threading.local):
     probe: Probe | None = None
     varlen: Varlen | None = None
     grouped: bool = False
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """Paged decode: this layer's new ``(key (b kvh d), value (b kvh dv), flat slots (b,))``, not yet in the pools
+    (``PagedKVCache.update`` leaves the write to the kernel)."""
 
 
 CTX = _Ctx()
@@ -238,7 +242,16 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         if scaling is None:
             scaling = 1.0 / math.sqrt(query.shape[-1])
         q = query[:, :, 0].contiguous()  # (b h d)
-        out = paged_decode_attention(q, key, value, vl.tables, vl.used_k, scaling, splits=vl.splits)
+        new = ctx.new_kv
+        ctx.new_kv = None
+        if new is None:
+            raise RuntimeError(
+                "paged decode attention without the layer's new key / value (PagedKVCache.update)"
+            )
+        kn, vn, slots = new
+        out = paged_decode_attention(
+            q, key, value, vl.tables, vl.used_k, scaling, splits=vl.splits, new_k=kn, new_v=vn, slots=slots
+        )
         return out[:, None], None
     if vl is not None and key.dim() == 3:
         if scaling is None:

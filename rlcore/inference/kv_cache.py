@@ -19,8 +19,9 @@ The engine drives the *unmodified* HF forward with explicit ``position_ids`` thr
   4-D mask hiding columns past each row's position; any attention implementation can read it) and *packed*
   (only each row's live blocks, concatenated, ``(total, h, d)``, read by ``attention.engine_attention`` with
   per-row offsets and lengths: flash-attention varlen on CUDA, no mask, traffic proportional to live tokens).
-  With ``gather = None`` (the ``paged`` decode path) nothing is gathered: the pools themselves are returned and
-  ``kernels/paged_decode.py`` reads each row's blocks through its table.
+  With ``gather = None`` (the ``paged`` decode path) nothing is gathered or written here: the pools themselves are
+  returned, the new key / value wait in ``attention.CTX.new_kv``, and ``kernels/paged_decode.py`` writes them and
+  reads each row's blocks through its table in one launch.
 """
 
 from __future__ import annotations
@@ -121,10 +122,11 @@ class PagedKVCache(DynamicCache):
             )
             return key_states, value_states
         # decode: one query per row; key_states (b h 1 d)
+        if self.gather is None:  # paged decode: the kernel writes the new K/V and reads the pools in place
+            attention.CTX.new_kv = (key_states[:, :, 0], value_states[:, :, 0], self.slots)
+            return kp, vp
         kflat.index_copy_(0, self.slots, key_states[:, :, 0])
         vflat.index_copy_(0, self.slots, value_states[:, :, 0])
-        if self.gather is None:  # paged decode: the kernel reads the pools through the block tables
-            return kp, vp
         kg, vg = kp.index_select(0, self.gather), vp.index_select(0, self.gather)  # (g bs h d)
         if self.packed:
             return kg.view(-1, kp.shape[2], kp.shape[3]), vg.view(-1, vp.shape[2], vp.shape[3])
@@ -387,3 +389,4 @@ class ModelForward:
         finally:
             attention.CTX.varlen = None
             attention.CTX.grouped = False
+            attention.CTX.new_kv = None

@@ -67,6 +67,22 @@ def check_kernel(device: str, dtype: torch.dtype = torch.float32, tol: float = 2
             ref = reference(q, kp, vp, tables, used, d**-0.5)
             err = (got.float() - ref).abs().max().item()
             assert err <= tol * (1 + ref.abs().max().item()), (b, h, kvh, d, splits, chunk, err)
+        # the kernel writes each row's new key / value into the pools (slot of token used - 1), then attends to it
+        nk = torch.randn(b, kvh, d, generator=g).to(device, dtype)
+        nv = torch.randn(b, kvh, d, generator=g).to(device, dtype)
+        last = used.long() - 1
+        slots = tables.gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
+        kw, vw = kp.clone(), vp.clone()
+        got = paged_decode_attention(
+            q, kw, vw, tables, used, d**-0.5, splits=splits, new_k=nk, new_v=nv, slots=slots
+        )
+        kr, vr = kp.clone(), vp.clone()
+        kr.view(-1, kvh, d)[slots] = nk
+        vr.view(-1, kvh, d)[slots] = nv
+        assert torch.equal(kw, kr) and torch.equal(vw, vr)  # written exactly there, nothing else touched
+        ref = reference(q, kr, vr, tables, used, d**-0.5)
+        err = (got.float() - ref).abs().max().item()
+        assert err <= tol * (1 + ref.abs().max().item()), (b, h, kvh, d, splits, "write", err)
     # int32 tables, as the engine may pass, and a bad configuration is refused
     got32 = paged_decode_attention(q, kp, vp, tables.to(torch.int32), used, 0.5)
     torch.testing.assert_close(got32, paged_decode_attention(q, kp, vp, tables, used, 0.5))
