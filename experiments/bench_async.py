@@ -262,6 +262,7 @@ class ProcessEngine:
         pcfg = process.EngineProcessConfig(
             model=tmpdir, device=ecfg.device, dtype=ecfg.dtype, max_batch=ecfg.max_batch,
             max_seq_len=ecfg.max_seq_len, seed=ecfg.seed, threads=4 if torch.cuda.is_available() else 1,
+            kv_after_update=ecfg.kv_after_update,
             extra_args=("--max-prefill-tokens", str(ecfg.max_prefill_tokens))
             + (() if ecfg.cuda_graph else ("--no-cuda-graph",)),
             startup_timeout_s=300.0,
@@ -375,6 +376,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
         cuda_graph=engine_dev.type == "cuda",
         seed=args.seed,
+        kv_after_update=getattr(args, "kv_after_update", "recompute"),
     )
     if getattr(args, "engine_process", False):
         import tempfile
@@ -950,6 +952,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="direct: device-to-device copy; library: weight_sync.publish_weights (CPU staging)")
     p.add_argument("--pause-mode", choices=("abort", "in_place", "retract"), default="abort",
                    help="engine pause mode at each weight update")
+    p.add_argument("--kv-after-update", choices=("recompute", "keep"), default="recompute",
+                   help="EngineConfig.kv_after_update: requests in flight at a weight load re-prefill or keep their KV "
+                   "(keep needs a pause that keeps them: in_place or retract)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and lengths")
     p.add_argument("--train-priority", action="store_true",
                    help="run the train step on a high-priority CUDA stream (thread layout on a shared GPU)")

@@ -35,8 +35,6 @@ multiprocess-0.70.19 (accelerate, pyarrow, pandas, xxhash, psutil are on the dev
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import gc
 import os
 import sys
@@ -202,25 +200,6 @@ def run_trl(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
     return res
 
 
-@contextlib.contextmanager
-def kv_after_update(mode: str):
-    """``EngineConfig.kv_after_update = mode`` for the engines ``bench_async.build_setup`` builds meanwhile.
-
-    ``build_setup`` constructs the thread engine's ``EngineConfig`` and, with ``--engine-process``, the child's
-    ``EngineProcessConfig`` (which passes ``--kv-after-update`` to ``rlcore.serve``) itself, by keyword; both
-    classes get ``kv_after_update=mode`` bound while it runs and are restored afterwards."""
-    from rlcore.inference import engine as engine_lib
-    from rlcore.inference import process
-
-    saved = engine_lib.EngineConfig, process.EngineProcessConfig
-    engine_lib.EngineConfig = functools.partial(saved[0], kv_after_update=mode)
-    process.EngineProcessConfig = functools.partial(saved[1], kv_after_update=mode)
-    try:
-        yield
-    finally:
-        engine_lib.EngineConfig, process.EngineProcessConfig = saved
-
-
 KV_STATS = ("prefill_tokens", "reprefill_requests", "reprefill_tokens", "kv_kept_requests", "kv_kept_tokens",
             "weight_loads")
 """Engine counters that show what the publishes did to the KV of requests in flight (``engine_kv`` of a run:
@@ -234,7 +213,8 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
             "--group-size", str(args.group_size), "--prompt-len", str(args.prompt_len),
             "--engine-device", args.device, "--train-device", args.device, "--seed", str(args.seed),
             "--len-cap", str(args.completion_len), "--eta", str(max(args.etas)), "--int-concurrency", "1",
-            "--budget-s", str(max(budget.left(), 1.0)), "--pause-mode", args.pause_mode]
+            "--budget-s", str(max(budget.left(), 1.0)), "--pause-mode", args.pause_mode,
+            "--kv-after-update", args.kv_after_update]
     if args.smoke:
         argv.append("--smoke")
     if args.engine_process:
@@ -246,8 +226,7 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
                                                             args.prompts_per_step, args.group_size)
     a.prompt_len = args.prompt_len
     a.max_batch = (max(args.etas) + 1) * args.prompts_per_step * args.group_size
-    with kv_after_update(args.kv_after_update):
-        setup = bench_async.build_setup(a)
+    setup = bench_async.build_setup(a)
     if not args.engine_process:
         assert setup.engine.cfg.kv_after_update == args.kv_after_update, setup.engine.cfg
     out: dict = {"devices": {"engine": str(setup.engine_dev), "trainer": str(setup.train_dev)},
