@@ -36,17 +36,32 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SWEEP_CELLS = ("naive:0", "recompute:2")  # the default suite's sweep (test_staleness_ablation's slow test adds loglinear)
+
+
+def _run_tiny_sweep(out: Path, cells: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """experiments/staleness_ablation.py --sweep: one ~5 s cell per OBJECTIVE:ETA, two at a time on pinned cores."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "staleness_ablation.py"), "--sweep", "--jobs", "2",
+           "--cells", *cells, "--seeds", "0", "--budget-s", "5",
+           "--prompts-per-step", "8", "--group-size", "4", "--eval-prompts", "48", "--eval-every-s", "2.5",
+           "--out-dir", str(out)]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def staleness_sweep_runner():
+    """``_run_tiny_sweep(out_dir, cells)`` for a test that needs a sweep of its own."""
+    return _run_tiny_sweep
+
+
 @pytest.fixture(scope="session")
 def tiny_staleness_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """One tiny staleness sweep through the CLI driver (experiments/staleness_ablation.py --sweep), run once per session.
 
-    Three ~5 s cells, two at a time on pinned cores (~45 s on 2 cores). tests/test_staleness_ablation.py checks its
-    results file, tests/test_notebooks.py feeds the same results.json to notebooks/staleness_ablation.py
-    (RLCORE_NB_RESULTS) instead of running a second sweep inside the notebook. Returns (out dir, the finished run).
+    SWEEP_CELLS: two ~5 s cells side by side on the 2 cores (~25 s, most of it the cells' start-up; a third cell
+    would take a second round). tests/test_staleness_ablation.py checks its results file, tests/test_notebooks.py
+    feeds the same results.json to notebooks/staleness_ablation.py (RLCORE_NB_RESULTS) instead of running a second
+    sweep inside the notebook. Returns (out dir, the finished run).
     """
     out = tmp_path_factory.mktemp("staleness_sweep")
-    cmd = [sys.executable, str(ROOT / "experiments" / "staleness_ablation.py"), "--sweep", "--jobs", "2",
-           "--cells", "naive:0", "recompute:2", "loglinear:2", "--seeds", "0", "--budget-s", "5",
-           "--prompts-per-step", "8", "--group-size", "4", "--eval-prompts", "48", "--eval-every-s", "2.5",
-           "--out-dir", str(out)]  # fmt: skip
-    return out, subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return out, _run_tiny_sweep(out, SWEEP_CELLS)
