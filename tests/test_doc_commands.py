@@ -7,12 +7,14 @@ that end in ``&`` and name ``--port N`` start a server: the runner then waits (l
 address) until 127.0.0.1:N accepts connections. ``curl`` gets ``--fail`` so an HTTP error fails the script.
 A renamed flag or a moved file therefore breaks this test, not a user.
 
-Suite time: run as written, the quickstart takes ~2.5 minutes on 2 cores, most of it two commands whose runs other
-default tests already make: the 12 s main job (``experiments/tiny_cpu.py``: tests/test_tiny.py's main-job smoke in
-the same default layout) and ``rlcore-launch`` (tests/test_launch.py runs the same launcher command under torchrun).
-The default suite runs every other quickstart command as written, in order, in one session, and parses those two
-commands' flags with their own CLIs (a renamed flag still fails); the full run as written is marked slow
-(``python -m pytest -q -m slow tests``).
+Suite time: run as written, the quickstart takes ~2.5 minutes on 2 cores, most of it three commands whose runs
+other tests make already (LONG): the 12 s main job (``experiments/tiny_cpu.py``: tests/test_tiny.py's main-job smoke
+in the same default layout), GRPO with its own engine (``experiments/gsm8k_grpo.py`` without
+``--engine.engine-addrs``: the quickstart's next GRPO command runs the same script on the same model against the
+server, as written, and tests/test_experiments.py runs every preset) and ``rlcore-launch`` (tests/test_launch.py
+runs the same launcher command under torchrun). The default suite runs every other quickstart command as written,
+in order, in one session, and parses those three commands' flags with their own CLIs (a renamed flag still fails);
+the full run as written is marked slow (``python -m pytest -q -m slow tests``).
 """
 
 from __future__ import annotations
@@ -60,11 +62,26 @@ def test_script_builder_waits_for_servers_and_hardens_curl():
     assert "/dev/tcp/127.0.0.1/30000" in s and "curl -s --fail-with-body" in s and "comment" not in s
 
 
-# quickstart commands whose run the default suite leaves to the tests named (their flags are parsed instead)
+# quickstart commands whose run the default suite leaves to the tests named (their flags are parsed instead):
+# what a command is -> (does this command line match, what runs it instead)
 LONG = {
-    "python experiments/tiny_cpu.py": "tests/test_tiny.py::test_tiny_cpu_main_job_smoke",
-    "rlcore-launch": "tests/test_launch.py::test_launcher_cpu_broadcast_publish_under_torchrun",
+    "the main job": (
+        lambda c: c.startswith("python experiments/tiny_cpu.py"),
+        "tests/test_tiny.py::test_tiny_cpu_main_job_smoke",
+    ),
+    "GRPO with its own engine": (
+        lambda c: c.startswith("python experiments/gsm8k_grpo.py") and "--engine.engine-addrs" not in c,
+        "the quickstart's GRPO against the server; tests/test_experiments.py::test_gsm8k_smoke_every_preset",
+    ),
+    "the launcher": (
+        lambda c: c.startswith("rlcore-launch"),
+        "tests/test_launch.py::test_launcher_cpu_broadcast_publish_under_torchrun",
+    ),
 }
+
+
+def is_long(command: str) -> bool:
+    return any(match(command) for match, _ in LONG.values())
 
 
 def commands(block: str) -> list[str]:
@@ -78,7 +95,7 @@ def split_long(blocks: list[str]) -> tuple[list[str], list[str]]:
     keep, long = [], []
     for block in blocks:
         cmds = commands(block)
-        if any(c.startswith(tuple(LONG)) for c in cmds):
+        if any(is_long(c) for c in cmds):
             assert len(cmds) == 1 and not cmds[0].endswith("&"), f"a long command shares its block: {cmds}"
             long.append(cmds[0])
         else:
@@ -106,6 +123,9 @@ def parse_with_its_cli(command: str) -> None:
         if argv[:2] == ["python", "experiments/tiny_cpu.py"]:
             mod = _experiment("tiny_cpu")
             tyro.cli(mod.Config, default=mod.Config(), args=argv[2:])  # = tiny_cpu.py's __main__
+        elif argv[:2] == ["python", "experiments/gsm8k_grpo.py"]:
+            gsm = _experiment("gsm8k_grpo")
+            tyro.extras.overridable_config_cli(gsm.PRESETS, args=argv[2:])  # = gsm8k_grpo.py's __main__
         elif argv[0] == "rlcore-launch":
             from rlcore.launch import cli as launch_cli
 
@@ -127,8 +147,12 @@ def test_split_long_leaves_out_only_the_named_commands():
     assert long == ["python experiments/tiny_cpu.py --minutes 0.2"] and keep == [sft]
     with pytest.raises(AssertionError, match="shares its block"):
         split_long(["rlcore-launch --alloc engines:1+trainer:1\ncurl -s x\n"])
+    assert is_long("python experiments/gsm8k_grpo.py grpo --model m --steps 2")
+    assert not is_long("python experiments/gsm8k_grpo.py grpo --model m --engine.engine-addrs 127.0.0.1:1")
     with pytest.raises(AssertionError, match="does not parse"):
         parse_with_its_cli("python experiments/tiny_cpu.py --minutes-renamed 0.2")
+    with pytest.raises(AssertionError, match="does not parse"):
+        parse_with_its_cli("python experiments/gsm8k_grpo.py grpo --model m --stepz 2")
     with pytest.raises(AssertionError, match="does not parse"):  # the trainer's flags after '--' count too
         parse_with_its_cli(
             "rlcore-launch --alloc engines:1+trainer:1 --model m -- experiments/gsm8k_grpo.py grpo --stepz 2"
@@ -162,7 +186,8 @@ def test_quickstart_commands_run_as_written_but_the_long_ones(tmp_path: Path):
     blocks = runnable_blocks(ROOT / "docs" / "quickstart.md")
     assert len(blocks) >= 5, "the quickstart's CPU commands must stay marked runnable"
     keep, long = split_long(blocks)
-    assert len(long) == len(LONG), f"expected one block for each of {sorted(LONG)}, found {long}"
+    for what, (match, _) in LONG.items():  # each LONG entry stands for exactly one documented command
+        assert sum(map(match, long)) == 1, f"expected one command for {what!r} in the quickstart, found {long}"
     for command in long:
         parse_with_its_cli(command)
     _run_script("docs/quickstart.md", keep, tmp_path)

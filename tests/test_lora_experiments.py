@@ -26,7 +26,10 @@ def _load(name: str):
     return mod
 
 
-@pytest.mark.parametrize("engine", ["process", "thread"])
+# engine "process" (~14 s of engine-process start-up on 2 cores) is slow; its parts stay in the default suite:
+# the engine process (tests/inference/test_process.py), adapters over HTTP (tests/inference/test_lora.py) and
+# adapter publishes through shm (tests/training/test_lora.py)
+@pytest.mark.parametrize("engine", [pytest.param("process", marks=pytest.mark.slow), "thread"])
 def test_tiny_cpu_lora_smoke_publishes_adapters_the_engine_applies_exactly(tmp_path, engine):
     """The main job with --lora: adapters through /dev/shm to the engine process (or in-process tensors to the
     engine thread), requests naming the adapter of their version; staleness-0 tokens agree to float32 numerics."""
