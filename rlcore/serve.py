@@ -17,7 +17,7 @@ import tyro
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from rlcore.inference.engine import Engine
+    from rlcore.inference.engine import Engine, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,12 @@ class ServeConfig:
     kv_after_update: Literal["recompute", "keep"] = "recompute"
     """After a weight load, in-flight requests are re-prefilled (recompute) or decode on with the KV they hold
     (keep); ``EngineConfig.kv_after_update``, docs/engine.md."""
+    decode_attention: Literal["auto", "gather", "varlen", "paged"] = "auto"
+    """Decode attention over the paged KV (``EngineConfig.decode_attention``; auto: the in-place Triton kernel on
+    CUDA, docs/engine.md)."""
+    overlap_decode: Literal["auto", "on", "off"] = "auto"
+    """Launch decode step k + 1 before step k's tokens reach the host (``EngineConfig.overlap_decode``; auto: on
+    with CUDA)."""
     seed: int = 0
     """Seed for per-request seeds of requests that bring none."""
     weight_version: int = 0
@@ -92,6 +98,25 @@ def build_app(engine: Engine, cfg: ServeConfig) -> web.Application:
     return app
 
 
+def engine_config(cfg: ServeConfig) -> EngineConfig:
+    """The engine settings of a ``rlcore-serve`` command line."""
+    from rlcore.inference.engine import EngineConfig
+
+    return EngineConfig(
+        max_batch=cfg.max_batch,
+        max_seq_len=cfg.max_seq_len,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        cuda_graph=cfg.cuda_graph,
+        grouped_decode_attention=cfg.grouped_decode_attention,
+        seed=cfg.seed,
+        kv_after_update=cfg.kv_after_update,
+        decode_attention=cfg.decode_attention,
+        overlap_decode={"auto": "auto", "on": True, "off": False}[cfg.overlap_decode],
+    )
+
+
 def main(cfg: ServeConfig) -> None:
     """Load the model, bind ``cfg.host:cfg.port`` and serve until interrupted."""
     import asyncio
@@ -108,24 +133,14 @@ def main(cfg: ServeConfig) -> None:
 
     from aiohttp import web
 
-    from rlcore.inference.engine import Engine, EngineConfig
+    from rlcore.inference.engine import Engine
 
     tokenizer = None
     if cfg.tokenizer is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
-    ecfg = EngineConfig(
-        max_batch=cfg.max_batch,
-        max_seq_len=cfg.max_seq_len,
-        max_prefill_tokens=cfg.max_prefill_tokens,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        cuda_graph=cfg.cuda_graph,
-        grouped_decode_attention=cfg.grouped_decode_attention,
-        seed=cfg.seed,
-        kv_after_update=cfg.kv_after_update,
-    )
+    ecfg = engine_config(cfg)
     engine = Engine(
         cfg.model, ecfg, tokenizer=tokenizer, tokenizer_path=cfg.tokenizer, version=cfg.weight_version
     )

@@ -161,3 +161,18 @@ def test_proxy_default_admin_key_matches_the_library():
 
     assert proxy.DEFAULT_ADMIN_KEY == DEFAULT_ADMIN_KEY
     assert proxy.Args(engine="e", model="m").admin_key == DEFAULT_ADMIN_KEY
+
+
+def test_serve_flags_for_decode_attention_and_overlap_reach_the_engine_config():
+    """``rlcore-serve --decode-attention ... --overlap-decode ...`` change the engine's settings (not just parse)."""
+    import tyro
+
+    from rlcore.serve import ServeConfig, engine_config
+
+    base = engine_config(tyro.cli(ServeConfig, args=["--model", "m"]))
+    assert (base.decode_attention, base.overlap_decode) == ("auto", "auto")
+    cfg = engine_config(
+        tyro.cli(ServeConfig, args=["--model", "m", "--decode-attention", "gather", "--overlap-decode", "off"])
+    )
+    assert (cfg.decode_attention, cfg.overlap_decode) == ("gather", False)
+    assert engine_config(tyro.cli(ServeConfig, args=["--model", "m", "--overlap-decode", "on"])).overlap_decode is True

@@ -314,3 +314,4 @@ def test_engine_process_keeps_kv_across_a_disk_load(models, tmp_path):
     k = versions.count(version - 1)
     assert 0 < k < 80 and versions == [version - 1] * k + [version] * (80 - k)
     assert st["kv_kept_requests"] >= 1 and st.get("reprefill_tokens", 0) == 0
+
