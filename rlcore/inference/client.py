@@ -386,15 +386,19 @@ class EngineClient:
         else:
             st.aborts_unpaused = 0
 
-    async def _complete(self, rid: str, prompt: list[int], budget: int, sampling: dict, st: _Partial) -> ModelResponse:
-        """Resubmit segments until stop/length (``st`` may already hold tokens) and build the response."""
+    async def _complete(
+        self, rid: str, prompt: list[int], budget: int, sampling: dict, st: _Partial, label: str | None = None
+    ) -> ModelResponse:
+        """Resubmit segments until stop/length (``st`` may already hold tokens) and build the response; ``rid``
+        routes, ``label`` (default ``rid``; ``rid/i`` for sample ``i`` of a group) names the sample in errors."""
         while st.reason not in FINAL_REASONS and len(st.tokens) < budget:
             await self._wait_unpaused()
             v_req = self.get_version()
             epoch = self._pause_epoch
             remaining = budget - len(st.tokens)
             payload = self._payload(prompt + st.tokens, sampling, remaining, v_req)
-            self._absorb(st, await self._generate_segment(rid, payload, remaining), v_req, epoch, rid)
+            seg = await self._generate_segment(rid, payload, remaining, label=label)
+            self._absorb(st, seg, v_req, epoch, label or rid)
         reason = "length" if st.reason == "abort" else st.reason  # an abort with the budget used up
         return ModelResponse(
             input_tokens=prompt,
@@ -434,11 +438,15 @@ class EngineClient:
         segs = await self._generate_segment(req.rid, payload, budget, batch=n)
         for i, (st, seg) in enumerate(zip(parts, segs)):
             self._absorb(st, seg, v_req, epoch, f"{req.rid}/{i}")
-        return list(await asyncio.gather(*(self._complete(req.rid, prompt, budget, sampling, st) for st in parts)))
+        done = (self._complete(req.rid, prompt, budget, sampling, st, f"{req.rid}/{i}") for i, st in enumerate(parts))
+        return list(await asyncio.gather(*done))
 
-    async def _generate_segment(self, rid: str, payload: dict, remaining: int, batch: int | None = None) -> Any:
+    async def _generate_segment(
+        self, rid: str, payload: dict, remaining: int, batch: int | None = None, label: str | None = None
+    ) -> Any:
         """One /generate call on the rid's server, re-routing when that server is marked dead; ``batch``: the
-        payload holds that many prompts and the answer is the list of their parsed segments."""
+        payload holds that many prompts and the answer is the list of their parsed segments; ``label`` names the
+        request in errors (default ``rid``)."""
 
         def check(b: Any) -> Any:
             if batch is None:
@@ -454,7 +462,9 @@ class EngineClient:
                 return await self._call(server, "POST", "/generate", payload, check)
             except _ServerFailed as e:
                 if not e.server.dead:
-                    raise EngineError(f"request {rid}: /generate failed after {self.cfg.retries + 1} attempts: {e}") from e
+                    raise EngineError(
+                        f"request {label or rid}: /generate failed after {self.cfg.retries + 1} attempts: {e}"
+                    ) from e
 
     # ---------------------------------------------------------------- control fan-out
     async def _fanout(self, method: str, endpoint: str, payload: dict | None = None) -> dict[str, Any]:

@@ -156,3 +156,24 @@ def test_the_coalescer_merges_a_group_call_with_single_calls_and_splits_the_answ
     one, grp, last = asyncio.run(go())
     assert len(sent) == 1 and sent[0]["input_ids"] == [[1], [2], [3], [4], [5]]
     assert one == (200, {"i": 1}) and grp == (200, [{"i": 2}, {"i": 3}, {"i": 4}]) and last == (200, {"i": 5})
+
+
+def test_a_group_sample_that_fails_on_resubmission_is_named_by_its_index():
+    class Failing(Scripted):
+        async def handle(self, endpoint, payload=None):
+            self.payloads.append(payload)
+            if len(self.payloads) == 1:
+                return 200, self.answers.pop(0)
+            return 200, {"output_ids": [], "meta_info": {"finish_reason": {
+                "type": "abort", "message": "engine error: boom", "status_code": 500}, "output_token_logprobs": []}}
+
+    tr = Failing([[body([5, 6, 7], "length", [0, 0, 0]), body([5], "length", [0]), body([8], "abort", [0])]])
+    cli = engine_client.EngineClient(tr)
+
+    async def go():
+        cli.set_version(0)
+        return await cli.agenerate_group(
+            ModelRequest(rid="grp", input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=3)), 3)
+
+    with pytest.raises(Exception, match=r"grp/2"):
+        asyncio.run(go())
