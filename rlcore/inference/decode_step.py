@@ -175,20 +175,6 @@ class DecodeStep:
         self.dirty = True  # rebuild the decode rows from the requests (failed rows leave)
         return torch.cat(ids), torch.cat(logp), failed
 
-    def sample_and_commit(
-        self,
-        logits: torch.Tensor,
-        rows: list[_Request],
-        params: RowParams,
-        count: torch.Tensor,
-        pos: torch.Tensor,
-        t_prefill: float | None = None,
-    ) -> None:
-        """Sample one token per row (``logits (m v)``, ``pos (m,)`` the new tokens' positions), append it, finish
-        rows that stop. A row whose sampling raises or gives a non-finite log-prob fails alone (HTTP 500).
-        ``t_prefill``: when the prefill of these rows started (``stats["prefill_s"]`` gets the time to the sync)."""
-        self.land(self.launch_sample(logits, rows, params, count, pos, t_prefill))
-
     def launch_sample(
         self,
         logits: torch.Tensor,
@@ -198,7 +184,10 @@ class DecodeStep:
         pos: torch.Tensor,
         t_prefill: float | None = None,
     ) -> _Inflight:
-        """Sample (on the device) and start the copy of the tokens and log-probs to the host; ``land`` commits."""
+        """Sample one token per row (``logits (m v)``, ``pos (m,)`` the new tokens' positions) on the device and
+        start the copy of the tokens and log-probs to the host; ``land`` commits them. A row whose sampling raises
+        or gives a non-finite log-prob fails alone (HTTP 500). ``t_prefill``: when the prefill of these rows started
+        (``stats["prefill_s"]`` gets the time to the sync)."""
         failed: dict[int, BaseException] = {}
         try:
             ids, logp = self.sample(logits, params, count, pos)

@@ -545,7 +545,7 @@ class Scheduler(DecodeStep):
         count = torch.tensor([len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
         self.reset_counts([r for r in rows if r.penalized])
         pos = torch.tensor([len(r.prompt) + len(r.out_ids) for r in rows], dtype=torch.long, device=self.device)
-        self.sample_and_commit(logits, rows, self.params(rows), count, pos, t_prefill=t0)
+        self.land(self.launch_sample(logits, rows, self.params(rows), count, pos, t_prefill=t0))
         for r in rows:  # a retried request that got through its own prefill batches normally again
             r.solo = False
 

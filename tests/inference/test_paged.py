@@ -474,27 +474,32 @@ def test_flash_varlen_decode_equals_the_reference_kernel(h, kvh):
     torch.testing.assert_close(outs["flash"], outs["torch"], atol=2e-2, rtol=2e-2)
 
 
+RESOLVED = {"varlen": "varlen-flash", "gather": "gather", "paged": "paged-triton", "auto": "paged-triton"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_engine_decodes_with_flash_varlen_in_graphs_and_matches_gather():
+@pytest.mark.parametrize("modes", [("varlen", "gather"), ("auto", "varlen")])
+def test_cuda_bf16_engine_decode_paths_in_graphs_agree_and_are_exact(modes):
+    """flash varlen against the dense gather, and the default (the in-place paged kernel) against flash varlen."""
     model = tiny_model("qwen2", seed=12)  # head_dim 32 / 4 = 8: flash accepts it
     prompts = PROMPTS + [PROMPTS[3]] * 4
     sps = [sampled(24, 700 + i) for i in range(len(prompts))]
     cfg = EngineConfig(max_batch=16, max_seq_len=64, device="cuda", dtype="bfloat16", block_size=16)
     res = {}
-    for mode in ("varlen", "gather"):
+    for mode in modes:
         with Engine(copy.deepcopy(model), dataclasses.replace(cfg, decode_attention=mode)) as eng:
             res[mode] = run_together(eng, prompts, sps)
             assert eng._static_mode == "graph" and eng.stats["graphs_captured"] >= 1
-            assert eng.decode_attention == ("varlen-flash" if mode == "varlen" else "gather")
+            assert eng.decode_attention == RESOLVED[mode]
             # PROMPTS[3] (13 tokens) is in PROMPTS too: a group of 5 shares one partial block of 16, and the
             # first token of each sample but the last one copies it (G - 1 copies, as on CPU)
             assert eng.stats["kv_blocks_copied"] == prompts.count(PROMPTS[3]) - 1 == 4
             assert eng.stats["prefill_tokens"] == sum(map(len, PROMPTS))  # the group is prefilled once
     ref = copy.deepcopy(model).float()
-    for p, a in zip(prompts, res["varlen"]):
+    for p, a in zip(prompts, res[modes[0]]):
         ids = torch.tensor(a.output_ids)[:, None]
         tf = teacher_forced(ref, p, a.output_ids).gather(-1, ids)[:, 0]
         torch.testing.assert_close(torch.tensor(a.output_logprobs), tf, atol=0.1, rtol=0)
-    same = sum(a.output_ids == b.output_ids for a, b in zip(res["varlen"], res["gather"]))
+    same = sum(a.output_ids == b.output_ids for a, b in zip(res[modes[0]], res[modes[1]]))
     assert same >= len(prompts) - 2  # bf16 kernels may flip a near-tie now and then

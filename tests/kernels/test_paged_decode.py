@@ -10,9 +10,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +17,6 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # (rows, query heads, KV heads, head dim, block size, splits, longest row)
 CASES = [
@@ -123,16 +119,9 @@ def check_engine(cases: tuple[tuple[str, str | None], ...], new_tokens: int) -> 
 
 
 def _interpreted(call: str) -> None:
-    code = f"import sys; sys.path.insert(0, 'tests/kernels'); import test_paged_decode as t; t.{call}"
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from tests.kernels.interpreted import run_interpreted
+
+    run_interpreted("test_paged_decode", call)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernel natively")
@@ -179,31 +168,3 @@ def test_paged_splits_fill_the_gpu_only_for_long_rows_of_small_batches():
 def test_paged_decode_kernel_on_cuda_bf16():
     check_kernel("cuda", torch.float32, 2e-5)
     check_kernel("cuda", torch.bfloat16, 2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_engine_paged_decode_in_graphs_matches_varlen_flash():
-    import dataclasses
-
-    from rlcore.inference.engine import Engine, EngineConfig
-    from tests.inference.test_engine import PROMPTS, teacher_forced, tiny_model
-    from tests.inference.test_paged import run_together, sampled
-
-    model = tiny_model("qwen2", seed=12)
-    prompts = PROMPTS + [PROMPTS[3]] * 4
-    sps = [sampled(24, 700 + i) for i in range(len(prompts))]
-    cfg = EngineConfig(max_batch=16, max_seq_len=64, device="cuda", dtype="bfloat16", block_size=16)
-    res = {}
-    for mode in ("varlen", "paged"):
-        with Engine(copy.deepcopy(model), dataclasses.replace(cfg, decode_attention=mode)) as eng:
-            res[mode] = run_together(eng, prompts, sps)
-            assert eng._static_mode == "graph" and eng.stats["graphs_captured"] >= 1
-            assert eng.decode_attention == ("varlen-flash" if mode == "varlen" else "paged-triton")
-    ref = copy.deepcopy(model).float()
-    for p, a in zip(prompts, res["paged"]):
-        ids = torch.tensor(a.output_ids)[:, None]
-        tf = teacher_forced(ref, p, a.output_ids).gather(-1, ids)[:, 0]
-        torch.testing.assert_close(torch.tensor(a.output_logprobs), tf, atol=0.1, rtol=0)
-    same = sum(a.output_ids == b.output_ids for a, b in zip(res["paged"], res["varlen"]))
-    assert same >= len(prompts) - 2  # bf16 kernels may flip a near-tie now and then

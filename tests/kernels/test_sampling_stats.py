@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +15,6 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def check(device: str) -> None:
@@ -67,16 +62,9 @@ def check(device: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below runs the kernel natively")
 def test_block_stats_under_the_interpreter():
-    code = "import sys; sys.path.insert(0, 'tests/kernels'); import test_sampling_stats as t; t.check('cpu')"
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from tests.kernels.interpreted import run_interpreted
+
+    run_interpreted("test_sampling_stats", "check('cpu')", timeout=300)
 
 
 @pytest.mark.gpu
