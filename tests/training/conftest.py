@@ -30,8 +30,10 @@ class TwoRanks:
         assert job in self.jobs, f"{job} was not launched: name it in the test module's TWO_RANK_JOBS"
         if not (self.out / f"{job}.done").exists():
             errors = "\n".join(p.read_text() for p in sorted(self.out.glob("*.error")))
-            pytest.fail(f"two-rank job {job} did not finish (rc={self.proc.returncode}; jobs {self.jobs})\n"
-                        f"--- job errors\n{errors[-4000:]}\n--- stderr\n{self.proc.stderr[-4000:]}")
+            pytest.fail(
+                f"two-rank job {job} did not finish (rc={self.proc.returncode}; jobs {self.jobs})\n"
+                f"--- job errors\n{errors[-4000:]}\n--- stderr\n{self.proc.stderr[-4000:]}"
+            )
         return self.out
 
 
@@ -52,5 +54,7 @@ def two_ranks(request, tmp_path_factory) -> TwoRanks:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "training" / "two_ranks.py"), str(out), *jobs]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120 + 120 * len(jobs))
+    proc = subprocess.run(
+        cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120 + 120 * len(jobs)
+    )
     return TwoRanks(out, jobs, proc)
