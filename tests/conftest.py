@@ -36,7 +36,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 ROOT = Path(__file__).resolve().parents[1]
 
 
-SWEEP_CELLS = ("naive:0", "recompute:2")  # the default suite's sweep (test_staleness_ablation's slow test adds loglinear)
+# the default suite's sweep (test_staleness_ablation's slow test adds loglinear)
+SWEEP_CELLS = ("naive:0", "recompute:2")
 
 
 def _run_tiny_sweep(out: Path, cells: tuple[str, ...]) -> subprocess.CompletedProcess:

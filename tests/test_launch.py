@@ -235,8 +235,8 @@ def test_launcher_cpu_broadcast_publish_under_torchrun(tmp_path):
     of it start-up; two steps with short answers: every step still broadcasts, the policy still moves)."""
     from rlcore import tiny
 
-    _launch_gsm8k(tmp_path, "distributed", tiny.TinyModelConfig(max_positions=1024), ("--threads", "1"), steps=2,
-                  max_new_tokens=8)
+    cfg = tiny.TinyModelConfig(max_positions=1024)
+    _launch_gsm8k(tmp_path, "distributed", cfg, ("--threads", "1"), steps=2, max_new_tokens=8)
 
 
 @pytest.mark.gpu

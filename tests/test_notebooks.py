@@ -99,14 +99,16 @@ def test_notebook_executes(name: str, shared_sweep: bool, tmp_path: Path, reques
     nb = _read_source(name)
     img = tmp_path / "img"
     # tiny setting, one thread, figures to tmp; MPLBACKEND unset so the kernel's inline backend displays plots
-    env = {k: v for k, v in os.environ.items() if k not in ("RLCORE_NB_FULL", "RLCORE_NB_RESULTS", "MPLBACKEND")}
+    drop = ("RLCORE_NB_FULL", "RLCORE_NB_RESULTS", "MPLBACKEND")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(RLCORE_NB_IMG_DIR=str(img), RLCORE_NB_THREADS="1", OMP_NUM_THREADS="1")
     must, must_not = EXPECTED[name]
     if shared_sweep:
         sweep_dir, r = request.getfixturevalue("tiny_staleness_sweep")
         assert r.returncode == 0, "the shared tiny sweep failed:\n" + r.stdout[-3000:] + r.stderr[-3000:]
         env["RLCORE_NB_RESULTS"] = str(sweep_dir / "results.json")
-        must, must_not = must | must_not, set()  # a finished sweep's figure is the docs one (to the redirected dir)
+        # a finished sweep's figure is the docs one (written to the redirected dir)
+        must, must_not = must | must_not, set()
     client = nbclient.NotebookClient(
         nb,
         km=_kernel_manager(tmp_path),

@@ -187,7 +187,7 @@ def test_engine_process_dies_with_its_parent_on_sigkill(model_dir, tmp_path):
     try:
         while len(children) < 2:
             line = parent.stdout.readline().decode()
-            assert line.strip(), f"parent failed to start the engines: {parent.stderr.read().decode()[-2000:]}"
+            assert line.strip(), f"parent failed to start engines: {parent.stderr.read().decode()[-2000:]}"
             where, pid = line.split()
             children[where] = int(pid)
         assert set(children) == {"main", "worker"} and not any(gone(c) for c in children.values())
@@ -198,7 +198,7 @@ def test_engine_process_dies_with_its_parent_on_sigkill(model_dir, tmp_path):
         while not all(gone(c) for c in children.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
         alive = {w: c for w, c in children.items() if not gone(c)}
-        assert not alive, f"engine processes outlived their SIGKILLed parent (started from the thread named): {alive}"
+        assert not alive, f"engine processes outlived their SIGKILLed parent (by spawning thread): {alive}"
         left = {w: sorted(p.name for p in (shm / w).iterdir()) for w in ("main", "worker")}
         assert left == {"main": [], "worker": []}, f"leftover weight files not deleted: {left}"
     finally:
