@@ -219,36 +219,38 @@ class DecodeStep:
         if inf.t_prefill is not None:
             self.stats["prefill_s"] += now - inf.t_prefill
         done: list[tuple[_Request, dict]] = []
-        ver, limit, bs = inf.version, self.max_seq_len, self.pool.block_size
+        ver, limit, bs, eos, due = inf.version, self.max_seq_len, self.pool.block_size, self.eos_ids, self.due
         committed = 0
         for i, (r, t, lp) in enumerate(zip(rows, ids_l, logp_l)):
-            if r.slot < 0 or r.future.done():  # finished (or left) after this step was launched ahead
+            if r.slot < 0:  # finished (or left) after this step was launched ahead: every exit resets the slot
                 self.stats["decode_rows_discarded"] += 1
                 continue
             committed += 1
-            if i in failed or not math.isfinite(lp):
+            if (failed and i in failed) or not math.isfinite(lp):
                 e = failed.get(i)
                 why = f"{type(e).__name__}: {e}" if e is not None else f"non-finite log-prob {lp} (check the weights)"
                 self.stats["request_errors"] += 1
                 done.append((r, _error_reason(f"engine error in the sampling step: {why}")))
                 self.dirty = True
                 continue
-            r.out_ids.append(t)
+            out = r.out_ids
+            out.append(t)
             r.out_logp.append(lp)
             r.out_ver.append(ver)
-            if r.cow or (len(r.prompt) + len(r.out_ids) - 1) % bs == 0:  # the next write starts a block
-                self.due.append(r)
+            total = len(r.prompt) + len(out)
+            if r.cow or (total - 1) % bs == 0:  # the next write starts a block
+                due.append(r)
             if not r.t_first:
                 r.t_first = now
             if r.on_token is not None:
                 self.notify(r, t, lp, ver)
             sp = r.sampling
-            if t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_ids):
+            if t in sp.stop_token_ids or (not sp.ignore_eos and t in eos):
                 done.append((r, {"type": "stop", "matched": t}))
             elif r.stop_window and (hit := self.match_stop(r)) is not None:
                 done.append((r, {"type": "stop", "matched": hit}))
-            elif len(r.out_ids) >= sp.max_new_tokens or len(r.prompt) + len(r.out_ids) >= limit:
-                done.append((r, {"type": "length", "length": len(r.out_ids)}))
+            elif len(out) >= sp.max_new_tokens or total >= limit:
+                done.append((r, {"type": "length", "length": len(out)}))
         if inf.t_prefill is None:
             self.stats["decode_tokens"] += committed
         if done:
