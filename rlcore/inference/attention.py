@@ -98,8 +98,9 @@ def paged_decode_available(device: torch.device, head_dims: set[int]) -> str | N
 
 
 def paged_decode_selftest(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Run ``kernels/paged_decode.py`` once on small random pools against ``varlen_attention_torch``: None when it
-    compiles and agrees, else why not (so ``decode_attention="auto"`` falls back instead of failing mid-run)."""
+    """Run ``kernels/paged_decode.py`` once on small random pools against ``varlen_attention_torch``, writing the
+    new key / value in the same launch as the engine does: None when it compiles and agrees, else why not (so
+    ``decode_attention="auto"`` falls back instead of failing mid-run)."""
     try:
         from kernels.paged_decode import paged_decode_attention
 
@@ -110,7 +111,16 @@ def paged_decode_selftest(device: torch.device, dtype: torch.dtype, head_dim: in
         q = torch.randn(len(lens), h, head_dim, generator=g).to(device, dtype)
         tables = torch.tensor([[5, 0, 0], [1, 3, 2], [7, 4, 0]], device=device)
         used = torch.tensor(lens, dtype=torch.int32, device=device)
-        got = paged_decode_attention(q, kp, vp, tables, used, head_dim**-0.5).float()
+        nk = torch.randn(len(lens), kvh, head_dim, generator=g).to(device, dtype)
+        nv = torch.randn(len(lens), kvh, head_dim, generator=g).to(device, dtype)
+        slots = torch.tensor([5 * bs, 2 * bs + 7, 4 * bs], device=device)  # each row's token used - 1
+        got = paged_decode_attention(q, kp, vp, tables, used, head_dim**-0.5, new_k=nk, new_v=nv, slots=slots)
+        got = got.float()
+        if not (
+            torch.equal(kp.view(-1, kvh, head_dim)[slots], nk)
+            and torch.equal(vp.view(-1, kvh, head_dim)[slots], nv)
+        ):
+            return "the kernel did not write the new key / value in its self-test"
         k = torch.cat([kp[tables[i, : -(-n // bs)]].reshape(-1, kvh, head_dim) for i, n in enumerate(lens)])
         v = torch.cat([vp[tables[i, : -(-n // bs)]].reshape(-1, kvh, head_dim) for i, n in enumerate(lens)])
         cu = torch.tensor([0, 16, 64, 96], device=device)

@@ -79,6 +79,11 @@ def check_kernel(device: str, dtype: torch.dtype = torch.float32, tol: float = 2
         ref = reference(q, kr, vr, tables, used, d**-0.5)
         err = (got.float() - ref).abs().max().item()
         assert err <= tol * (1 + ref.abs().max().item()), (b, h, kvh, d, splits, "write", err)
+    # the engine's load-time self-test (write path included) passes here
+    from rlcore.inference.attention import paged_decode_selftest
+
+    for hd in (8, 64):
+        assert paged_decode_selftest(torch.device(device), dtype, hd) is None
     # int32 tables, as the engine may pass, and a bad configuration is refused
     got32 = paged_decode_attention(q, kp, vp, tables.to(torch.int32), used, 0.5)
     torch.testing.assert_close(got32, paged_decode_attention(q, kp, vp, tables, used, 0.5))
