@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -231,26 +232,48 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
         assert setup.engine.cfg.kv_after_update == args.kv_after_update, setup.engine.cfg
     out: dict = {"devices": {"engine": str(setup.engine_dev), "trainer": str(setup.train_dev)},
                  "build_s": setup.build_s, "kv_after_update": args.kv_after_update, "pause_mode": args.pause_mode}
+    def one(setup: bench_async.Setup, eta: int, steps: int, label: str) -> dict:
+        conc = args.max_concurrent_groups * args.prompts_per_step if eta > 0 and args.max_concurrent_groups else None
+        st0 = dict(setup.engine.stats)
+        r = bench_async.run_rl(setup, eta=eta, steps=steps, batch_groups=args.prompts_per_step,
+                               fixed_len=args.completion_len, budget=budget, seed=args.seed,
+                               label=label, max_concurrent=conc)
+        st1 = dict(setup.engine.stats)
+        r["engine_kv"] = {k: st1.get(k, 0) - st0.get(k, 0) for k in KV_STATS}
+        r["step_s"] = [round(x["step_s"], 4) for x in r.pop("per_step", [])]
+        return r
+
     try:
-        for eta in args.etas:
-            if budget.expired():
-                out.setdefault("skipped", []).append(f"eta{eta}")
-                continue
-            conc = args.max_concurrent_groups * args.prompts_per_step if eta > 0 and args.max_concurrent_groups else None
-            st0 = dict(setup.engine.stats)
-            r = bench_async.run_rl(setup, eta=eta, steps=args.ours_steps, batch_groups=args.prompts_per_step,
-                                   fixed_len=args.completion_len, budget=budget, seed=args.seed,
-                                   label=f"ours eta={eta}", max_concurrent=conc)
-            st1 = dict(setup.engine.stats)
-            r["engine_kv"] = {k: st1.get(k, 0) - st0.get(k, 0) for k in KV_STATS}
-            r.pop("per_step", None)
-            out[f"eta{eta}"] = r
+        if args.ours_warmup_steps:
+            # the benchmark's own shapes once, untimed: the train step's compiled graphs and Triton kernels for
+            # (B * G) rows of prompt + completion tokens, the engine's graphs at this batch, one publish
+            out["warmup"] = one(setup, 0, args.ours_warmup_steps, "ours warm-up eta=0")
+        for rep in range(args.ours_repeats):
+            # alternate the order so that neither eta always runs first (drift over the call cancels in the median)
+            order = args.etas if rep % 2 == 0 else list(reversed(args.etas))
+            for eta in order:
+                key = f"eta{eta}" if rep == 0 else f"eta{eta}_r{rep}"
+                if budget.expired():
+                    out.setdefault("skipped", []).append(key)
+                    continue
+                out[key] = one(setup, eta, args.ours_steps, f"ours eta={eta} (repeat {rep + 1}/{args.ours_repeats})")
     finally:
         setup.engine.close()
         del setup
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    return out
+
+
+def async_ratios(o: dict, eta: int, repeats: int) -> list[float]:
+    """samples/s of eta over eta = 0, one ratio per repeat that has both runs (repeat r's keys end in ``_r{r}``)."""
+    out = []
+    for rep in range(repeats):
+        sfx = "" if rep == 0 else f"_r{rep}"
+        a, b = o.get(f"eta{eta}{sfx}"), o.get(f"eta0{sfx}")
+        if isinstance(a, dict) and isinstance(b, dict) and b.get("samples_per_s"):
+            out.append(a["samples_per_s"] / b["samples_per_s"])
     return out
 
 
@@ -269,6 +292,9 @@ def print_table(rep: bench_async.Report, args: argparse.Namespace) -> None:
     for k in sorted(x for x in o if x.startswith("eta")):
         r = o[k]
         print(f"{'rlcore ' + k + ' (1 GPU)':<28}{r['samples_per_s']:>11.1f}{r['s_per_step']:>9.2f}{r['steps']:>7}")
+    if "async_over_sync_runs" in o:
+        runs = ", ".join(f"{x:.2f}" for x in o["async_over_sync_runs"])
+        print(f"rlcore eta{max(args.etas)} / eta0: median {o['async_over_sync']:.2f}x over repeats ({runs})")
     if "samples_per_s" in t:
         for k in sorted(x for x in o if x.startswith("eta")):
             print(f"rlcore {k} / TRL: {o[k]['samples_per_s'] / t['samples_per_s']:.2f}x")
@@ -295,6 +321,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=1, help="untimed TRL steps first")
     p.add_argument("--ours-steps", type=int, default=4, help="rlcore steps per eta")
     p.add_argument("--etas", default="0,4", help="rlcore max staleness values")
+    p.add_argument("--ours-repeats", type=int, default=1,
+                   help="run every eta this many times, alternating their order (the ratio is the median over repeats)")
+    p.add_argument("--ours-warmup-steps", type=int, default=1,
+                   help="untimed eta = 0 steps at the benchmark's own shapes before the timed runs")
     p.add_argument("--sections", default="rlcore,trl", help="comma list of: rlcore, trl")
     p.add_argument("--seed", type=int, default=0, help="seed")
     p.add_argument("--train-priority", action="store_true",
@@ -334,8 +364,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         rep.section("rlcore", lambda: run_ours(args, budget), budget)
         rep.data["sections"].setdefault("rlcore", {})
         o = rep.data["sections"]["rlcore"]
-        if isinstance(o, dict) and "eta0" in o and f"eta{max(args.etas)}" in o and max(args.etas) > 0:
-            o["async_over_sync"] = o[f"eta{max(args.etas)}"]["samples_per_s"] / o["eta0"]["samples_per_s"]
+        if isinstance(o, dict) and max(args.etas) > 0:
+            ratios = async_ratios(o, max(args.etas), args.ours_repeats)
+            if ratios:
+                o["async_over_sync_runs"] = ratios
+                o["async_over_sync"] = statistics.median(ratios)
     if "trl" in sections:
         rep.section("trl", lambda: run_trl(args, budget), budget)
     rep.data["total_s"] = budget.elapsed()
