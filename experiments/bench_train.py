@@ -2,6 +2,7 @@
 
 Run:    python experiments/bench_train.py --out $OUT/bench_train.json                       # one H200, < 8 min
         python experiments/bench_train.py --shape qwen2.5-3b --steps 3 --sections hf_padded_baseline,rlcore_default,memory_7b,no_compile,compiled_liger --out $OUT/bench_train_3b.json
+        python experiments/bench_train.py --shape qwen2.5-3b --steps 3 --sections rlcore_default,mb_fixed,mb_2x --out $OUT/bench_train_3b_auto.json
 Smoke:  python experiments/bench_train.py --smoke                                           # CPU, tiny model
 Expect: JSON with tokens/s, MFU, peak memory, host syncs and recompiles per section, written after every
 section (a crash or a time-out keeps the sections already measured); docs/benchmarks.md records the numbers.
@@ -10,9 +11,15 @@ Shapes (``--shape``, random init): ``qwen2-0.5b`` (24 layers, width 896, 14/2 he
 151936, tied embeddings), ``qwen2.5-3b`` (36 layers, width 2048, 16/2 heads, intermediate 11008, vocab 151936,
 tied), ``qwen2.5-7b`` (28 layers, width 3584, 28/4 heads, intermediate 18944, vocab 152064, untied; the
 ``memory_7b`` section always uses it). Batch: mixed-length sequences (log-uniform 256-8192, prompt = first
-quarter) until ``step_tokens`` (64k) real tokens, packed into micro-batches of at most ``mb_tokens`` (16k)
-tokens, decoupled PPO. One rlcore step = what an experiment runs per training step: (proximal forward ->)
-advantages -> a decoupled-PPO ``loss_fn`` -> ``train_step``.
+quarter) until ``step_tokens`` (64k) real tokens, decoupled PPO. One rlcore step = what an experiment runs per
+training step: (proximal forward ->) advantages -> a decoupled-PPO ``loss_fn`` -> ``train_step``.
+
+Micro-batch budget: the rlcore sections use ``--mb-tokens``, by default ``auto``, the library's default (the
+largest budget whose activations fit the free GPU memory, measured in the first step:
+``rlcore.training.memory_budget``); each records ``mb_tokens_budget`` (what "auto" chose) and ``n_microbatches``
+(of the last timed step; ``*_first_step`` for the calibration step). The padded baseline and the fixed-budget
+sections (``mb_fixed``, ``mb_2x``, ``mb_4x``, ``memory_7b``) use ``--fixed-mb-tokens`` (default: ``--mb-tokens``
+when it is a number, else 16384), as every section did before "auto".
 
 ``rlcore_default`` is what a user gets from ``init_train_state(config, OptimConfig())`` with no other argument:
 on CUDA bf16 parameters with float32 masters in the optimizer (``OptimConfig.master_weights``), every decoder
@@ -69,8 +76,12 @@ class Config:
     """Where to write the JSON (default: $OUT/bench_train.json, else ./bench_train.json)."""
     shape: Literal["qwen2-0.5b", "qwen2.5-3b", "qwen2.5-7b"] = "qwen2-0.5b"
     """Model shapes of the throughput sections (``memory_7b`` always uses qwen2.5-7b)."""
-    mb_tokens: int = 16384
-    """Token budget of one packed micro-batch."""
+    mb_tokens: int | Literal["auto"] = "auto"
+    """Token budget of one packed micro-batch in the rlcore sections: ``auto`` (the library default: the largest
+    that fits, chosen by the train step) or a number."""
+    fixed_mb_tokens: int | None = None
+    """Budget of the padded baseline and the fixed-budget sections (mb_fixed, mb_2x, mb_4x, memory_7b); None:
+    ``mb_tokens`` when it is a number, else 16384."""
     step_tokens: int = 65536
     """Approximate real tokens per training step (the sum of the drawn sequence lengths)."""
     min_len: int = 256
@@ -93,14 +104,14 @@ class Config:
 
 SMOKE = Config(
     smoke=True,
-    mb_tokens=256,
+    fixed_mb_tokens=256,
     step_tokens=600,
     min_len=8,
     max_len=96,
     steps=1,
     mem_steps=1,
     sections="hf_padded_baseline,rlcore_default,no_compile_no_fused,fp32_autocast_eager,bf16_no_master,"
-    "mb_2x,recomputed_prox,activation_ckpt,profile_default,memory_7b",
+    "mb_fixed,mb_2x,recomputed_prox,activation_ckpt,profile_default,memory_7b",
     budget_s=0.0,
 )
 
@@ -142,6 +153,13 @@ SMOKE_SHAPE = dict(
     num_key_value_heads=2,
     tie_word_embeddings=True,
 )
+
+
+def fixed_mb_tokens(cfg: Config) -> int:
+    """The fixed budget of the padded baseline and the fixed-budget sections."""
+    if cfg.fixed_mb_tokens is not None:
+        return cfg.fixed_mb_tokens
+    return cfg.mb_tokens if isinstance(cfg.mb_tokens, int) else 16384
 
 
 def model_config(cfg: Config, shape: str | None = None):
@@ -302,7 +320,7 @@ class Variant:
     build_fp32: bool = False  # build the HF model in float32 (ModelConfig.param_dtype="keep" keeps it)
     logp_backend: str = "auto"
     attention: str = "auto"
-    mb_scale: int = 1
+    mb_scale: int | None = None  # None: --mb-tokens ("auto" by default); k: k x the fixed budget
     profile: bool = False
 
 
@@ -367,6 +385,12 @@ def build_state(cfg: Config, mcfg, v: Variant):
     return st
 
 
+def _budget_of(metrics) -> int | None:
+    """The micro-batch budget a step applied (None: unlimited, e.g. "auto" on a CPU)."""
+    b = metrics.get("train/mb_tokens_budget")
+    return None if b is None else int(b)
+
+
 def bench_rlcore(
     cfg: Config, batch, v: Variant, *, shape: str | None = None, steps: int | None = None
 ) -> dict:
@@ -376,7 +400,7 @@ def bench_rlcore(
 
     mcfg = model_config(cfg, shape)
     st = build_state(cfg, mcfg, v)
-    mb_tokens = cfg.mb_tokens * v.mb_scale
+    mb_tokens = cfg.mb_tokens if v.mb_scale is None else fixed_mb_tokens(cfg) * v.mb_scale
     rcfg = step.StepConfig(
         mb=microbatch.MicroBatchConfig(max_tokens_per_mb=mb_tokens),
         pad_to_multiple=None if cfg.smoke else 256,
@@ -391,9 +415,10 @@ def bench_rlcore(
     t_first = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run()  # first step: compilation (if any), allocator warm-up
+        run()  # first step: compilation (if any), allocator warm-up, the "auto" budget's calibration
         sync()
         first_s = time.perf_counter() - t_first
+        first_m = holder["m"]
         g0 = _graphs_compiled()
         sec = timed(run, steps or cfg.steps)
         g1 = _graphs_compiled()
@@ -426,7 +451,10 @@ def bench_rlcore(
         "n_params_flops": n_params,
         "loss": float(holder["m"]["train/loss"]),
         "mb_tokens": mb_tokens,
-        "n_microbatches": len(microbatch.allocate(lengths, rcfg.mb)),
+        "mb_tokens_budget": _budget_of(holder["m"]),
+        "n_microbatches": int(holder["m"]["train/n_microbatches"]),
+        "mb_tokens_budget_first_step": _budget_of(first_m),
+        "n_microbatches_first_step": int(first_m["train/n_microbatches"]),
         "first_step_s": first_s,
         "graphs_compiled_in_timed_steps": (g1 - g0) if g0 >= 0 else None,
         **out_extra,
@@ -454,7 +482,8 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True if dev == "cuda" else None)
     data = shift_to_predictive(batch)
     lengths = batch["attention_mask"].sum(1).tolist()
-    bins = padded_bins(lengths, max(cfg.mb_tokens, max(lengths)))
+    budget = fixed_mb_tokens(cfg)
+    bins = padded_bins(lengths, max(budget, max(lengths)))
     denom = float(data["loss_mask"].sum())
     mbs = [microbatch.select_rows(data, b) for b in bins]
 
@@ -494,6 +523,7 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
         "mfu": fl / sec / 1e12 / PEAK_TFLOPS,
         "padded_tokens": padded,
         "real_tokens": sum(lengths),
+        "mb_tokens": budget,
         "n_microbatches": len(bins),
     }
     if torch.cuda.is_available():
@@ -502,7 +532,7 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
 
 
 def bench_memory_7b(cfg: Config, batch) -> dict:
-    """Item 4: an RL step with a recomputed proximal forward at Qwen2.5-7B shapes, ``mb_tokens`` (16k) per
+    """Item 4: an RL step with a recomputed proximal forward at Qwen2.5-7B shapes, the fixed budget (16k) per
     micro-batch, on one GPU with activation checkpointing. Tries the defaults + checkpointing first, then
     cheaper variants if one does not fit; every attempt is recorded."""
     from rlcore.training import train_state
@@ -515,6 +545,7 @@ def bench_memory_7b(cfg: Config, batch) -> dict:
                 "activation checkpointing (defaults otherwise: bf16 + fp32 masters, compiled)",
                 prox="recompute",
                 model_cfg=mc(activation_checkpointing=True),
+                mb_scale=1,
             ),
         ),
         (
@@ -523,6 +554,7 @@ def bench_memory_7b(cfg: Config, batch) -> dict:
                 "activation checkpointing, layers not compiled",
                 prox="recompute",
                 model_cfg=mc(activation_checkpointing=True, compile_layers="off"),
+                mb_scale=1,
             ),
         ),
         (
@@ -532,6 +564,7 @@ def bench_memory_7b(cfg: Config, batch) -> dict:
                 prox="recompute",
                 model_cfg=mc(activation_checkpointing=True),
                 master_weights=False,
+                mb_scale=1,
             ),
         ),
     ]
@@ -597,8 +630,9 @@ def sections_table(cfg: Config, batch) -> dict:
             )
         ),
         "bf16_no_master": r(V("bf16 AdamW without fp32 masters", master_weights=False)),
-        "mb_2x": r(V("2x micro-batch tokens", mb_scale=2)),
-        "mb_4x": r(V("4x micro-batch tokens", mb_scale=4)),
+        "mb_fixed": r(V("a fixed micro-batch budget (--fixed-mb-tokens) instead of --mb-tokens", mb_scale=1)),
+        "mb_2x": r(V("fixed micro-batch budget of 2x --fixed-mb-tokens", mb_scale=2)),
+        "mb_4x": r(V("fixed micro-batch budget of 4x --fixed-mb-tokens", mb_scale=4)),
         "recomputed_prox": r(V("recomputed proximal forward (counted in MFU)", prox="recompute")),
         "chunked_logp": r(V("chunked torch log-probs instead of the Triton kernel", logp_backend="chunked")),
         "hf_attn": r(V("transformers sdpa attention + block-causal mask", attention="hf")),

@@ -14,6 +14,11 @@ returns lists of row indices, sorted within each bin. Two allocators:
 ``granularity`` keeps that many adjacent rows together (DPO/RM pairs: 2). ``attn_weight`` adds
 ``attn_weight · l²`` to the balancing cost so attention-heavy long sequences spread out; the budget
 is always checked on tokens.
+
+The default budget ``max_tokens_per_mb="auto"`` needs a device to mean anything, so :func:`allocate` never sees
+it: the train step resolves it first (``rlcore.training.memory_budget``: the largest budget whose activations
+fit the free CUDA memory; unlimited on CPU). :func:`calibration_rows` picks the small first micro-batches that
+measurement runs on, and :func:`sync_max` makes every data-parallel rank agree on what it measured.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import torch
 class MicroBatchConfig:
     """How a minibatch is cut into micro-batches (AReaL's ``mb_spec``)."""
 
-    max_tokens_per_mb: int | None = None
-    """Token budget of one micro-batch; None means unlimited."""
+    max_tokens_per_mb: int | Literal["auto"] | None = "auto"
+    """Token budget of one micro-batch. ``"auto"``: on CUDA the largest budget whose activations fit the device
+    memory free at the step, measured in the model's first step (``rlcore.training.memory_budget``), rounded
+    down to 1024 tokens; on CPU the same as None. None: unlimited (the whole minibatch in one micro-batch)."""
     n_mbs: int = 1
     """Minimum number of micro-batches."""
     n_mbs_divisor: int = 1
@@ -43,10 +50,20 @@ class MicroBatchConfig:
     """Allocator: least-loaded first-fit-decreasing, or Karmarkar–Karp with an FFD fallback."""
     attn_weight: float = 0.0
     """Balance ``l + attn_weight·l²`` instead of ``l`` (0 balances tokens only)."""
+    memory_fraction: float = 0.9
+    """With ``"auto"``: the share of the free device memory (at the step's start) the micro-batches may fill."""
+    calibration_tokens: int = 4096
+    """With ``"auto"``: tokens (at most, unless one sequence is longer) of each micro-batch the first step
+    measures the memory per token on, before it sizes the rest."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens_per_mb is not None and self.max_tokens_per_mb < 1:
-            raise ValueError(f"max_tokens_per_mb must be >= 1 or None, got {self.max_tokens_per_mb}")
+        mt = self.max_tokens_per_mb
+        if not (mt is None or mt == "auto" or (isinstance(mt, int) and not isinstance(mt, bool) and mt >= 1)):
+            raise ValueError(f"max_tokens_per_mb must be an int >= 1, 'auto' or None, got {mt!r}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.calibration_tokens < 1:
+            raise ValueError(f"calibration_tokens must be >= 1, got {self.calibration_tokens}")
         if self.n_mbs < 1:
             raise ValueError(f"n_mbs must be >= 1, got {self.n_mbs}")
         if self.n_mbs_divisor < 1:
@@ -124,13 +141,19 @@ def allocate(lengths: Sequence[int], cfg: MicroBatchConfig, *, n_mbs: int | None
 
     Args:
       lengths: real token count of each row.
-      cfg: the budget, minimum count, divisor, granularity and algorithm.
+      cfg: the budget (an int or None: ``"auto"`` is resolved by the caller, see the module docstring), minimum
+        count, divisor, granularity and algorithm.
       n_mbs: overrides ``cfg.n_mbs`` (used after :func:`sync_num_mbs` so every DP rank runs the same count).
 
     Returns:
       Lists of row indices, sorted within each list; every row appears exactly once. Lists may be
       empty only when more micro-batches are requested than there are row groups.
     """
+    if cfg.max_tokens_per_mb == "auto":
+        raise ValueError(
+            "allocate needs a number: max_tokens_per_mb='auto' is resolved by the train step "
+            "(rlcore.training.memory_budget); pass an int budget or None (unlimited) here"
+        )
     units = _units(lengths, cfg.granularity)
     sizes = [sum(lengths[i] for i in u) for u in units]
     costs = [sum(lengths[i] + cfg.attn_weight * lengths[i] ** 2 for i in u) for u in units]
@@ -197,7 +220,27 @@ def minibatches(lengths: Sequence[int], n_minibatches: int, *, granularity: int 
         raise ValueError(
             f"ppo_n_minibatches={n_minibatches} exceeds the {n_units} row groups of the local batch; lower it"
         )
-    return allocate(lengths, MicroBatchConfig(n_mbs=n_minibatches, granularity=granularity, algorithm="ffd"))
+    cfg = MicroBatchConfig(max_tokens_per_mb=None, n_mbs=n_minibatches, granularity=granularity, algorithm="ffd")
+    return allocate(lengths, cfg)
+
+
+def calibration_rows(lengths: Sequence[int], tokens: int, *, granularity: int = 1) -> list[int]:
+    """The smallest row groups whose total stays within ``tokens``: the rows of a calibration micro-batch.
+
+    Groups (``granularity`` adjacent rows) are taken by increasing token count (ties: lowest index) while the sum
+    stays ``<= tokens``; the smallest group is taken even when it alone is longer. Returns sorted row indices
+    (empty only for an empty batch).
+    """
+    units = _units(lengths, granularity)
+    sizes = [sum(lengths[i] for i in u) for u in units]
+    picked: list[int] = []
+    total = 0
+    for u in sorted(range(len(units)), key=lambda j: (sizes[j], j)):
+        if picked and total + sizes[u] > tokens:
+            break
+        picked.append(u)
+        total += sizes[u]
+    return sorted(i for u in picked for i in units[u])
 
 
 def sync_num_mbs(n: int, group: object | None = None) -> int:
@@ -205,6 +248,14 @@ def sync_num_mbs(n: int, group: object | None = None) -> int:
 
     Returns ``n`` unchanged without an initialised process group. Ranks that end up with fewer real
     micro-batches run zero-weight ones so FSDP collectives stay in lock-step.
+    """
+    return sync_max(n, group)
+
+
+def sync_max(n: int, group: object | None = None) -> int:
+    """All-reduce-max of a host integer over the DP ranks (``n`` itself without an initialised process group).
+
+    Every rank of ``group`` must call it the same number of times (it is a collective).
     """
     import torch.distributed as dist
 

@@ -1,7 +1,8 @@
 """The train step: ``train_step(state, batch, loss_fn, *, cfg) -> (state, metrics)`` (house style rule 11).
 
 ``train_step`` is the only function that changes parameters. It owns mechanics only: it cuts one minibatch
-(a :class:`rlcore.types.TokenBatch`) into micro-batches under a token budget (``rlcore.data.microbatch``), packs
+(a :class:`rlcore.types.TokenBatch`) into micro-batches under a token budget (``rlcore.data.microbatch``; the
+default ``"auto"`` budget is the largest that fits the free CUDA memory, ``rlcore.training.memory_budget``), packs
 each one (``rlcore.data.packing``), runs the forward (policy log-probs + entropy at the training temperature, or
 critic values), fills the GLOBAL counts ``mb.n_tokens`` / ``mb.n_seqs`` (summed over every micro-batch of the
 minibatch on every data-parallel rank), calls ``loss_fn(logp, mb) -> (loss, metrics)``, backpropagates, clips,
@@ -46,7 +47,7 @@ from rlcore.objectives import dpo as dpo_lib
 from rlcore.objectives import reward_model as rm_lib
 from rlcore.objectives import sft as sft_lib
 from rlcore.objectives import value as value_lib
-from rlcore.training import fsdp
+from rlcore.training import fsdp, memory_budget
 from rlcore.training.train_state import TrainState
 from rlcore.types import TokenBatch
 
@@ -65,7 +66,8 @@ class StepConfig:
     """Mechanics of one ``train_step`` call (no algorithm in here)."""
 
     mb: microbatch.MicroBatchConfig = microbatch.MicroBatchConfig()
-    """Micro-batch budget and allocator (``granularity=2`` keeps DPO / RM pairs in one micro-batch)."""
+    """Micro-batch budget and allocator (``granularity=2`` keeps DPO / RM pairs in one micro-batch); the default
+    budget ``"auto"`` is the largest that fits on CUDA and unlimited on CPU."""
     pad_to_multiple: int | None = None
     """Pad each packed micro-batch to a multiple of this many tokens (e.g. 256 on GPUs)."""
     temperature: float = 1.0
@@ -175,17 +177,6 @@ def _dummy_forward(model: nn.Module, *, temperature: float) -> Tensor:
     return first.sum() * 0.0
 
 
-def _bins(batch: TokenBatch, mb_cfg: microbatch.MicroBatchConfig, lengths: list[int] | None = None) -> list[list[int]]:
-    """Row indices of each micro-batch (an empty list = zero-weight placeholder), synced in count over DP ranks."""
-    lengths = batch.lengths if lengths is None else lengths
-    bins = microbatch.allocate(lengths, mb_cfg)
-    n = microbatch.sync_num_mbs(len(bins))
-    if n != len(bins):
-        bins = microbatch.allocate(lengths, mb_cfg, n_mbs=n)
-        bins = bins + [[] for _ in range(n - len(bins))]
-    return bins
-
-
 def global_sum(x: Tensor | float) -> Tensor:
     """Sum of a host scalar/vector over all data-parallel ranks (float64 CPU; the value itself without a group)."""
     x = torch.as_tensor(x, dtype=torch.float64)
@@ -220,7 +211,7 @@ def _forward_nograd(model: nn.Module, batch: TokenBatch, *, cfg: StepConfig) -> 
         home = batch.input_ids.device
         lengths = batch.lengths
         results: list[Tensor] | None = None
-        for rows in _bins(batch, cfg.mb, lengths):
+        for rows in memory_budget.MicroBatches(model, lengths, cfg.mb, device=_device_of(model), training=False):
             if not rows:
                 _dummy_forward(model, temperature=cfg.temperature)
                 continue
@@ -357,7 +348,9 @@ def train_step(
     step just sums micro-batch losses (``J = Σ_μ L_μ``, spec §0.4). Returns ``replace(state, step + 1)`` (and
     ``skipped_steps + 1`` when the loss or gradient norm was not finite: gradients zeroed, weights untouched) and
     metrics: ``loss_fn``'s (micro-batch means weighted by token share) plus ``train/{loss,grad_norm,
-    update_successful,lr}``, ``timing/step_s``, ``perf/tokens_per_s``. ``batch`` itself is never modified.
+    update_successful,lr,n_microbatches}``, ``train/mb_tokens_budget`` (the budget applied, absent when unlimited;
+    ``"auto"`` resolves it from the free CUDA memory, ``rlcore.training.memory_budget``), ``timing/step_s``,
+    ``perf/tokens_per_s``. ``batch`` itself is never modified.
     """
     t_start = time.perf_counter()
     model, optim, sched = _slot(state, cfg.module)
@@ -369,7 +362,8 @@ def train_step(
     row_tokens = [int(x) for x in batch.loss_mask.sum(1).tolist()]
     n_local, b_local = float(sum(row_tokens)), max(batch.num_rows, 1)
     acc: dict[str, Tensor] = {}
-    for rows in _bins(batch, cfg.mb, lengths):
+    plan = memory_budget.MicroBatches(model, lengths, cfg.mb, device=loss_sum.device, training=True)
+    for rows in plan:  # with "auto" the first step measures memory per token between micro-batches
         if not rows:  # another rank has more micro-batches: a zero-weight forward keeps collectives in step
             _dummy_forward(model, temperature=cfg.temperature).backward()
             continue
@@ -384,6 +378,9 @@ def train_step(
         _accumulate(acc, m, share)
     ok, norm = _optimizer_step(model, optim, loss_sum, cfg.max_grad_norm)
     acc["train/lr"] = torch.tensor(float(optim.param_groups[0]["lr"]))
+    acc["train/n_microbatches"] = torch.tensor(float(plan.count))
+    if plan.budget is not None:
+        acc["train/mb_tokens_budget"] = torch.tensor(float(plan.budget))
     if cfg.schedule and sched is not None:
         _sched_step(sched)
     dt = time.perf_counter() - t_start

@@ -34,7 +34,7 @@ def test_budget_and_placement(lengths, extra, n_mbs, divisor, algo):
 
 @given(lengths_st, st.integers(1, 6), st.sampled_from(["ffd", "kk"]))
 def test_balance_within_opt_plus_max_item(lengths, k, algo):
-    bins = mb.allocate(lengths, mb.MicroBatchConfig(n_mbs=k, algorithm=algo))
+    bins = mb.allocate(lengths, mb.MicroBatchConfig(max_tokens_per_mb=None, n_mbs=k, algorithm=algo))
     assert len(bins) == k and _placed_once(bins, len(lengths))
     loads = [sum(lengths[i] for i in b) for b in bins]
     opt_lower = max(sum(lengths) / k, max(lengths))
@@ -56,7 +56,7 @@ def test_granularity_keeps_pairs_together(half, algo):
     where = {i: j for j, b in enumerate(bins) for i in b}
     assert all(where[2 * p] == where[2 * p + 1] for p in range(len(half)))
     with pytest.raises(ValueError, match="granularity"):
-        mb.allocate(lengths + [3], mb.MicroBatchConfig(granularity=2))
+        mb.allocate(lengths + [3], mb.MicroBatchConfig(max_tokens_per_mb=None, granularity=2))
 
 
 @given(st.integers(1, 4).flatmap(lambda w: st.tuples(st.just(w), st.lists(st.integers(1, 50), min_size=w, max_size=w * 6))))
@@ -91,7 +91,7 @@ def test_sync_num_mbs_without_group_is_identity():
 
 def test_attention_weight_spreads_long_sequences():
     lengths = [40, 40, 10, 10, 10, 10, 10, 10, 10, 10]
-    bins = mb.allocate(lengths, mb.MicroBatchConfig(n_mbs=2, attn_weight=1.0))
+    bins = mb.allocate(lengths, mb.MicroBatchConfig(max_tokens_per_mb=None, n_mbs=2, attn_weight=1.0))
     assert all(sum(lengths[i] == 40 for i in b) == 1 for b in bins)
 
 
