@@ -120,8 +120,11 @@ class DecodeStep:
     def settle(self) -> None:
         """Land the step launched ahead, if any (before anything changes the rows, the weights or the pause)."""
         if self.inflight is not None:
+            t0 = time.perf_counter()
             cur, self.inflight = self.inflight, None
             self.land(cur)
+            self.stats["decode_steps"] += 1  # a landed step counts wherever it lands (its launch time is already in)
+            self.stats["decode_s"] += time.perf_counter() - t0
 
     def decode_logits(self, m: int, total_blocks: int) -> torch.Tensor:
         longest = self.max_pos // self.pool.block_size + 1

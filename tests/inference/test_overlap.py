@@ -61,6 +61,37 @@ def test_overlapped_decode_gives_the_plain_loops_outputs(kind):
     assert st1["decode_tokens"] == st0["decode_tokens"]  # discarded rows are not counted as generated
 
 
+def test_every_landed_step_is_counted_in_the_decode_stats(monkeypatch):
+    """``decode_steps`` / ``decode_s`` count a step wherever it lands: in ``decode`` or in ``settle`` (before an
+    admission, a command or a pause), so decode tok/s is not read high when requests join mid-run."""
+    from rlcore.inference.decode_step import DecodeStep
+
+    landed = collections.Counter()
+    orig = DecodeStep.land
+
+    def counting_land(self, inf):
+        landed["n"] += inf.t_prefill is None  # prefill lands its first tokens through the same path
+        return orig(self, inf)
+
+    monkeypatch.setattr(DecodeStep, "land", counting_land)
+    settled = collections.Counter()
+    orig_settle = DecodeStep.settle
+
+    def counting_settle(self):
+        settled["n"] += self.inflight is not None
+        return orig_settle(self)
+
+    monkeypatch.setattr(DecodeStep, "settle", counting_settle)
+    prompts, sps = workload()
+    eng = Engine(tiny_model("qwen2", seed=21), dataclasses.replace(CFG, overlap_decode=True))
+    with eng:
+        for f in [eng.submit(p, s) for p, s in zip(prompts, sps)]:
+            f.result(60)
+    st = eng.stats  # read after the loop thread has stopped (a future resolves before its step is counted)
+    assert settled["n"] > 0  # the workload's joiners land in-flight steps through settle
+    assert st["decode_steps"] == landed["n"]
+
+
 def test_overlap_with_stop_strings_under_a_tiny_block_budget():
     """Stop strings end requests on the host while the next step is already launched; the pool is so small that
     requests are preempted and recomputed. Same outputs as the plain loop."""
