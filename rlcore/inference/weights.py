@@ -142,9 +142,16 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_specs(model: nn.Module, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-    """Raise ``EngineError`` unless every ``(name, dtype, shape)`` matches a tensor of ``model``."""
-    known = named_tensors(model)
+def check_specs(
+    model: nn.Module,
+    specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+    known: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Raise ``EngineError`` unless every ``(name, dtype, shape)`` matches a tensor of ``model``.
+
+    ``known``: ``named_tensors(model)`` when the caller already has it (it walks every module of the model).
+    """
+    known = named_tensors(model) if known is None else known
     specs = list(specs)
     unknown = [n for n, _, _ in specs if n not in known]
     if unknown:
@@ -180,7 +187,7 @@ def stage_weights(
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise EngineError(f"weight {name!r} is a {type(t).__name__}, not a tensor")
-        check_specs(model, [(name, t.dtype, tuple(t.shape))])
+        check_specs(model, [(name, t.dtype, tuple(t.shape))], known)  # one walk of the model per load, not per tensor
         p = known[name]
         new = t.detach().to(dtype=p.dtype)
         key = id(p)
