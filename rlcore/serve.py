@@ -55,6 +55,9 @@ class ServeConfig:
     overlap_decode: Literal["auto", "on", "off"] = "auto"
     """Launch decode step k + 1 before step k's tokens reach the host (``EngineConfig.overlap_decode``; auto: on
     with CUDA)."""
+    fused_projections: Literal["auto", "on", "off"] = "auto"
+    """One GEMM for each attention's q/k/v and each MLP's gate/up projections (``EngineConfig.fused_projections``;
+    auto: on with CUDA, docs/engine.md)."""
     seed: int = 0
     """Seed for per-request seeds of requests that bring none."""
     weight_version: int = 0
@@ -114,6 +117,7 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
         kv_after_update=cfg.kv_after_update,
         decode_attention=cfg.decode_attention,
         overlap_decode={"auto": "auto", "on": True, "off": False}[cfg.overlap_decode],
+        fused_projections={"auto": "auto", "on": True, "off": False}[cfg.fused_projections],
     )
 
 

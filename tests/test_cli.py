@@ -176,3 +176,15 @@ def test_serve_flags_for_decode_attention_and_overlap_reach_the_engine_config():
     )
     assert (cfg.decode_attention, cfg.overlap_decode) == ("gather", False)
     assert engine_config(tyro.cli(ServeConfig, args=["--model", "m", "--overlap-decode", "on"])).overlap_decode is True
+
+
+def test_serve_flag_for_fused_projections_reaches_the_engine_config():
+    """``rlcore-serve --fused-projections {auto,on,off}`` sets ``EngineConfig.fused_projections``."""
+    from rlcore.serve import ServeConfig, engine_config
+
+    for flag, want in (("auto", "auto"), ("on", True), ("off", False)):
+        cfg = engine_config(tyro.cli(ServeConfig, args=["--model", "m", "--fused-projections", flag]))
+        assert cfg.fused_projections == want
+    assert engine_config(tyro.cli(ServeConfig, args=["--model", "m"])).fused_projections == "auto"
+    with pytest.raises(SystemExit):
+        tyro.cli(ServeConfig, args=["--model", "m", "--fused-projections", "yes"])

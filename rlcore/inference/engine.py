@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from rlcore.inference import architectures, fusions
+from rlcore.inference import architectures, fusions, projections
 from rlcore.inference.attention import grouped_heads, install_engine_attention
 from rlcore.inference.blocks import BlockTables, build_kv_cache
 from rlcore.inference.graphs import DecodeGraphs
@@ -111,6 +111,9 @@ class EngineConfig:
     them (a one-line notice when they cannot run); False: HF's modules. Changes log-probs by float rounding only.
     Measured on one H200 (Qwen2-0.5B shapes, 256 x 256 decode, ``bench_engine.py --fused-kernels``): 4.03 ms per
     step against 5.40 ms without (docs/benchmarks.md)."""
+    fused_projections: bool | Literal["auto"] = "auto"
+    """One GEMM for each attention's q/k/v and each MLP's gate/up projections, over a fused buffer the weights are
+    views of (``projections.py``, docs/engine.md). ``"auto"``: on with CUDA; True also on CPU."""
     compile_decode_layers: bool = False
     """On CUDA, ``torch.compile`` every decoder layer (attention left eager) before the CUDA graphs are captured;
     replaces liger's RMSNorm / SwiGLU (its RoPE stays). The first forward of each shape pays the compilation."""
@@ -277,6 +280,7 @@ class Engine(WeightUpdates):
             if cfg.fused_kernels == "auto" else bool(cfg.fused_kernels),
             compile_layers=cfg.compile_decode_layers,
             device=self.device,
+            fused_projections=self.device.type == "cuda" if cfg.fused_projections == "auto" else cfg.fused_projections,
         )
         if self.fusions.note and self.device.type == "cuda":
             print(f"[rlcore.engine] {self.fusions.note}", flush=True)
@@ -583,7 +587,7 @@ class Engine(WeightUpdates):
 
     def _resume(self, tags: frozenset[str]) -> list[str]:
         self._lora.move(self.device if "weights" in tags and "weights" in self._s.released else None)
-        return self._s.resume_memory(tags)
+        return [self._s.resume_memory(tags), projections.rebind(self.model)][0]  # re-fuse weights moved apart
 
     def prompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
         """Log-probs of ``input_ids[start + 1:]`` given their prefixes under the loaded weights (raw, no

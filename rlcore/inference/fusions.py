@@ -1,7 +1,7 @@
-"""Fewer kernels per decode step on CUDA: liger-kernel's fused RMSNorm / SwiGLU / RoPE, and per-layer compilation.
+"""Fewer kernels per decode step: liger-kernel's RMSNorm / SwiGLU / RoPE, compiled layers, fused projections.
 
 The engine calls ``apply`` once at model setup, before any CUDA graph is captured, so the graphs record the fused
-kernels. Both levers patch **the module instance the engine serves** (as the engine already moves that instance
+kernels. All levers patch **the module instance the engine serves** (as the engine already moves that instance
 to its device and dtype): nothing changes for other models in the process, the trainer's included.
 
 - ``EngineConfig.fused_kernels`` (default ``"auto"``: on with CUDA and liger-kernel installed): for the families in
@@ -19,9 +19,13 @@ to its device and dtype): nothing changes for other models in the process, the t
   of the graph). Inductor then fuses each residual add with the next RMSNorm and the MLP's activation, which
   liger's per-module kernels cannot. It takes the place of liger's RMSNorm and SwiGLU (liger's RoPE, inside the
   eager attention, stays). The first forward of each shape class pays the compilation.
+- ``EngineConfig.fused_projections`` (default ``"auto"``: on with CUDA; True also on CPU): q/k/v and gate/up
+  projections as one GEMM each, over a fused weight the parameters are views of (``projections.py``). Installed
+  after liger's patches (the fused MLP keeps liger's SwiGLU) and before ``torch.compile``.
 
 Exactness: the fused kernels compute in float32 like HF's modules (RMSNorm ``llama`` casting: normalise in
-float32, cast, scale), so they change log-probs by float rounding only; on CPU nothing changes.
+float32, cast, scale), so they change log-probs by float rounding only; so does one GEMM in place of three (other
+blocking of the same dot products).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from rlcore.inference import projections
 
 LIGER_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """``config.model_type`` of the families whose RMSNorm, MLP and RoPE are the ones liger's kernels compute."""
@@ -63,6 +69,10 @@ class Fusions:
     """Attention modules whose rotary embedding runs liger's kernel."""
     compiled_layers: int = 0
     """Decoder layers compiled with ``torch.compile``."""
+    fused_qkv: int = 0
+    """Attention modules whose q/k/v projections run as one GEMM (``projections.py``)."""
+    fused_gate_up: int = 0
+    """MLP modules whose gate/up projections run as one GEMM (``projections.py``)."""
     note: str = ""
     """Why a requested fusion was not installed (empty when everything asked for is in place)."""
 
@@ -81,13 +91,26 @@ def liger_ops() -> LigerOps | None:
     )
 
 
-def apply(model: nn.Module, *, fused_kernels: bool, compile_layers: bool, device: torch.device) -> Fusions:
-    """Install the fusions ``EngineConfig`` asks for on ``model`` (in place; idempotent); CUDA only."""
-    if not (fused_kernels or compile_layers):
+def apply(
+    model: nn.Module,
+    *,
+    fused_kernels: bool,
+    compile_layers: bool,
+    device: torch.device,
+    fused_projections: bool = False,
+) -> Fusions:
+    """Install the fusions ``EngineConfig`` asks for on ``model`` (in place; idempotent).
+
+    liger's kernels and compiled layers are CUDA-only; fused projections (``projections.py``) run anywhere. Order:
+    liger first, then the projections (their MLP forward keeps liger's SwiGLU), then ``torch.compile``.
+    """
+    if not (fused_kernels or compile_layers or fused_projections):
         return Fusions()
-    if device.type != "cuda":
-        return Fusions(note="fusions are CUDA-only; the model runs HF's modules")
     notes, got = [], Fusions()
+    if device.type != "cuda" and (fused_kernels or compile_layers):
+        notes.append("liger kernels and compiled layers are CUDA-only; the model runs HF's modules")
+        fused_kernels = compile_layers = False
+    ops = None
     if fused_kernels:
         ops = liger_ops()
         if ops is None:
@@ -97,10 +120,24 @@ def apply(model: nn.Module, *, fused_kernels: bool, compile_layers: bool, device
         else:
             got = apply_liger(model, ops, rms_norm=not compile_layers, swiglu=not compile_layers)
             notes += [got.note] if got.note else []
+    proj = projections.Fused(0, 0, "")
+    if fused_projections:
+        proj = projections.fuse_projections(
+            model, swiglu=ops.swiglu if ops is not None and got.swiglu else None
+        )
+        notes += [proj.note] if proj.note else []
     n = compile_decoder_layers(model) if compile_layers else 0
     if compile_layers and not n:
         notes.append("no decoder layers found to compile")
-    return Fusions(got.rms_norm, got.swiglu, got.rope, n, "; ".join(notes))
+    return Fusions(
+        rms_norm=got.rms_norm,
+        swiglu=got.swiglu,
+        rope=got.rope,
+        compiled_layers=n,
+        fused_qkv=proj.qkv,
+        fused_gate_up=proj.gate_up,
+        note="; ".join(notes),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,7 +166,7 @@ def apply_liger(model: nn.Module, ops: LigerOps, *, rms_norm: bool = True, swigl
             and hasattr(mod, "variance_epsilon")
             and mod.weight is not None
         ):
-            mod.forward = functools.partial(_rms_norm_forward, mod, mod.forward, ops)
+            mod.forward = functools.partial(_rms_norm_forward, mod, ops)
         elif swiglu and name.endswith("MLP") and act in ("silu", "swish") and _is_gated_mlp(mod):
             mod.forward = functools.partial(_swiglu_forward, mod, ops)
         elif name.endswith("Attention") and hasattr(mod, "q_proj"):
@@ -149,10 +186,10 @@ def _is_gated_mlp(mod: nn.Module) -> bool:
     return all(isinstance(getattr(mod, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj"))
 
 
-def _rms_norm_forward(mod: nn.Module, orig: Callable, ops: LigerOps, x: torch.Tensor) -> torch.Tensor:
-    if not x.is_contiguous():  # liger views the input as (rows, hidden)
-        return orig(x)
-    return ops.rms_norm(x, mod.weight, mod.variance_epsilon)
+def _rms_norm_forward(mod: nn.Module, ops: LigerOps, x: torch.Tensor) -> torch.Tensor:
+    # liger views the input as (rows, hidden): a strided one (Qwen3's q/k norm over fused-projection slices) is
+    # copied first, one copy kernel instead of HF's seven
+    return ops.rms_norm(x if x.is_contiguous() else x.contiguous(), mod.weight, mod.variance_epsilon)
 
 
 def _swiglu_forward(mod: nn.Module, ops: LigerOps, x: torch.Tensor) -> torch.Tensor:
