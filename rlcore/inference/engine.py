@@ -171,8 +171,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.block_size < 1:
             raise ValueError(f"EngineConfig.block_size must be >= 1, got {self.block_size}; pass e.g. 16.")
-        if self.overlap_decode not in (True, False, "auto"):
-            raise ValueError(f"EngineConfig.overlap_decode must be True, False or 'auto', got {self.overlap_decode!r}")
+        for name in ("overlap_decode", "fused_kernels", "fused_projections"):  # "off" must not read as on
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ValueError(f"EngineConfig.{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         if self.decode_attention not in ("auto", "gather", "varlen", "paged"):
             raise ValueError(
                 f"EngineConfig.decode_attention must be auto, gather, varlen or paged: {self.decode_attention!r}"

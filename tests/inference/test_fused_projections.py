@@ -363,3 +363,11 @@ def test_cuda_graph_engine_with_fused_projections_matches_unfused(kind):
     assert eng.fusions.fused_qkv == 2 and eng._graphs.graphs
     assert_same(ref, got)
     assert_teacher_forced(model, got)
+
+
+@pytest.mark.parametrize("name", ["fused_projections", "fused_kernels"])
+def test_tri_state_fusion_knobs_refuse_strings_that_would_read_as_on(name):
+    """``bool("off")`` is True: a string other than "auto" is refused, naming the field."""
+    with pytest.raises(ValueError, match=f"EngineConfig.{name}"):
+        EngineConfig(**{name: "off"})
+    EngineConfig(**{name: False})  # the spellings that are meant work
