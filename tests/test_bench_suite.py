@@ -177,3 +177,17 @@ def test_bench_sampling_smoke_writes_every_case(tmp_path):
         assert case["rlcore_ms"] > 0 and case["sort_ms"] > 0
         assert case["same_unfiltered_token"] and case["unfiltered_logp_diff"] < 1e-5
     assert json.loads(out.read_text())["cases"].keys() == res["cases"].keys()
+
+
+def test_bench_attention_smoke_runs_the_reference_path_and_names_the_skipped_cudnn_paths(tmp_path):
+    """experiments/bench_attention.py --smoke (CPU): the harness runs; the cuDNN paths are recorded as skipped."""
+    spec = importlib.util.spec_from_file_location("bench_attention", EXP / "bench_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_attention"] = mod
+    spec.loader.exec_module(mod)
+    out = tmp_path / "a.json"
+    res = mod.main(mod.Config(smoke=True, out=str(out)))
+    (case,) = res["cases"]
+    assert case["flash_fwd_bwd_ms"] > 0 and "cuDNN" in case["cudnn"] and not any(k.endswith("_error") for k in case)
+    assert sum(mod.draw_lengths(1000, 8, 40, 0)) == 1000
+    assert json.loads(out.read_text())["cases"][0]["tokens"] == case["tokens"]
