@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +38,10 @@ from dataclasses import dataclass
 import torch
 import tyro
 
-from rlcore.training import models
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sampling import time_ms  # noqa: E402  (median ms: CUDA events on a GPU, perf_counter on CPU)
+
+from rlcore.training import models  # noqa: E402
 
 HEADS = {"qwen2-0.5b": (14, 2, 64), "qwen2.5-3b": (16, 2, 128)}
 
@@ -68,28 +71,6 @@ def draw_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
         u = torch.rand(1, generator=g).item()
         out.append(max(1, min(int(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))), total - sum(out))))
     return out
-
-
-def timed(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    ms = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ms.append(a.elapsed_time(b))
-        else:
-            import time
-
-            t = time.perf_counter()
-            fn()
-            ms.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ms)
 
 
 def cudnn_attention(q, k, v, cu, max_len: int, scale: float, native_gqa: bool) -> torch.Tensor:
@@ -139,8 +120,8 @@ def run_case(cfg: Config, shape: str, total: int, dev: torch.device) -> dict:
                     case[f"{name}_max_abs_{tag}"] = float((a.float() - b.float()).abs().max())
                     case[f"{name}_ref_max_abs_{tag}"] = float(b.float().abs().max())
             with torch.no_grad():
-                case[f"{name}_fwd_ms"] = timed(fwd, cfg.iters, cfg.warmup, cuda)
-            case[f"{name}_fwd_bwd_ms"] = timed(fb, cfg.iters, cfg.warmup, cuda)
+                case[f"{name}_fwd_ms"] = time_ms(fwd, cfg, dev)
+            case[f"{name}_fwd_bwd_ms"] = time_ms(fb, cfg, dev)
             case[f"{name}_fwd_bwd_tflops"] = flops_fb / case[f"{name}_fwd_bwd_ms"] / 1e9
         except Exception:  # a path this torch / cuDNN cannot run is a result, not a crash
             case[f"{name}_error"] = traceback.format_exc()[-800:]
