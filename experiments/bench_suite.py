@@ -4,7 +4,7 @@ regenerated from that JSON (no hand-typed numbers).
 
 Run (device; at most ~9 min per call, so run subsets and merge them into one directory):
     python experiments/bench_suite.py --only engine --out $OUT/suite            # 1 GPU
-    python experiments/bench_suite.py --only sampling,kernel --out $OUT/suite   # 1 GPU
+    python experiments/bench_suite.py --only sampling,kernel,attention --out $OUT/suite   # 1 GPU
     python experiments/bench_suite.py --only train --out $OUT/suite             # 1 GPU (also train_3b, train_7b, trl)
     python experiments/bench_suite.py --only async --out $OUT/suite             # 2 GPUs (also weight_sync, gpu_tests, ...)
 Render: python experiments/bench_suite.py --render-only docs/results/suite     # table from existing JSON only
@@ -89,6 +89,13 @@ BENCHES: tuple[Bench, ...] = (
         ("experiments/bench_kernel.py", "--smoke", "--out", "{dir}/bench_kernel.json"),
         ("bench_kernel.json",),
         timeout_s=300,
+    ),
+    Bench(
+        "attention",
+        ("experiments/bench_attention.py", "--out", "{dir}/bench_attention.json"),
+        ("experiments/bench_attention.py", "--smoke", "--out", "{dir}/bench_attention.json"),
+        ("bench_attention.json",),
+        timeout_s=240,
     ),
     Bench(
         "train",
