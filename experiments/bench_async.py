@@ -476,10 +476,17 @@ def make_train_step(args: argparse.Namespace, train_dev: torch.device):
 
     scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=args.mb_tokens),
                            pad_to_multiple=256 if train_dev.type == "cuda" else None)
+    stream_mode = getattr(args, "train_stream", "high_priority")
     acfg = step.AdvantageConfig(reward_norm=normalize.GRPO, group_size=args.group_size)
     obj = ppo.PPOConfig(decoupled=True)
 
     def train(state, batch: dict):
+        # --train-stream high_priority: the whole update (proximal forward, advantages, train_step) in one
+        # high-priority CUDA stream block, so an engine thread on the same GPU fills its gaps (step.device_stream)
+        with step.device_stream(train_dev, stream_mode):
+            return update(state, batch)
+
+    def update(state, batch: dict):
         tb = TokenBatch.from_rollout(batch)
         if args.prox == "recompute":
             tb = dataclasses.replace(tb, logp_prox=step.policy_logp(state, tb, cfg=scfg))
@@ -606,13 +613,6 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
     else:
         client = engine_client.EngineClient(setup.engine)
     eng = setup.engine
-    # --train-priority: the trainer's kernels on a high-priority CUDA stream, so that on a shared GPU the engine
-    # (default, lowest priority) fills the trainer's idle gaps instead of stretching its step (one process only:
-    # stream priorities do not order kernels of two processes).
-    train_stream_ctx: Any = contextlib.nullcontext()
-    if getattr(args, "train_priority", False) and setup.train_dev.type == "cuda":
-        lo, hi = torch.cuda.Stream.priority_range()
-        train_stream_ctx = torch.cuda.stream(torch.cuda.Stream(setup.train_dev, priority=hi))
     per_step: list[dict] = []
     truncated = False
     with UtilSampler([setup.engine_dev, setup.train_dev]) as util:
@@ -628,8 +628,7 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
                 groups = ctl.prepare_batch()
                 t1 = time.perf_counter()
                 batch = trajectory.concat(groups)
-                with train_stream_ctx:
-                    setup.state, m = train(setup.state, batch)
+                setup.state, m = train(setup.state, batch)
                 sync(setup.train_dev)
                 t2 = time.perf_counter()
                 pub_s = publish(setup, ctl, args.publish, args.pause_mode)
@@ -956,8 +955,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="EngineConfig.kv_after_update: requests in flight at a weight load re-prefill or keep their KV "
                    "(keep needs a pause that keeps them: in_place or retract)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and lengths")
-    p.add_argument("--train-priority", action="store_true",
-                   help="run the train step on a high-priority CUDA stream (thread layout on a shared GPU)")
+    p.add_argument("--train-stream", choices=("high_priority", "current"), default="high_priority",
+                   help="the whole update on a high-priority CUDA stream block (step.device_stream; an engine thread "
+                        "on the same GPU fills its gaps) or on the caller's stream")
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine as its own OS process (rlcore.serve over HTTP, weights by CUDA IPC) "
                         "instead of a thread of this one")

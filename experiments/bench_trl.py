@@ -220,8 +220,7 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
         argv.append("--smoke")
     if args.engine_process:
         argv.append("--engine-process")
-    if args.train_priority:
-        argv.append("--train-priority")
+    argv += ["--train-stream", args.train_stream]
     a = bench_async.parse_args(argv)
     a.fixed_len, a.len_cap, a.batch_groups, a.group_size = (args.completion_len, args.completion_len,
                                                             args.prompts_per_step, args.group_size)
@@ -327,8 +326,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="untimed eta = 0 steps at the benchmark's own shapes before the timed runs")
     p.add_argument("--sections", default="rlcore,trl", help="comma list of: rlcore, trl")
     p.add_argument("--seed", type=int, default=0, help="seed")
-    p.add_argument("--train-priority", action="store_true",
-                   help="rlcore's train step on a high-priority CUDA stream (engine fills its idle gaps)")
+    p.add_argument("--train-stream", choices=("high_priority", "current"), default="high_priority",
+                   help="rlcore's whole update (proximal forward, advantages, train_step) in one high-priority CUDA "
+                        "stream block (step.device_stream; the engine fills its idle gaps) or on the caller's stream")
     p.add_argument("--max-concurrent-groups", type=int, default=0,
                    help="eta > 0: at most this many batches of groups in flight (0: eta + 1)")
     p.add_argument("--engine-process", action="store_true",

@@ -27,10 +27,11 @@ forward helpers the same number of times (they run collectives under FSDP).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -196,6 +197,41 @@ def with_global_counts(batch: TokenBatch) -> TokenBatch:
     m = batch.loss_mask.bool()
     n = global_sum(torch.stack([m.sum().double(), (m.sum(-1) > 0).sum().double()]).cpu())
     return dataclasses.replace(batch, n_tokens=n[0], n_seqs=n[1])
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def device_stream(device: torch.device, mode: Literal["high_priority", "current"] = "high_priority") -> Iterator[None]:
+    """Run the block's CUDA work on this device's high-priority stream (CPU, or ``mode="current"``: nothing changes).
+
+    For an engine thread sharing the GPU with the trainer in one process: wrap the WHOLE update (proximal forward,
+    advantages, ``train_step``) in one block, so the trainer's kernels do not queue behind the engine's (default
+    stream) and the engine's fill the update's idle gaps. On one H200 (bench_trl shapes, engine thread, KV kept
+    across pushes; docs/benchmarks.md, session 9) η = 4 / η = 0 was 1.23, 1.10, 1.45, 1.15 with the block against
+    1.07, 1.12, 1.15, 1.16 on one stream, but η = 4's own samples/s did not clearly rise (90.9–107.0 vs 92.0–100.5):
+    a small, noisy effect. A block per call (proximal forward, then ``train_step``) did worse (0.99–1.09).
+
+    The stream first waits for the caller's current stream (inputs queued there are ready), and the host waits for
+    it at the end, so what the block returns or updates in place (parameters, optimizer state) is complete for any
+    stream that reads it next (a weight publish, the engine)."""
+    if mode not in ("high_priority", "current"):
+        raise ValueError(f"device_stream mode must be 'high_priority' or 'current', got {mode!r}")
+    if device.type != "cuda" or mode == "current":
+        yield
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
 
 
 @torch.no_grad()
@@ -551,4 +587,5 @@ __all__ = [
     "train_step", "with_global_counts", "global_sum", "minibatches",
     "policy_logp", "ref_logp", "teacher_logp", "critic_values", "old_logp", "compute_batch_advantages",
     "value_loss_fn", "sft_loss_fn", "dpo_loss_fn", "rm_loss_fn", "shift_to_predictive", "forward_logp",
+    "device_stream",
 ]
