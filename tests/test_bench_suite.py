@@ -73,12 +73,13 @@ def test_table_is_rendered_from_the_json_and_missing_json_is_not_measured(tmp_pa
         and long_tail.endswith("| ✘ |")
     )
     assert "0.63 GB, **74×**, 0.38×" in _row(
-        table, s.ROWS[9].what
+        table, s.ROWS[10].what
     )  # the list element picked by [tokens=..,hidden=..]
     assert "0.10 / 0.10 ms vs 0.50 / 0.50 ms" in _row(table, s.ROWS[2].what)  # keys with dots in them
     for what in (
-        s.ROWS[10].what,
+        s.ROWS[11].what,
         s.ROWS[6].what,
+        s.ROWS[8].what,  # bench_attention.json absent
         "same, without liger RMSNorm / SwiGLU / RoPE · with decoder layers compiled",
     ):
         assert _row(table, what).endswith("| not measured |  |")  # no JSON / no such section: no check mark
@@ -191,3 +192,11 @@ def test_bench_attention_smoke_runs_the_reference_path_and_names_the_skipped_cud
     assert case["flash_fwd_bwd_ms"] > 0 and "cuDNN" in case["cudnn"] and not any(k.endswith("_error") for k in case)
     assert sum(mod.draw_lengths(1000, 8, 40, 0)) == 1000
     assert json.loads(out.read_text())["cases"][0]["tokens"] == case["tokens"]
+
+
+def test_list_prints_every_benchmark_and_row(capsys):
+    s = _suite()
+    assert s.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(b.name in out for b in s.BENCHES)
+    assert out.count("\nrow ") + out.startswith("row ") == len(s.ROWS)
