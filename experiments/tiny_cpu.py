@@ -30,9 +30,9 @@ Smoke:  python experiments/tiny_cpu.py --minutes 0.2 --eval-prompts 64
 Replay: python experiments/tiny_cpu.py --record /tmp/rec && python -m rlcore.replay /tmp/rec   # docs/replay.md
 Resume: python experiments/tiny_cpu.py --checkpoint-dir /tmp/ck [--resume]   # nothing lost across a kill -9
 LoRA:   python experiments/tiny_cpu.py --lora     # rank-8 adapters only; publishes send the adapter (docs/lora.md)
-Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within 90-120 s on
-        idle pinned 2-core slots and to 55-59% at 8.6 minutes (seeds 0-2: 4,362-4,466 steps); on the slower CI-kind
-        2-core box +20 after ~3 minutes and 51% at 10 minutes (2,507 steps; docs/benchmarks.md). TensorBoard: ``tensorboard --logdir runs``
+Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within 90 s and to 58% at
+        10 minutes on an idle CI-kind 2-core box (4,972 steps, session 9); 90-120 s and 55-59% at 8.6 minutes on idle
+        pinned 2-core slots; slower CPUs take longer (docs/benchmarks.md). TensorBoard: ``tensorboard --logdir runs``
         (``perf/cores_busy``: average cores kept busy by all processes).
         With --lora (rank-8 adapters, lr 2e-3): 20.8% -> 33.9% (+13 points) in 5 minutes on a busy 2-core box, full
         fine-tuning 20.8% -> 40.8% in the same run conditions (docs/lora.md#numbers).
