@@ -476,14 +476,13 @@ def make_train_step(args: argparse.Namespace, train_dev: torch.device):
 
     scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=args.mb_tokens),
                            pad_to_multiple=256 if train_dev.type == "cuda" else None)
-    stream_mode = getattr(args, "train_stream", "high_priority")
     acfg = step.AdvantageConfig(reward_norm=normalize.GRPO, group_size=args.group_size)
     obj = ppo.PPOConfig(decoupled=True)
 
     def train(state, batch: dict):
         # --train-stream high_priority: the whole update (proximal forward, advantages, train_step) in one
         # high-priority CUDA stream block, so an engine thread on the same GPU fills its gaps (step.device_stream)
-        with step.device_stream(train_dev, stream_mode):
+        with step.device_stream(train_dev, args.train_stream):
             return update(state, batch)
 
     def update(state, batch: dict):
