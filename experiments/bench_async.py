@@ -562,13 +562,17 @@ def publish(setup: Setup, ctl: Any, mode: str, pause_mode: str) -> float:
         setup.state = weight_sync.publish_weights(state, [setup.engine], cfg=pcfg, rollout=ctl)
     else:
         v = state.version + 1
-        ctl.pause()
-        setup.engine.pause(pause_mode)
+        pause = pause_mode != "none"  # none: the engine loads between two forward passes while it generates
+        if pause:
+            ctl.pause()
+            setup.engine.pause(pause_mode)
         sd = {n: t.detach().to(setup.dtype) for n, t in weight_sync.hf_named_tensors(state.model)}
         setup.engine.update_weights_from_state_dict(sd, v)
-        setup.engine.continue_generation()
+        if pause:
+            setup.engine.continue_generation()
         ctl.set_version(v)
-        ctl.resume()
+        if pause:
+            ctl.resume()
         setup.state = dataclasses.replace(state, version=v)
     return time.perf_counter() - t0
 
@@ -948,11 +952,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="proximal log-probs of decoupled PPO")
     p.add_argument("--publish", choices=("direct", "library"), default="direct",
                    help="direct: device-to-device copy; library: weight_sync.publish_weights (CPU staging)")
-    p.add_argument("--pause-mode", choices=("abort", "in_place", "retract"), default="abort",
-                   help="engine pause mode at each weight update")
+    p.add_argument("--pause-mode", choices=("abort", "in_place", "retract", "none"), default="abort",
+                   help="engine pause mode at each weight update (none: no pause, the load lands between two "
+                        "forward passes; PublishConfig.pause_mode)")
     p.add_argument("--kv-after-update", choices=("recompute", "keep"), default="recompute",
                    help="EngineConfig.kv_after_update: requests in flight at a weight load re-prefill or keep their KV "
-                   "(keep needs a pause that keeps them: in_place or retract)")
+                   "(keep needs a mode that keeps them: in_place, retract or none)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and lengths")
     p.add_argument("--train-stream", choices=("high_priority", "current"), default="high_priority",
                    help="the whole update on a high-priority CUDA stream block (step.device_stream; an engine thread "

@@ -19,7 +19,9 @@ against the flash path. Paths:
   has no ``enable_gqa``), i.e. what the train step runs today;
 * ``cudnn_repeated``: ``_cudnn_attention_forward`` on (T, H, D) tensors with the cumulative lengths, kv heads repeated
   (``repeat_interleave``, so autograd sums their gradients back), backward by autograd;
-* ``cudnn_native_gqa``: the same with 2 kv heads as they are (recorded as an error if cuDNN refuses it).
+* ``cudnn_native_gqa``: the same with 2 kv heads as they are (recorded as an error if cuDNN refuses it);
+* ``cudnn_dense_per_seq`` / ``flash_dense_per_seq``: one dense causal SDPA call per sequence, ``(1, H, l, D)``, kv heads
+  repeated, on cuDNN's or flash's dense kernel (no ragged path: does cuDNN's dense Hopper kernel beat flash-2?).
 
 On CPU (``--smoke``) only the reference path runs (``varlen_attention`` falls back to its per-sequence SDPA loop) and
 the cuDNN paths are recorded as skipped: nothing here measures anything on CPU.
@@ -83,6 +85,24 @@ def cudnn_attention(q, k, v, cu, max_len: int, scale: float, native_gqa: bool) -
     )[0]
 
 
+def dense_per_sequence(q, k, v, lens: list[int], scale: float, backend: str) -> torch.Tensor:
+    """``(T, Hq, D)`` causal attention, one dense ``scaled_dot_product_attention`` call per packed sequence
+    (``(1, H, l, D)``, kv heads repeated) on one SDPA backend (``cudnn`` or ``flash``), outputs concatenated."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = q.shape[1] // k.shape[1]
+    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    outs = []
+    with sdpa_kernel([kind]):
+        for qs, ks, vs in zip(q.split(lens), k.split(lens), v.split(lens)):
+            ks, vs = (t.repeat_interleave(g, 1) if g > 1 else t for t in (ks, vs))
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], is_causal=True,
+                scale=scale)
+            outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
 def run_case(cfg: Config, shape: str, total: int, dev: torch.device) -> dict:
     hq, hkv, d = HEADS[shape]
     lens = draw_lengths(total, cfg.min_len, cfg.max_len, cfg.seed)
@@ -101,6 +121,8 @@ def run_case(cfg: Config, shape: str, total: int, dev: torch.device) -> dict:
     if cuda:
         paths["cudnn_repeated"] = lambda: cudnn_attention(q, k, v, cu, mx, scale, native_gqa=False)
         paths["cudnn_native_gqa"] = lambda: cudnn_attention(q, k, v, cu, mx, scale, native_gqa=True)
+        paths["cudnn_dense_per_seq"] = lambda: dense_per_sequence(q, k, v, lens, scale, "cudnn")
+        paths["flash_dense_per_seq"] = lambda: dense_per_sequence(q, k, v, lens, scale, "flash")
     else:
         case["cudnn"] = "skipped: cuDNN attention needs CUDA"
     ref = None
@@ -125,8 +147,9 @@ def run_case(cfg: Config, shape: str, total: int, dev: torch.device) -> dict:
             case[f"{name}_fwd_bwd_tflops"] = flops_fb / case[f"{name}_fwd_bwd_ms"] / 1e9
         except Exception:  # a path this torch / cuDNN cannot run is a result, not a crash
             case[f"{name}_error"] = traceback.format_exc()[-800:]
-    if "flash_fwd_bwd_ms" in case and "cudnn_repeated_fwd_bwd_ms" in case:
-        case["cudnn_repeated_speedup_fwd_bwd"] = case["flash_fwd_bwd_ms"] / case["cudnn_repeated_fwd_bwd_ms"]
+    for name in ("cudnn_repeated", "cudnn_dense_per_seq", "flash_dense_per_seq"):
+        if "flash_fwd_bwd_ms" in case and f"{name}_fwd_bwd_ms" in case:
+            case[f"{name}_speedup_fwd_bwd"] = case["flash_fwd_bwd_ms"] / case[f"{name}_fwd_bwd_ms"]
     return case
 
 

@@ -336,15 +336,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--kv-after-update", choices=("recompute", "keep"), default="recompute",
                    help="what a publish does to the KV of requests in flight: re-prefill them under the new weights, "
                         "or keep it and decode on (EngineConfig.kv_after_update)")
-    p.add_argument("--pause-mode", choices=("auto", "abort", "in_place", "retract"), default="auto",
+    p.add_argument("--pause-mode", choices=("auto", "abort", "in_place", "retract", "none"), default="auto",
                    help="engine pause at each publish; auto: in_place with --kv-after-update keep, else abort "
-                        "(aborted requests are resubmitted and prefilled again, so keep needs in_place or retract)")
+                        "(aborted requests are resubmitted and prefilled again, so keep needs in_place, retract or "
+                        "none; none: no pause, the load lands between two forward passes)")
     args = p.parse_args(argv)
     if args.pause_mode == "auto":
         args.pause_mode = "in_place" if args.kv_after_update == "keep" else "abort"
     if args.kv_after_update == "keep" and args.pause_mode == "abort":
         p.error("--kv-after-update keep does nothing with --pause-mode abort (every request in flight is aborted "
-                "and resubmitted, then prefilled); pass --pause-mode in_place or retract")
+                "and resubmitted, then prefilled); pass --pause-mode in_place, retract or none")
     if args.smoke:
         for k, v in dict(prompts_per_step=2, group_size=4, completion_len=8, prompt_len=8, micro_batch=4, steps=1,
                          ours_steps=2).items():

@@ -2,17 +2,18 @@
 
 A 2-layer, width-64 Qwen2 (~0.1M parameters, one token per character) was warm-started by
 experiments/sft_warmstart.py to ~21% greedy success on 1,000 held-out Countdown prompts
-(``3579:42=`` -> ``7*5+9-3``). Here it trains with the whole library, in three processes (2 cores):
+(``3579:42=`` -> ``7*5+9-3``). Here it trains with the whole library, in four processes (2 cores):
 
-    engine server (python -m rlcore.serve, SGLang's HTTP protocol on 127.0.0.1): Engine
+    two engine servers (python -m rlcore.serve, SGLang's HTTP protocol on 127.0.0.1): Engine, the same weights
     rollout process (rlcore.rollout.remote): RolloutController (staleness eta) -> rlvr group episodes (one
-        /generate per group of 8, EngineClient) -> countdown reward -> finished groups over a pipe
+        /generate per group of 8, EngineClient, round robin over the servers) -> countdown reward -> finished
+        groups over a pipe
     trainer (this process): prepare_batch -> train_batch: rewards (GRPO group z-score) -> advantages
         (gae.compute_advantages) -> loss_fn (build_loss_fn: decoupled ppo.loss, the proximal log-probs from the
-        training forward itself) -> step.train_step -> publish_weights (pause -> safetensors file in /dev/shm ->
-        the engine loads it -> version + 1 -> resume)
+        training forward itself) -> step.train_step -> publish_weights (safetensors file in /dev/shm -> each
+        engine loads it between two forward passes, without a pause -> version + 1)
 
-No two of them share a GIL: while ``train_batch`` runs on batch k here, the engine and the rollout process are
+No two of them share a GIL: while ``train_batch`` runs on batch k here, the engines and the rollout process are
 already producing batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects for that one
 step of staleness with the behaviour weight pi_prox / pi_behav. ``--engine process`` keeps the rollout loop in a
 thread of this process (engine server only), ``--engine rollout-process`` puts the engine inside the rollout
@@ -30,10 +31,10 @@ Smoke:  python experiments/tiny_cpu.py --minutes 0.2 --eval-prompts 64
 Replay: python experiments/tiny_cpu.py --record /tmp/rec && python -m rlcore.replay /tmp/rec   # docs/replay.md
 Resume: python experiments/tiny_cpu.py --checkpoint-dir /tmp/ck [--resume]   # nothing lost across a kill -9
 LoRA:   python experiments/tiny_cpu.py --lora     # rank-8 adapters only; publishes send the adapter (docs/lora.md)
-Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within 90 s and to 58% at
-        10 minutes on an idle CI-kind 2-core box (4,972 steps, session 9); 90-120 s and 55-59% at 8.6 minutes on idle
-        pinned 2-core slots; slower CPUs take longer (docs/benchmarks.md). TensorBoard: ``tensorboard --logdir runs``
-        (``perf/cores_busy``: average cores kept busy by all processes).
+Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within 60-90 s and to 59% at
+        10 minutes on an idle CI-kind 2-core box (6,546 steps, 1.66 cores busy, session 10); slower CPUs take longer
+        (docs/benchmarks.md). TensorBoard: ``tensorboard --logdir runs`` (``perf/cores_busy``: average cores kept
+        busy by all processes).
         With --lora (rank-8 adapters, lr 2e-3): 20.8% -> 33.9% (+13 points) in 5 minutes on a busy 2-core box, full
         fine-tuning 20.8% -> 40.8% in the same run conditions (docs/lora.md#numbers).
 """
@@ -133,6 +134,15 @@ class Config:
     """torch intra-op threads of the trainer (and of the engine thread with --engine thread)."""
     engine_threads: int = 1
     """torch intra-op threads of the engine process: its share of the cores."""
+    engine_servers: int = 2
+    """--engine processes / process: engine server processes, data-parallel replicas of the same weights. The rollout
+    client sends each group's request to the next one in turn (round robin) and every publish loads all of them, so
+    this generation-bound job decodes on both cores (one server's Python loop holds one; measured in
+    docs/benchmarks.md, 2 beat 1 and 3). The in-process layouts (rollout-process, thread) have one engine."""
+    publish_pause: Literal["none", "in_place"] = "none"
+    """none: each publish loads the engines while they keep generating (committed between two forward passes, every
+    token tagged with its version); in_place: pause them first and continue after, two more round trips per
+    step (weight_sync.PublishConfig.pause_mode)."""
     pin_cores: bool = False
     """--engine process: pin the engine to the last engine_threads CPUs, the trainer to the others.
     Off by default (os.sched_setaffinity), so that a busy shared machine can balance the load."""
@@ -165,6 +175,8 @@ class Config:
             raise ValueError("Config.resume needs Config.checkpoint_dir; pass --checkpoint-dir DIR")
         if self.checkpoint_every < 1:
             raise ValueError(f"Config.checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.engine_servers < 1:
+            raise ValueError(f"Config.engine_servers must be >= 1, got {self.engine_servers}")
 
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
@@ -238,6 +250,15 @@ class Layout:
     set_lora: Any
 
 
+def start_engine_servers(cfg: Config, cpus: Sequence[int], stack: contextlib.ExitStack) -> list:
+    """``cfg.engine_servers`` engine server processes (rlcore.serve on 127.0.0.1), all loading the warm start as
+    version 0; replica i samples with seed ``cfg.seed + i``. Closed (terminated) with ``stack``."""
+    return [stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
+        model=cfg.model_dir, threads=cfg.engine_threads, cpus=tuple(cpus), dtype="float32", device="cpu",
+        max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed + i,
+    ))) for i in range(cfg.engine_servers)]
+
+
 def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
     """Start the engine and build the rollout controller (not started) in the chosen layout (``cfg.engine``)."""
     keep = cfg.max_staleness + 2  # LoRA adapters kept loaded: every version a request in flight may name
@@ -248,14 +269,14 @@ def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
         # Three processes, three GILs: the engine server (rlcore.serve, SGLang's protocol on 127.0.0.1), the rollout
         # process (controller, workflows, rewards; its client speaks HTTP to the server, /generate calls of one tick
         # batched) and this trainer. Weights go to the server through /dev/shm; batches come over a pipe.
-        ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
-            model=cfg.model_dir, threads=cfg.engine_threads, cpus=engine_cpus, dtype="float32", device="cpu",
-            max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed,
-        )))
-        rp = stack.enter_context(remote.RolloutProcess(remote.by_reference(rollout_parts, cfg, ep.address)))
-        control = stack.enter_context(engine_client.connect(ep.address))
-        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place", lora_keep_versions=keep)
-        return Layout(rp.controller, [control], pub, (ep.pid, rp.pid), rp.controller.set_lora)
+        eps = start_engine_servers(cfg, engine_cpus, stack)
+        address = ",".join(ep.address for ep in eps)
+        rp = stack.enter_context(remote.RolloutProcess(remote.by_reference(rollout_parts, cfg, address)))
+        control = stack.enter_context(engine_client.connect(address))  # its fan-out loads every server
+        # every server loads each version, or the step fails: the rollout's own client would not see an eviction
+        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode=cfg.publish_pause, lora_keep_versions=keep,
+                                        on_partial_failure="raise")
+        return Layout(rp.controller, [control], pub, (*(ep.pid for ep in eps), rp.pid), rp.controller.set_lora)
     if cfg.engine == "rollout-process":
         # Engine, controller, workflows and rewards in one child process, the controller talking to its engine
         # in-process: this process keeps its GIL for training. Batches come over a pipe; weights go as float32
@@ -264,7 +285,7 @@ def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
             remote.by_reference(rollout_parts, cfg),
             remote.RolloutProcessConfig(threads=cfg.engine_threads, cpus=tuple(engine_cpus)),
         ))
-        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place",
+        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode=cfg.publish_pause,
                                         lora_keep_versions=keep)
         return Layout(rp.controller, [rp.engine], pub, (rp.pid,), rp.controller.set_lora)
     if cfg.engine == "thread":
@@ -274,22 +295,22 @@ def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
         engine = stack.enter_context(parts.engine)
         client = engine_client.EngineClient(engine)
         targets: list = [engine]
-        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place",
+        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode=cfg.publish_pause,
                                         lora_keep_versions=keep)
         pids: tuple[int, ...] = ()
     else:
         # The engine alone in its own process, behind the same client and protocol as a remote SGLang server: one
         # client for the rollouts, one blocking client for the publish's control calls; weights through a file in
         # /dev/shm. The rollout client's /generate calls of one event-loop tick share one (batched) HTTP request.
-        ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
-            model=cfg.model_dir, threads=cfg.engine_threads, cpus=engine_cpus, dtype="float32", device="cpu",
-            max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed,
-        )))
-        parts = rollout_parts(cfg, ep.address)
-        client = engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address))
-        targets = [stack.enter_context(engine_client.connect(ep.address))]
-        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode="in_place", lora_keep_versions=keep)
-        pids = (ep.pid,)
+        eps = start_engine_servers(cfg, engine_cpus, stack)
+        address = ",".join(ep.address for ep in eps)
+        parts = rollout_parts(cfg, address)
+        client = engine_client.EngineClient([coalesce.CoalescingHTTP(ep.address) for ep in eps])
+        targets = [stack.enter_context(engine_client.connect(address))]
+        # every server loads each version, or the step fails: the rollout's own client would not see an eviction
+        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode=cfg.publish_pause, lora_keep_versions=keep,
+                                        on_partial_failure="raise")
+        pids = tuple(ep.pid for ep in eps)
     # built, not started: main starts it once the engine holds what the first requests need (a LoRA version 0)
     ctl = rollout.RolloutController(client, parts.episode, parts.loader, parts.rollout)
     return Layout(ctl, targets, pub, pids, client.set_lora)

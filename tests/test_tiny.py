@@ -168,8 +168,18 @@ def test_tiny_cpu_main_job_smoke(layout, capsys):
     mod = importlib.util.module_from_spec(spec)
     sys.modules["tiny_cpu"] = mod
     spec.loader.exec_module(mod)
-    assert mod.Config().engine == "processes"
+    assert mod.Config().engine == "processes" and mod.Config().engine_servers == 2
+    started = []
+    real_start = mod.start_engine_servers
+
+    def start(cfg, cpus, stack):  # the server layouts start cfg.engine_servers replicas on distinct ports
+        eps = real_start(cfg, cpus, stack)
+        started.extend(ep.address for ep in eps)
+        return eps
+
+    mod.start_engine_servers = start
     out = mod.main(dataclasses.replace(mod.SMOKE, engine=layout))
+    assert len(set(started)) == len(started) == (2 if layout in ("processes", "process") else 0)
     assert out["steps"] >= 1
     assert out["version_stats/staleness_max"] <= mod.SMOKE.max_staleness
     assert 0.0 <= out["greedy_success_end"] <= 1.0 and 0.0 <= out["rollout/reward"] <= 1.0

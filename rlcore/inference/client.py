@@ -188,6 +188,10 @@ class EngineClient:
         failed, or they were dead during it); the next successful push re-syncs them."""
         return [s.name for s in self.servers if not s.dead and not self._synced(s)]
 
+    def unsynced_servers(self) -> list[str]:
+        """Every server, dead or alive, that does not hold the last pushed weights (no push yet: none)."""
+        return [s.name for s in self.servers if self._pushed is not None and not self._synced(s)]
+
     def _synced(self, s: _Server) -> bool:
         return s.weights is self._pushed or s.weights == self._pushed
 
@@ -777,6 +781,9 @@ class SyncEngineClient:
 
     def stale_servers(self) -> list[str]:
         return self.client.stale_servers()
+
+    def unsynced_servers(self) -> list[str]:
+        return self.client.unsynced_servers()
 
     def backpressure(self) -> float:
         return self.client.backpressure()

@@ -56,7 +56,9 @@ from rlcore.rollout import workflows
 class RolloutParts:
     """What the child builds (in the child): the episode, the prompts, the gate, and either an engine not yet started
     (it runs in the child, in-process transport) or the address of an engine server (``rlcore.serve``, SGLang's
-    protocol over HTTP: then engine, rollout and trainer are three processes with three GILs)."""
+    protocol over HTTP: then engine, rollout and trainer are three processes with three GILs). ``address`` may name
+    several servers, comma-separated (``"http://127.0.0.1:A,http://127.0.0.1:B"``, as ``EngineClient`` takes them):
+    replicas of the same weights, requests round-robin over them."""
 
     episode: workflows.Episode
     loader: Iterable
@@ -229,7 +231,8 @@ def _child_main(conn: Any, build: Callable[[], RolloutParts], cfg: RolloutProces
                 client = engine_client.EngineClient(engine)  # in-process transport: the SGLang handlers, no HTTP
             else:  # an engine server: its /generate calls of one event-loop tick share one HTTP request
                 engine = None
-                client = engine_client.EngineClient(coalesce.CoalescingHTTP(parts.address))
+                client = engine_client.EngineClient(
+                    [coalesce.CoalescingHTTP(a) for a in parts.address.split(",") if a.strip()])
             # built, not started: the trainer starts it (``with rp.controller:``) once the engine has what the
             # first requests need (e.g. a LoRA run's version-0 adapter)
             ctl = controller_lib.RolloutController(client, parts.episode, parts.loader, parts.rollout)

@@ -83,10 +83,23 @@ class PublishConfig:
     """Directory for shm mode's ``rlcore-weights-<pid>-v<version>.safetensors`` (empty: ``/dev/shm``)."""
     weight_chunked_mem_mb: float = 1024.0
     """Bucket size of the distributed broadcast in MiB (one tensor larger than this is its own bucket)."""
-    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
-    """How engines pause: abort in-flight requests (resubmitted by the client) or keep them."""
+    pause_mode: Literal["abort", "retract", "in_place", "none"] = "abort"
+    """How engines pause around the load: abort in-flight requests (resubmitted by the client) or keep them
+    (``retract``, ``in_place``; continued after the load). ``none``: no pause at all, neither the engines' nor the
+    rollout controller's; each engine keeps generating and loads the new weights in its own
+    ``/update_weights_from_disk`` (or tensor / state-dict) call, requests in flight kept (``abort_all_requests``
+    false). rlcore's engine stages the load beside the running batch and commits it between two forward passes,
+    tagging every token with the version that produced it (and re-prefilling requests whose KV predates the load
+    unless ``kv_after_update="keep"``), so no sample is mislabelled; this saves the pause and continue round trips
+    of every publish. Another server applies its own rules for a load during generation."""
     timeout_s: float = 300.0
     """Longest wait for one engine acknowledgement."""
+    on_partial_failure: Literal["evict", "raise"] = "evict"
+    """A client target with several servers whose push failed on some of them (others acknowledged): ``evict``
+    keeps training with the servers that loaded it (that client routes nothing to the others until a later push
+    succeeds on them); ``raise`` fails the publish with ``WeightSyncError`` naming them. Use ``raise`` when other
+    clients route to the same servers (e.g. a rollout process with its own ``EngineClient``): they would not know
+    of the eviction and would keep sampling from the old weights (honestly labelled, but ever staler)."""
     lora: Literal["adapter", "merged"] = "adapter"
     """For a LoRA policy only: publish the adapter alone (``<lora_name>-v<version>``; the engines apply it on their
     base weights) or the full merged weights ``W + s·B@A`` (engines without adapters; ``mode="distributed"``)."""
@@ -591,9 +604,10 @@ def publish_weights(
         raise ValueError("PublishConfig.mode='distributed' needs BroadcastGroup targets; build one with connect_broadcast")
     if cfg.mode == "state_dict" and not all(_is_engine(t) for t in targets):
         raise ValueError("PublishConfig.mode='state_dict' needs in-process engines; use mode='disk' or 'distributed' for clients")
-    if rollout is not None:
+    pause = cfg.pause_mode != "none"
+    if rollout is not None and pause:
         rollout.pause()
-    if main:
+    if main and pause:
         for t in targets:
             _pause(t, cfg.pause_mode, cfg.timeout_s)
     _barrier()
@@ -622,10 +636,17 @@ def publish_weights(
         else:
             for t in targets:
                 _broadcast_weights(state, t, version, cfg)
+        if main and cfg.on_partial_failure == "raise":
+            missed = [s for t in targets if hasattr(t, "unsynced_servers") for s in t.unsynced_servers()]
+            if missed:
+                raise WeightSyncError(f"servers {missed} did not load version {version} (the others did); "
+                                      "PublishConfig.on_partial_failure='raise' stops here rather than let another "
+                                      "client keep sampling from their old weights")
     except Exception as e:
-        raise WeightSyncError(f"weight update to version {version} failed; engines stay paused: {e}") from e
+        state_of = "engines stay paused" if pause else "engines keep the old weights and version"
+        raise WeightSyncError(f"weight update to version {version} failed; {state_of}: {e}") from e
     _barrier()
-    if main:
+    if main and pause:
         for t in targets:
             _continue(t, cfg.timeout_s)
     _barrier()
@@ -635,7 +656,8 @@ def publish_weights(
             t.set_lora(cfg.lora_name)  # its requests now name the adapter of their version
     if rollout is not None:
         rollout.set_version(version)
-        rollout.resume()
+        if pause:
+            rollout.resume()
     return dataclasses.replace(state, version=version)
 
 

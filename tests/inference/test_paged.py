@@ -324,6 +324,38 @@ def test_group_interrupted_by_a_weight_update_recomputes_its_kv_and_switches_ver
         )
 
 
+@pytest.mark.parametrize("kv_after_update", ["recompute", "keep"])
+def test_a_load_without_any_pause_commits_between_two_steps_and_tags_every_token(kv_after_update):
+    """``PublishConfig(pause_mode="none")``: the trainer never pauses the engine; the load lands between two forward
+    passes of running requests. Every sample's versions switch once, old to new; the old-version tokens carry the
+    old model's teacher-forced log-probs and, with "recompute" (the KV rebuilt under the new weights first), the
+    new-version tokens the new model's. ("keep" decodes on over old-weight KV: no single model reproduces those.)"""
+    old, new = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=3)
+    prompt = [4, 8, 15, 16, 23, 42 % V, 7]
+    G = 4
+    sps = [sampled(30, 900 + i) for i in range(G)]
+    cfg = EngineConfig(max_batch=8, max_seq_len=64, block_size=4, kv_after_update=kv_after_update)
+    with Engine(copy.deepcopy(old), cfg) as eng:
+        futs = [eng.submit(prompt, s, rid=f"g{i}") for i, s in enumerate(sps)]
+        wait_for(lambda: all((eng.num_generated(f"g{i}") or 0) >= 3 for i in range(G)))
+        eng.update_weights_from_state_dict(new.state_dict(), version=5)  # no pause before, no continue after
+        assert not eng.paused
+        outs = [f.result(60) for f in futs]
+    for o in outs:
+        vs = o.output_versions
+        n = vs.index(5)
+        assert 3 <= n < 30 and vs == [0] * n + [5] * (30 - n)
+        ids = torch.tensor(o.output_ids)[:, None]
+        lp = torch.tensor(o.output_logprobs)
+        torch.testing.assert_close(
+            lp[:n], teacher_forced(old, prompt, o.output_ids).gather(-1, ids)[:n, 0], atol=1e-4, rtol=0
+        )
+        if kv_after_update == "recompute":
+            torch.testing.assert_close(
+                lp[n:], teacher_forced(new, prompt, o.output_ids).gather(-1, ids)[n:, 0], atol=1e-4, rtol=0
+            )
+
+
 def test_release_memory_drops_the_blocks_of_retracted_requests_and_they_recompute():
     model = tiny_model("qwen2", seed=9)
     sp = sampled(30, 77)

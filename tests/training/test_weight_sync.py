@@ -2,6 +2,7 @@
 
 import copy
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -83,6 +84,28 @@ def test_in_process_order_and_version():
         assert_same_weights(st, eng.model)
     assert log == ["rollout.pause", "engine.pause", "engine.load v1", "engine.continue", "rollout.version=1",
                    "rollout.resume"]
+
+
+def test_pause_mode_none_loads_and_bumps_the_version_without_a_pause_or_continue_round_trip():
+    st = trained_state()
+    log = []
+    with engine_for(st.model) as eng:
+        st2 = weight_sync.publish_weights(st, [Recorder(log, inner=eng)], rollout=Recorder(log),
+                                          cfg=weight_sync.PublishConfig(dtype="float32", pause_mode="none"))
+        assert st2.version == 1 == eng.version and not eng.paused
+        assert_same_weights(st, eng.model)
+    assert log == ["engine.load v1", "rollout.version=1"]
+
+
+def test_pause_mode_none_failed_load_keeps_the_old_version_and_nothing_paused():
+    st = trained_state()
+    log = []
+    with engine_for(st.model) as eng:
+        with pytest.raises(weight_sync.WeightSyncError, match="keep the old weights"):
+            weight_sync.publish_weights(st, [Recorder(log, inner=eng, fail=True)], rollout=Recorder(log),
+                                        cfg=weight_sync.PublishConfig(dtype="float32", pause_mode="none"))
+        assert eng.version == 0 and not eng.paused
+    assert log == ["engine.load v1"]
 
 
 def test_failed_ack_keeps_version_and_pause():
@@ -189,3 +212,26 @@ def test_failed_push_to_one_server_never_serves_old_weights_under_the_new_versio
             with pytest.raises(weight_sync.WeightSyncError, match="version 2"):
                 weight_sync.publish_weights(st2, [client], cfg=pub)
             assert client.get_version() == 1
+
+
+def test_on_partial_failure_raise_names_the_server_that_missed_the_push(tmp_path):
+    """Two servers, b's load fails: with ``on_partial_failure="raise"`` the publish raises and names b (the default,
+    ``evict``, goes on with a: the test above)."""
+    from rlcore.inference.server import InProcessServer
+
+    class Failing(InProcessServer):
+        async def handle(self, endpoint, payload):
+            if endpoint.strip("/") == "update_weights_from_disk":
+                return 500, {"error": "disk read failed"}
+            return await super().handle(endpoint, payload)
+
+    st = trained_state()
+    with engine_for(st.model) as ea, engine_for(st.model) as eb:
+        cfg = ClientConfig(timeout_s=60, retries=0, dead_after_failures=1, seed=0)
+        with SyncEngineClient([InProcessServer(ea), Failing(eb)], cfg) as client:
+            bad = client.client.servers[1].name
+            pub = weight_sync.PublishConfig(mode="disk", dtype="float32", disk_root=str(tmp_path / "w"),
+                                            on_partial_failure="raise")
+            with pytest.raises(weight_sync.WeightSyncError, match=re.escape(bad)):
+                weight_sync.publish_weights(st, [client], cfg=pub)
+            assert ea.version == 1 and eb.version == 0  # a loaded it; the trainer's version was not bumped
