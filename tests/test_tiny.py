@@ -432,3 +432,16 @@ def test_tiny_cpu_rollout_keeps_every_batch_the_gate_allows_in_flight(eta):
     parts = mod.rollout_parts(cfg, address="http://127.0.0.1:1")
     assert parts.rollout.concurrency == (eta + 1) * cfg.prompts_per_step
     assert mod.max_batch(cfg) == parts.rollout.concurrency * cfg.group_size
+
+
+@pytest.mark.parametrize("pause", ["none", "in_place"])
+def test_tiny_cpu_publish_pause_reaches_the_publish(pause):
+    """``--publish-pause`` is the publish's ``pause_mode`` (what it does: tests/training/test_weight_sync.py, the
+    pause-free load: tests/inference/test_paged.py); ``none`` is the default."""
+    import contextlib
+
+    mod = _load("tiny_cpu")
+    assert mod.Config().publish_pause == "none"
+    with contextlib.ExitStack() as stack:
+        layout = mod.open_rollout(dataclasses.replace(mod.SMOKE, engine="thread", publish_pause=pause), stack)
+        assert layout.publish.pause_mode == pause
