@@ -58,6 +58,11 @@ from rlcore.inference.weights import (
 # Config and results
 
 
+def auto_device() -> torch.device:
+    """What ``EngineConfig(device="auto")`` means: ``cuda`` when this torch sees a GPU, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of one embedded engine."""
@@ -229,14 +234,9 @@ class Engine(WeightUpdates):
         version: int = 0,
     ) -> None:
         self.cfg = cfg
-        if cfg.device == "auto":
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            self.device = torch.device(cfg.device)
-        if cfg.dtype == "auto":
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = DTYPES[cfg.dtype]
+        self.device = auto_device() if cfg.device == "auto" else torch.device(cfg.device)
+        cuda = self.device.type == "cuda"
+        self.dtype = (torch.bfloat16 if cuda else torch.float32) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         if isinstance(model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
