@@ -266,9 +266,9 @@ def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
     if trainer_cpus and cfg.engine != "thread":
         engine_process.pin_threads(cfg.threads, trainer_cpus)
     if cfg.engine == "processes":
-        # Three processes, three GILs: the engine server (rlcore.serve, SGLang's protocol on 127.0.0.1), the rollout
-        # process (controller, workflows, rewards; its client speaks HTTP to the server, /generate calls of one tick
-        # batched) and this trainer. Weights go to the server through /dev/shm; batches come over a pipe.
+        # A GIL each: the engine servers (rlcore.serve, SGLang's protocol on 127.0.0.1), the rollout process
+        # (controller, workflows, rewards; its client speaks HTTP to the servers, /generate calls of one tick
+        # batched per server) and this trainer. Weights go to the servers through /dev/shm; batches over a pipe.
         eps = start_engine_servers(cfg, engine_cpus, stack)
         address = ",".join(ep.address for ep in eps)
         rp = stack.enter_context(remote.RolloutProcess(remote.by_reference(rollout_parts, cfg, address)))
