@@ -643,7 +643,8 @@ def publish_weights(
                                       "PublishConfig.on_partial_failure='raise' stops here rather than let another "
                                       "client keep sampling from their old weights")
     except Exception as e:
-        state_of = "engines stay paused" if pause else "engines keep the old weights and version"
+        state_of = ("engines stay paused" if pause else
+                    "engines that did not acknowledge keep the old weights and version (any that did hold the new ones)")
         raise WeightSyncError(f"weight update to version {version} failed; {state_of}: {e}") from e
     _barrier()
     if main and pause:
