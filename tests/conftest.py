@@ -12,6 +12,7 @@ both load ``ci`` (unless ``HYPOTHESIS_PROFILE`` names another), so a suite that 
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,29 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def _selects_gpu_tests(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` keeps a test marked ``gpu`` (or ``gpu`` and ``slow``), by pytest's own expression
+    parser; a plain word match if its private module moved."""
+    if not markexpr.strip():
+        return True
+    try:
+        from _pytest.mark.expression import Expression
+
+        expr = Expression.compile(markexpr)
+        return any(bool(expr.evaluate(lambda name, _m=marks, **_: name in _m)) for marks in ({"gpu"}, {"gpu", "slow"}))
+    except Exception:  # noqa: BLE001 - private API: fall back to reading the expression
+        return re.search(r"(?<!not )\bgpu\b", markexpr) is not None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The default suite (``-m 'not slow and not gpu'``) is the CPU suite on every machine: when the mark expression
+    deselects the ``gpu`` tests, CUDA is hidden from this process and every subprocess it starts, so a GPU box runs
+    exactly what the 2-core CI box runs (engines, train states and launchers at ``"auto"`` pick the CPU there).
+    ``python -m pytest -q -m gpu tests`` runs the GPU tests with the GPUs visible."""
+    if not _selects_gpu_tests(config.getoption("markexpr") or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 ROOT = Path(__file__).resolve().parents[1]

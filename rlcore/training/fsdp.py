@@ -71,6 +71,12 @@ def setup_distributed(backend: str | None = None, *, timeout_s: float = 1800.0) 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
+    if cuda and local >= torch.cuda.device_count():
+        raise ValueError(
+            f"LOCAL_RANK={local} but this host sees {torch.cuda.device_count()} CUDA device(s): start at most one rank "
+            "per GPU (torchrun --nproc_per_node=<GPUs>), or run the ranks on CPU with gloo by hiding the GPUs "
+            "(CUDA_VISIBLE_DEVICES=)"
+        )
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

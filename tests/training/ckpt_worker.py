@@ -1,7 +1,7 @@
 """torchrun / in-process worker for the checkpoint resharding tests (tests/training/test_checkpoint.py).
 
 Usage: torchrun --nproc_per_node N tests/training/ckpt_worker.py {save|load} CKPT_DIR OUT.pt [async] [export=DIR]
-  [cuda [nccl]] [+ {save|load} CKPT_DIR2 OUT2.pt ...]
+  [cuda [nccl] | cpu] [+ {save|load} CKPT_DIR2 OUT2.pt ...]
 Jobs separated by ``+`` run one after the other in the same processes and process group (one torchrun start-up).
 ``save``: one AdamW RL step (``test_step.rl_update``: train_step + decoupled-PPO loss_fn) on FSDP2-sharded tiny Qwen2 (plain module at world size 1), ``checkpoint.save``,
 then one more step. ``load``: a differently seeded state, ``checkpoint.restore``, then the same next step.
@@ -68,6 +68,8 @@ def run(mode: str, ckpt: str, out: str, *flags: str, finish: bool = True) -> Non
             torch.cuda.set_device(0)
             torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", 0))
     info = fsdp.setup_distributed()
+    if "cpu" in flags:  # a plain CPU process even where a GPU is visible
+        kw = dict(device="cpu")
     if "cuda" in flags:
         # float32 throughout, eager: the comparison stays tight (the CUDA defaults are bf16 + compiled)
         kw = dict(device=info.device, compute_dtype=None, fsdp_cfg=fsdp.FSDPConfig(param_dtype="float32"),

@@ -593,7 +593,7 @@ def test_cuda_fsdp_nccl_async_save_restores_on_cpu(tmp_path):
 
     _torchrun(1, "save", str(tmp_path / "ckpt"), str(tmp_path / "saved.pt"), "async", "cuda", "nccl",
               CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
-    ckpt_worker.run("load", str(tmp_path / "ckpt"), str(tmp_path / "loaded.pt"))
+    ckpt_worker.run("load", str(tmp_path / "ckpt"), str(tmp_path / "loaded.pt"), "cpu")
     saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
     assert saved["sharded"] and saved["device"].startswith("cuda") and not loaded["sharded"]
     _assert_resharded(saved, loaded, loss_tol=1e-5)

@@ -29,6 +29,19 @@ def test_setup_distributed_single_process():
     assert fsdp.dp_size() == 1 and not dist.is_initialized()
 
 
+def test_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    """torchrun --nproc_per_node=2 on a one-GPU host: an error that names the fix, not CUDA's 'invalid device
+    ordinal' from set_device (the process group is never created)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) was called"))
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 .* 1 CUDA device.*nproc_per_node.*CUDA_VISIBLE_DEVICES="):
+        fsdp.setup_distributed()
+    assert not dist.is_initialized()
+
+
 def test_decoder_layers_found_and_errors():
     st = common.fresh_state()
     layers = fsdp.decoder_layers(st.model)
@@ -132,7 +145,7 @@ def test_sharded_state_dict_and_publish_gather_full_tensors(monkeypatch):
 def test_compile_layers_keeps_names_and_compiles_every_block():
     """compile_layers=True wraps each decoder layer's forward in place: same parameter names (so checkpoints and
     weight publishing are unaffected), every block marked compiled, nothing compiled yet (lazy)."""
-    plain = common.fresh_state(seed=0)
+    plain = common.fresh_state(seed=0, compile_layers=False)  # explicit: "auto" compiles on a GPU box
     st = common.fresh_state(seed=0, compile_layers=True)
     assert [n for n, _ in st.model.named_parameters()] == [n for n, _ in plain.model.named_parameters()]
     layers = fsdp.decoder_layers(st.model)

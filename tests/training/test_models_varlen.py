@@ -292,7 +292,9 @@ def test_cuda_policy_auto_uses_varlen_and_fused_adamw():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_fp32_masters_autocast_matches_bf16_forward_and_keeps_fp32_grads():
-    st32 = ts.init_train_state(tiny_qwen().config, ts.OptimConfig(), device="cuda")
+    # param_dtype="keep": float32 parameters under bf16 autocast (the default on CUDA is bf16 parameters)
+    st32 = ts.init_train_state(tiny_qwen().config, ts.OptimConfig(), device="cuda",
+                               model_cfg=ts.ModelConfig(param_dtype="keep"))
     assert st32.model.compute_dtype is torch.bfloat16
     pol16 = models.PolicyModel(copy.deepcopy(st32.model.hf).to(torch.bfloat16))
     ids, pos, cu = (x.cuda() for x in packed([30, 9]))

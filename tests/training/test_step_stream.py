@@ -55,7 +55,7 @@ def test_cpu_block_runs_the_update_without_touching_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", no_cuda)
     monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
     torch.manual_seed(0)
-    before = params(ts.init_train_state(tiny_config(), ts.OptimConfig()).model)
+    before = params(ts.init_train_state(tiny_config(), ts.OptimConfig(), device="cpu").model)
     _, after, m = _update("cpu", "high_priority")
     assert float(m["train/update_successful"]) == 1.0
     assert any(not torch.equal(after[k], before[k]) for k in before)  # the update ran inside the block

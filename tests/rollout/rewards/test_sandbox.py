@@ -6,12 +6,14 @@ with ``gc`` and rewrite its defaults), so what is tested is the OS layer below i
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -101,8 +103,17 @@ def test_cannot_read_host_files():
     assert "Run untrusted Python" not in res.stdout and "[project]" not in res.stdout
     assert res.stdout.count("DENIED") == 4
     listing = res.stdout.splitlines()[-1]
-    for hidden in ("'work'", "'home'", "'mnt'", "'farm'", "'opt'", "'var'", "'srv'"):
-        assert hidden not in listing
+    # the Python prefix is bound read-only at its own path, so its top directory may appear (e.g. /opt on a box whose
+    # Python lives in /opt/venv); nothing else of the host's root does, and inside that directory only the prefix's path
+    prefixes = [Path(os.path.realpath(p)) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))]
+    bound = {p.parts[1] for p in prefixes if len(p.parts) > 2}
+    for hidden in ("work", "home", "mnt", "farm", "opt", "var", "srv"):
+        assert hidden in bound or f"'{hidden}'" not in listing, listing
+    for top in sorted(bound - {"usr"}):
+        inside = sandbox.run_python(f"import os; print(sorted(os.listdir('/{top}')))", cfg=FAST)
+        assert inside.ok, inside.stderr
+        allowed = {p.parts[2] for p in prefixes if len(p.parts) > 2 and p.parts[1] == top}
+        assert set(ast.literal_eval(inside.stdout.strip())) <= allowed, (top, inside.stdout, allowed)
 
 
 def test_cannot_write_outside_scratch(tmp_path):
