@@ -7,6 +7,7 @@ cuDNN's ragged attention (``aten::_cudnn_attention_forward`` with ``cum_seq_q`` 
 step uses it.
 
 Run:    python experiments/bench_attention.py --out $OUT/bench_attention.json      # one H200, < 1 min
+Tune:   python experiments/bench_attention.py --tune --out $OUT/tune_attention.json  # one H200, < 4 min
 Smoke:  python experiments/bench_attention.py --smoke                              # CPU: the harness only
 
 Cases: head shapes of Qwen2-0.5B (14 query / 2 kv heads, dim 64) and Qwen2.5-3B (16 / 2, dim 128), bf16, packed
@@ -21,7 +22,20 @@ against the flash path. Paths:
   (``repeat_interleave``, so autograd sums their gradients back), backward by autograd;
 * ``cudnn_native_gqa``: the same with 2 kv heads as they are (recorded as an error if cuDNN refuses it);
 * ``cudnn_dense_per_seq`` / ``flash_dense_per_seq``: one dense causal SDPA call per sequence, ``(1, H, l, D)``, kv heads
-  repeated, on cuDNN's or flash's dense kernel (no ragged path: does cuDNN's dense Hopper kernel beat flash-2?).
+  repeated, on cuDNN's or flash's dense kernel (no ragged path: does cuDNN's dense Hopper kernel beat flash-2?);
+* ``triton_varlen``: ``kernels.varlen_attention.varlen_attention`` (this repo's Triton kernels, kv heads not
+  repeated, backward through its custom op) at its default ``KernelConfig``.
+
+``--tune`` runs only the block-shape search of ``triton_varlen`` at the Qwen2.5-3B shape for 65536 and 16384 tokens
+(``--tune-tokens``): each of its kernels is timed alone (forward; backward preprocessing, dK/dV, dQ, and dK/dV with
+dQ fused in) over a small grid of block shapes / warps / stages, every result (ms, actual TFLOP/s of that kernel,
+first-call seconds, max |difference| against flash) goes to the JSON under ``tune``, and the best config (least
+total ms over both sizes; fused dQ when the fused kernel beats dK/dV + dQ) is printed as a ``KernelConfig(...)``
+with its end-to-end forward + backward time against the default's. The JSON is rewritten after every grid entry
+(``"partial": true`` until the end), each entry records ``elapsed_s`` since the search began, and entries not
+started within ``--tune-budget-s`` (200 s) are recorded as skipped. In two H200 runs here the search advanced one
+entry per 15-30 s although each entry's first call (compile) took 1-3 s and its timing well under a second; the
+cause was not found (``elapsed_s`` is there to find it).
 
 On CPU (``--smoke``) only the reference path runs (``varlen_attention`` falls back to its per-sequence SDPA loop) and
 the cuDNN paths are recorded as skipped: nothing here measures anything on CPU.
@@ -33,6 +47,7 @@ import json
 import math
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +56,7 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: kernels/
 from bench_sampling import time_ms  # noqa: E402  (median ms: CUDA events on a GPU, perf_counter on CPU)
 
 from rlcore.training import models  # noqa: E402
@@ -63,6 +79,13 @@ class Config:
     """CPU, tiny lengths: exercises the harness only."""
     out: str | None = None
     """JSON path (default $OUT/bench_attention.json when OUT is set)."""
+    tune: bool = False
+    """Only the block-shape search of the Triton kernels (CUDA; see the module docstring)."""
+    tune_tokens: tuple[int, ...] = (65536, 16384)
+    """Packed tokens of the Qwen2.5-3B cases the search times (the best config is the least total ms over them)."""
+    tune_budget_s: float = 200.0
+    """Grid entries not started within this many seconds of the search's start are skipped (recorded as such), so
+    ``--tune`` ends in about 4 minutes whatever the compile times."""
 
 
 def draw_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -123,8 +146,10 @@ def run_case(cfg: Config, shape: str, total: int, dev: torch.device) -> dict:
         paths["cudnn_native_gqa"] = lambda: cudnn_attention(q, k, v, cu, mx, scale, native_gqa=True)
         paths["cudnn_dense_per_seq"] = lambda: dense_per_sequence(q, k, v, lens, scale, "cudnn")
         paths["flash_dense_per_seq"] = lambda: dense_per_sequence(q, k, v, lens, scale, "flash")
+        paths["triton_varlen"] = lambda: triton_varlen_attention(q, k, v, cu, mx, scale=scale)
     else:
         case["cudnn"] = "skipped: cuDNN attention needs CUDA"
+        case["triton_varlen"] = "skipped: the Triton kernels run natively on CUDA only"
     ref = None
     for name, fwd in paths.items():
         try:
@@ -147,13 +172,180 @@ def run_case(cfg: Config, shape: str, total: int, dev: torch.device) -> dict:
             case[f"{name}_fwd_bwd_tflops"] = flops_fb / case[f"{name}_fwd_bwd_ms"] / 1e9
         except Exception:  # a path this torch / cuDNN cannot run is a result, not a crash
             case[f"{name}_error"] = traceback.format_exc()[-800:]
-    for name in ("cudnn_repeated", "cudnn_dense_per_seq", "flash_dense_per_seq"):
+    for name in ("cudnn_repeated", "cudnn_dense_per_seq", "flash_dense_per_seq", "triton_varlen"):
         if "flash_fwd_bwd_ms" in case and f"{name}_fwd_bwd_ms" in case:
             case[f"{name}_speedup_fwd_bwd"] = case["flash_fwd_bwd_ms"] / case[f"{name}_fwd_bwd_ms"]
     return case
 
 
+def triton_varlen_attention(q, k, v, cu, max_len: int, scale: float, config=None) -> torch.Tensor:
+    from kernels.varlen_attention import varlen_attention
+
+    return varlen_attention(q, k, v, cu, max_len, scale=scale, config=config)
+
+
+# (block_m, block_n, warps, stages) per kernel. Forward / dQ: block_m queries per program, block_n keys per step;
+# dK/dV: block_n keys per program, block_m queries per step; "fused": the dK/dV kernel with fused_dq=1 (it also gives
+# dQ, atomically; the dQ kernel does not run). Shapes that spill registers (ptxas, sm_90a, D = 128) or were slow in a
+# first H200 run are left out: compiling one entry takes ~10-20 s there, so the grid stays small. The first entry of
+# each list is KernelConfig's default.
+TUNE_FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 3)]
+TUNE_DKDV = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 4)]
+TUNE_DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+TUNE_FUSED = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)]
+
+
+def _tune_inputs(cfg: Config, total: int, dev: torch.device) -> tuple:
+    """Qwen2.5-3B-shaped bf16 ``(q, k, v, grad_out, cu, lens)`` for ``total`` packed tokens (q, k, v leaves)."""
+    hq, hkv, d = HEADS["qwen2.5-3b"]
+    lens = draw_lengths(total, cfg.min_len, cfg.max_len, cfg.seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    g = torch.Generator(device=dev).manual_seed(cfg.seed)
+    q, k, v, go = (torch.randn(total, h, d, device=dev, dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv, hq))
+    return q, k, v, go, cu, lens
+
+
+def _tune_size(cfg: Config, dev: torch.device, total: int, totals: dict, t0: float, save) -> dict:
+    """One token count: every grid entry of every kernel timed alone; adds each correct entry's ms to ``totals``.
+    ``t0``: the search's start (perf_counter) for its time budget; ``save(res)``: writes the partial results."""
+    import dataclasses
+
+    from kernels import varlen_attention as va
+
+    q, k, v, go, cu, lens = _tune_inputs(cfg, total, dev)
+    hq, d, mx, scale = q.shape[1], q.shape[2], max(lens), q.shape[2] ** -0.5
+    flops_f = 2 * hq * d * sum(x * x for x in lens)  # causal forward; the backward is twice that
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    ref_out = models.varlen_attention(qg, kg, vg, cu, mx, scale=scale)  # flash: the accuracy reference
+    ref_out.backward(go)
+    ref = {"out": ref_out.detach(), "dq": qg.grad, "dk": kg.grad, "dv": vg.grad}
+    base = va.KernelConfig()
+    out, lse = va.attention_forward(q, k, v, cu, mx, scale, base)
+    delta = torch.empty(hq, total, dtype=torch.float32, device=dev)
+
+    def run(kind: str, c) -> tuple[torch.Tensor, ...]:
+        if kind == "fwd":
+            return va.attention_forward(q, k, v, cu, mx, scale, c)[:1]
+        part = "dkdv" if kind == "fused" else kind
+        return va.attention_backward(go, q, k, v, out, lse, cu, mx, scale, c, parts=(part,), delta=delta)
+
+    run("delta", base)
+    res: dict = {"n_seqs": len(lens), "max_len": mx, "delta_ms": time_ms(lambda: run("delta", base), cfg, dev)}
+    names = {"fwd": ("out",), "dkdv": ("dq", "dk", "dv"), "dq": ("dq", "dk", "dv"), "fused": ("dq", "dk", "dv")}
+    checked = {"fwd": ("out",), "dkdv": ("dk", "dv"), "dq": ("dq",), "fused": ("dq", "dk", "dv")}
+    # actual FLOPs over the forward's (2 products of l²·d/2 per head): dK/dV 4, dQ 3, fused 5 products
+    share = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "fused": 2.5}
+    for kind, grid in (("fwd", TUNE_FWD), ("dkdv", TUNE_DKDV), ("dq", TUNE_DQ), ("fused", TUNE_FUSED)):
+        res[kind] = []
+        for combo in grid:
+            if time.perf_counter() - t0 > cfg.tune_budget_s:
+                res[kind].append({"config": list(combo), "skipped": f"past --tune-budget-s {cfg.tune_budget_s}"})
+                continue
+            prefix = "dkdv" if kind == "fused" else kind
+            fields = (f"{prefix}_block_m", f"{prefix}_block_n", f"{prefix}_warps", f"{prefix}_stages")
+            c = dataclasses.replace(base, fused_dq=int(kind == "fused"), **dict(zip(fields, combo)))
+            row: dict = {"config": list(combo)}
+            try:
+                start = time.perf_counter()
+                got = dict(zip(names[kind], run(kind, c)))
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                row["first_call_s"] = time.perf_counter() - start  # mostly triton's compile
+                for name in checked[kind]:
+                    row[f"max_abs_{name}"] = float((got[name].float() - ref[name].float()).abs().max())
+                    row[f"ref_max_abs_{name}"] = float(ref[name].float().abs().max())
+                row["ms"] = time_ms(lambda c=c, kind=kind: run(kind, c), cfg, dev)
+                row["tflops"] = share[kind] * flops_f / row["ms"] / 1e9
+                # flash's own bf16 rounding differs from ours: a config is wrong far past that
+                row["wrong"] = any(row[f"max_abs_{n}"] > 0.05 * (1 + row[f"ref_max_abs_{n}"])
+                                   for n in ("out", "dq", "dk", "dv") if f"max_abs_{n}" in row)
+                if not row["wrong"]:
+                    totals[kind].setdefault(combo, []).append(row["ms"])
+            except Exception:  # e.g. out of shared memory: a result, not a crash
+                row["error"] = traceback.format_exc()[-600:]
+            row["elapsed_s"] = time.perf_counter() - t0  # since the search started (a slow step shows here)
+            res[kind].append(row)
+            save(res)
+            shown = ", ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
+                              for key, val in row.items() if key not in ("config", "error"))
+            print(f"tune {total} {kind} {combo}: {shown}{' ERROR' if 'error' in row else ''}", flush=True)
+    return res
+
+
+def tune(cfg: Config, dev: torch.device, save_partial=lambda res: None) -> dict:
+    """Time each Triton kernel alone over its grid (module docstring); every result and the best config.
+    ``save_partial(res)`` is called after every grid entry (the JSON is written as the search goes)."""
+    import dataclasses
+
+    from kernels import varlen_attention as va
+
+    base = va.KernelConfig()
+    assert (base.fwd_block_m, base.fwd_block_n, base.fwd_warps, base.fwd_stages) == TUNE_FWD[0]
+    sizes = cfg.tune_tokens
+    totals: dict[str, dict[tuple, list[float]]] = {"fwd": {}, "dkdv": {}, "dq": {}, "fused": {}}
+    res: dict = {"default": dataclasses.asdict(base), "sizes": {}}
+    t0 = time.perf_counter()
+    for total in sizes:
+        def save(part: dict, total: int = total) -> None:
+            res["sizes"][str(total)] = part
+            save_partial(res)
+
+        res["sizes"][str(total)] = _tune_size(cfg, dev, total, totals, t0, save)
+    best, best_ms = {}, {}
+    for kind, by_combo in totals.items():  # least total ms over the sizes, among combos right at every size
+        ok = {combo: sum(ms) for combo, ms in by_combo.items() if len(ms) == len(sizes)}
+        best[kind] = min(ok, key=ok.get) if ok else None  # none right: keep the default
+        best_ms[kind] = ok[best[kind]] if ok else math.inf
+    split_ms = best_ms["dkdv"] + best_ms["dq"]
+    if math.isinf(best_ms["fused"]) and math.isinf(split_ms):
+        fused = bool(base.fused_dq)  # neither measured: keep the default's choice
+    else:
+        fused = best_ms["fused"] < split_ms  # one fused kernel beats dK/dV + dQ
+    if fused:
+        best["dkdv"], best["dq"] = best["fused"], None
+    best_cfg = dataclasses.replace(base, fused_dq=int(fused), **{
+        f"{kind}_{f}": val for kind, combo in best.items() if combo and kind != "fused"
+        for f, val in zip(("block_m", "block_n", "warps", "stages"), combo)})
+    res["best"], res["best_repr"] = dataclasses.asdict(best_cfg), repr(best_cfg)
+    for total in sizes:  # end to end (autograd through the custom ops): the default config against the best
+        q, k, v, go, cu, lens = _tune_inputs(cfg, total, dev)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        flops_fb = 3 * 2 * q.shape[1] * q.shape[2] * sum(x * x for x in lens)
+        for name, c in (("default", base), ("best", best_cfg)):
+            def fb(c=c, q=q, k=k, v=v, go=go, cu=cu, mx=max(lens)) -> None:
+                triton_varlen_attention(q, k, v, cu, mx, q.shape[2] ** -0.5, c).backward(go)
+
+            ms = time_ms(fb, cfg, dev)
+            res["sizes"][str(total)][f"{name}_fwd_bwd_ms"] = ms
+            res["sizes"][str(total)][f"{name}_fwd_bwd_tflops"] = flops_fb / ms / 1e9
+            print(f"tune {total} end to end, {name} config: {ms:.3f} ms, {flops_fb / ms / 1e9:.1f} TFLOP/s", flush=True)
+    print(f"best: {best_cfg!r}", flush=True)
+    return res
+
+
 def main(cfg: Config) -> dict:
+    if cfg.tune:
+        out = cfg.out or (os.path.join(os.environ["OUT"], "tune_attention.json") if os.environ.get("OUT") else None)
+        res: dict = {"torch": torch.__version__, "config": vars(cfg)}
+        if not torch.cuda.is_available():
+            res["tune"] = "skipped: the Triton kernels are tuned on CUDA only"
+            print(res["tune"])
+        else:
+            import triton
+
+            res.update(device=torch.cuda.get_device_name(), triton=triton.__version__)
+
+            def save_partial(partial: dict) -> None:
+                if out:
+                    with open(out, "w") as f:
+                        json.dump({**res, "tune": partial, "partial": True}, f, indent=1)
+
+            res["tune"] = tune(cfg, torch.device("cuda"), save_partial)
+        if out:
+            with open(out, "w") as f:
+                json.dump(res, f, indent=1)
+            print(f"wrote {out}")
+        return res
     if cfg.smoke:
         cfg = Config(tokens=(96,), shapes=("qwen2-0.5b",), min_len=8, max_len=40, iters=2, warmup=1, smoke=True,
                      out=cfg.out)

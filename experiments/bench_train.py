@@ -636,6 +636,10 @@ def sections_table(cfg: Config, batch) -> dict:
         "recomputed_prox": r(V("recomputed proximal forward (counted in MFU)", prox="recompute")),
         "chunked_logp": r(V("chunked torch log-probs instead of the Triton kernel", logp_backend="chunked")),
         "hf_attn": r(V("transformers sdpa attention + block-causal mask", attention="hf")),
+        "triton_attention": r(
+            V("this repository's Triton varlen attention (kernels/varlen_attention.py) instead of flash-attention-2",
+              model_cfg=mc(attention_kernel="triton"))
+        ),
         "activation_ckpt": r(V("activation checkpointing", model_cfg=mc(activation_checkpointing=True))),
         "profile_default": r(V("none; plus one profiled step", profile=True)),
         "memory_7b": lambda: bench_memory_7b(cfg, batch),

@@ -116,6 +116,11 @@ VARLEN_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 
 ATTENTION_MODES = ("auto", "hf", "varlen")
 
+ATTENTION_KERNELS = ("flash", "triton")
+"""Kernels of the packed varlen path on CUDA: ``flash`` is torch's ``varlen_attn`` (flash-attention-2, kv heads
+repeated where this torch has no ``enable_gqa``); ``triton`` is ``kernels/varlen_attention.py`` (native GQA; see
+docs/kernels.md). CPU runs take the padded / per-sequence SDPA path under either."""
+
 _KERNEL_STATE: dict[str, object] = {}
 _PACKED_FORWARD = threading.local()  # .active: inside backbone_hidden's varlen call (no mask needed)
 _PACKED_FORWARD.active = False
@@ -130,6 +135,23 @@ def _varlen_kernel() -> Callable | None:
             varlen_attn = None
         _KERNEL_STATE["fn"] = varlen_attn
     return _KERNEL_STATE["fn"]  # type: ignore[return-value]
+
+
+def _triton_kernel() -> Callable:
+    """``kernels.varlen_attention.varlen_attn`` (``varlen_attn``'s signature), imported on first use."""
+    try:
+        from kernels.varlen_attention import varlen_attn
+    except ImportError as e:
+        raise ImportError(
+            f"ModelConfig.attention_kernel='triton' needs triton and the repository's kernels/ package ({e}); "
+            "install triton, or use attention_kernel='flash'"
+        ) from e
+    return varlen_attn
+
+
+def _triton_runs_on(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel can take ``x``: on CUDA, or anywhere under ``TRITON_INTERPRET=1`` (tests)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def varlen_attention_reference(
@@ -393,7 +415,9 @@ def _hf_varlen_attention(
     if max_len is None:
         raise ValueError("cu_seq_lens_q was passed without max_length_q (the longest packed sequence)")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
-    out = varlen_attention(q, k, v, cu, int(max_len), scale=scaling, window=sliding_window)
+    which = kwargs.get("rlcore_attention_kernel", "flash")
+    kernel = _triton_kernel() if which == "triton" and _triton_runs_on(q) else None
+    out = varlen_attention(q, k, v, cu, int(max_len), scale=scaling, window=sliding_window, kernel=kernel)
     return out[None], None
 
 
@@ -468,6 +492,7 @@ def backbone_hidden(
     max_seqlen: int | None = None,
     mask_mode: str = "auto",
     attention: str = "auto",
+    attention_kernel: str = "flash",
 ) -> torch.Tensor:
     """Final hidden states ``(T, H)`` of a packed stream ``input_ids (T,)`` with restarting ``position_ids (T,)``.
 
@@ -477,9 +502,12 @@ def backbone_hidden(
     ``mask_mode`` (non-varlen paths): ``"position_ids"`` relies on transformers' packed-sequence detection,
     ``"explicit"`` passes an additive block-causal 4D mask built from ``cu_seqlens``, ``"auto"`` picks per
     model type. ``cu_seqlens (n+1,)`` must end at ``T``; ``max_seqlen`` is its longest segment.
+    ``attention_kernel`` (one of :data:`ATTENTION_KERNELS`) picks the varlen path's kernel on CUDA.
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {attention_kernel!r}")
     if _use_varlen(hf, attention, input_ids, cu_seqlens):
         assert cu_seqlens is not None
         if max_seqlen is None:
@@ -497,6 +525,7 @@ def backbone_hidden(
                 cu_seq_lens_k=cu,
                 max_length_q=int(max_seqlen),
                 max_length_k=int(max_seqlen),
+                rlcore_attention_kernel=attention_kernel,
             )
         finally:
             _PACKED_FORWARD.active = prev
@@ -585,6 +614,7 @@ class PolicyModel(nn.Module):
         self.mask_mode = mask_mode
         self.logp_backend = logp_backend
         self.attention = attention
+        self.attention_kernel = "flash"  # one of ATTENTION_KERNELS; init_train_state sets ModelConfig's
         self.compute_dtype: torch.dtype | None = None  # CUDA autocast dtype (fp32 masters); see init_train_state
 
     @property
@@ -612,6 +642,7 @@ class PolicyModel(nn.Module):
             hidden = backbone_hidden(
                 self.hf, input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 mask_mode=self.mask_mode, attention=self.attention,
+                attention_kernel=self.attention_kernel,
             )
         head = self.hf.get_output_embeddings()
         weight, bias = head.weight, getattr(head, "bias", None)
@@ -639,6 +670,7 @@ class CriticModel(nn.Module):
         self.hf = hf
         self.mask_mode = mask_mode
         self.attention = attention
+        self.attention_kernel = "flash"  # one of ATTENTION_KERNELS; init_train_state sets ModelConfig's
         self.compute_dtype: torch.dtype | None = None  # CUDA autocast dtype (fp32 masters); see init_train_state
         width = int(getattr(hf.config, "hidden_size", 0) or getattr(hf.config, "n_embd", 0))
         self.value_head = nn.Linear(width, 1, bias=True)
@@ -671,6 +703,7 @@ class CriticModel(nn.Module):
             hidden = backbone_hidden(
                 self.hf, input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 mask_mode=self.mask_mode, attention=self.attention,
+                attention_kernel=self.attention_kernel,
             )
         if cd is not None:
             hidden = hidden.to(self.value_head.weight.dtype)

@@ -89,6 +89,12 @@ class ModelConfig:
     compiled (compilation fuses the same ops, faster). ``liger``: require it on CUDA (an error names what is
     missing; with compiled layers the kernels run eagerly between the layer's graphs); CPU runs never use it.
     Only this model's module instances are patched."""
+    attention_kernel: Literal["flash", "triton"] = "flash"
+    """Kernel of the packed varlen attention on CUDA (``models.ATTENTION_KERNELS``). ``flash``: torch's
+    ``varlen_attn`` (flash-attention-2). ``triton``: ``kernels/varlen_attention.py``, this repository's
+    flash-style kernel with native GQA: on one H200 at Qwen2.5-3B heads, forward + backward 1.13x flash at 64k
+    packed tokens and 0.94-0.97x at 16k (docs/benchmarks.md); not yet the default because the train step with it
+    is unmeasured. CPU runs use the padded / per-sequence SDPA path under either setting."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (memory ~ one layer's
     activations plus one hidden state per layer; ~1/3 more compute). Unsharded models; FSDP2 runs also honour
@@ -96,7 +102,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name, ok in (("param_dtype", ("auto", "keep", "float32", "bfloat16")),
-                         ("compile_layers", ("auto", "on", "off")), ("fused_kernels", ("auto", "liger", "off"))):
+                         ("compile_layers", ("auto", "on", "off")), ("fused_kernels", ("auto", "liger", "off")),
+                         ("attention_kernel", ("flash", "triton"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"ModelConfig.{name} must be one of {ok}, got {getattr(self, name)!r}")
 
@@ -349,6 +356,7 @@ def init_train_state(
         if m is None:
             continue
         m.to(dev) if pdt is None else m.to(dev, pdt)
+        m.attention_kernel = model_cfg.attention_kernel
         # fused kernels go in before sharding/checkpointing/compilation wrap the layers
         m.fused_kernels = fusions.apply_fused_kernels(m, model_cfg.fused_kernels, compiled=use_compile)
         if sharded:

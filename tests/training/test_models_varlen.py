@@ -400,3 +400,14 @@ def test_padded_varlen_attention_equals_the_per_sequence_loop_values_and_gradien
         torch.testing.assert_close(x, y)
     c = models.varlen_attention(q, k, v, cu, max(lengths), window=window)  # CPU: no kernel, the fallback
     torch.testing.assert_close(c, b)
+
+
+def test_attention_kernel_is_checked_and_reaches_the_policy_and_critic():
+    with pytest.raises(ValueError, match="ModelConfig.attention_kernel"):
+        ts.ModelConfig(attention_kernel="cudnn")  # type: ignore[arg-type]
+    st = ts.init_train_state(tiny_qwen().config, ts.OptimConfig(), device="cpu", critic=True, ref=True,
+                             model_cfg=ts.ModelConfig(attention_kernel="triton"))
+    assert st.model.attention_kernel == st.critic.attention_kernel == st.ref.attention_kernel == "triton"
+    ids, pos, cu = packed([4, 6])
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        models.backbone_hidden(st.model.hf, ids, pos, cu_seqlens=cu, max_seqlen=6, attention_kernel="cudnn")
