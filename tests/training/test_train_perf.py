@@ -46,7 +46,7 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _device_like_varlen(q, k, v, cu, max_seqlen, *, scale=None, window=None):
+def _device_like_varlen(q, k, v, cu, max_seqlen, *, scale=None, window=None, kernel=None):
     """Stand-in for the CUDA varlen kernel: one dense masked SDPA call, no host read (the CPU reference loops
     over sequences on purpose, which is not what runs on the device)."""
     t = q.shape[0]
