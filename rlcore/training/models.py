@@ -150,8 +150,10 @@ def _triton_kernel() -> Callable:
 
 
 def _triton_runs_on(x: torch.Tensor) -> bool:
-    """Whether the Triton kernel can take ``x``: on CUDA, or anywhere under ``TRITON_INTERPRET=1`` (tests)."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the Triton kernel takes ``x (T, H, D)``: on CUDA (or anywhere under ``TRITON_INTERPRET=1``, for
+    tests) with ``D`` a power of two in [16, 256]; other head sizes keep the flash kernel."""
+    d = x.shape[-1]
+    return (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1") and 16 <= d <= 256 and d & (d - 1) == 0
 
 
 def varlen_attention_reference(

@@ -94,7 +94,8 @@ class ModelConfig:
     ``varlen_attn`` (flash-attention-2). ``triton``: ``kernels/varlen_attention.py``, this repository's
     flash-style kernel with native GQA: on one H200 at Qwen2.5-3B heads, forward + backward 1.13x flash at 64k
     packed tokens and 0.94-0.97x at 16k (docs/benchmarks.md); not yet the default because the train step with it
-    is unmeasured. CPU runs use the padded / per-sequence SDPA path under either setting."""
+    is unmeasured. Head sizes other than a power of two in [16, 256] keep flash. CPU runs use the padded /
+    per-sequence SDPA path under either setting."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (memory ~ one layer's
     activations plus one hidden state per layer; ~1/3 more compute). Unsharded models; FSDP2 runs also honour

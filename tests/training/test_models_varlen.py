@@ -411,3 +411,11 @@ def test_attention_kernel_is_checked_and_reaches_the_policy_and_critic():
     ids, pos, cu = packed([4, 6])
     with pytest.raises(ValueError, match="attention_kernel must be one of"):
         models.backbone_hidden(st.model.hf, ids, pos, cu_seqlens=cu, max_seqlen=6, attention_kernel="cudnn")
+
+
+def test_triton_attention_takes_only_the_head_sizes_it_has_kernels_for(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as if on a device: only the head size decides
+    for d, ok in ((16, True), (128, True), (256, True), (8, False), (80, False), (512, False)):
+        assert models._triton_runs_on(torch.zeros(1, 2, d)) is ok, d
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not models._triton_runs_on(torch.zeros(1, 2, 128))  # CPU tensors without the interpreter
