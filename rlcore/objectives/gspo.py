@@ -44,7 +44,8 @@ class GSPOConfig:
     norm_len: int = 1024
     """Constant dividing each sequence's token sum under ``agg="seq_mean_token_sum_norm"``."""
     max_log_ratio: float = 20.0
-    """Token log-ratios and log behaviour weights are clamped to +-this before use (finite far off-policy)."""
+    """The sequence mean log-ratio and the log behaviour weights are clamped to +-this before exp (finite far
+    off-policy; single tokens beyond the bound do not change s_i as long as the mean is inside it)."""
 
     def __post_init__(self):
         if self.clip_low < 0:
@@ -79,9 +80,12 @@ def _agg(x: Tensor, mask: Tensor, *, agg: Agg, denom: Tensor | float | None, nor
 
 
 def sequence_ratio(logp: Tensor, logp_prox: Tensor, mask: Tensor, *, max_log_ratio: float = 20.0) -> Tensor:
-    """GSPO ratio ``s_i`` of shape ``(b,)``: exp of the masked mean token log-ratio (1 for an empty row)."""
-    log_ratio = torch.where(mask, logp - logp_prox, 0.0).clamp(-max_log_ratio, max_log_ratio)
-    return torch.exp(log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))
+    """GSPO ratio ``s_i`` of shape ``(b,)``: exp of the masked mean token log-ratio (1 for an empty row).
+
+    The mean log-ratio is clamped to ``+-max_log_ratio`` before exp (not each token's), so ``s_i`` is the exact
+    geometric mean of spec section 7.1 whenever that mean lies within the bound."""
+    mean = torch.where(mask, logp - logp_prox, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    return torch.exp(mean.clamp(-max_log_ratio, max_log_ratio))
 
 
 def loss(

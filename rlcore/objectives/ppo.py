@@ -50,7 +50,8 @@ class PPOConfig:
     generation budget, max_new_tokens)."""
     max_log_ratio: float = 20.0
     """Log-ratios and log behaviour weights are clamped to +-this before exp, so far off-policy tokens keep finite
-    losses and gradients (beyond the bound their ratio gradient is zero). Use float('inf') to disable."""
+    losses and gradients (beyond the bound their ratio gradient is zero). At ``level="sequence"`` the row's mean
+    log-ratio is clamped, not each token's. Use float('inf') to disable."""
 
     def __post_init__(self):
         if self.clip_low < 0:
@@ -137,13 +138,16 @@ def loss(
     adv = torch.where(mask, adv.detach(), 0.0).to(dt)
     bound = cfg.max_log_ratio
 
-    log_ratio = (logp - logp_prox).clamp(-bound, bound)
+    log_ratio = logp - logp_prox
     if cfg.level == "sequence":  # GSPO: geometric mean ratio and mean advantage per sequence
         n = mask.sum(-1, keepdim=True).clamp(min=1)
-        ratio = torch.exp(torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / n).expand_as(logp)
+        # clamp the row's mean log-ratio, not each token's: s_i stays the exact geometric mean (spec 7.1)
+        # whenever it is representable, even if single tokens lie beyond the bound
+        mean_log_ratio = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / n
+        ratio = torch.exp(mean_log_ratio.clamp(-bound, bound)).expand_as(logp)
         adv = (adv.sum(-1, keepdim=True) / n).expand_as(logp)
     else:
-        ratio = torch.exp(log_ratio)
+        ratio = torch.exp(log_ratio.clamp(-bound, bound))
     clip_high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + clip_high)

@@ -41,7 +41,8 @@ class SAPOConfig:
     norm_len: int = 1024
     """Constant dividing each sequence's token sum under ``agg="seq_mean_token_sum_norm"``."""
     max_log_ratio: float = 20.0
-    """Log-ratios are clamped to +-this before exp (the gate is saturated long before; keeps gradients finite)."""
+    """Log-ratios (at ``level="sequence"``: the row's mean log-ratio) are clamped to +-this before exp (the gate is
+    saturated long before; keeps gradients finite)."""
 
     def __post_init__(self):
         if not self.tau_pos > 0:
@@ -119,13 +120,15 @@ def loss(
     logp_old = torch.where(mask, logp_old.detach(), 0.0).to(dt)
     adv = torch.where(mask, adv.detach(), 0.0).to(dt)
 
-    log_ratio = (logp - logp_old).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
-    if cfg.level == "sequence":
+    bound = cfg.max_log_ratio
+    log_ratio = logp - logp_old
+    if cfg.level == "sequence":  # clamp the row's mean log-ratio, not each token's (exact geometric mean)
         n = mask.sum(-1, keepdim=True).clamp(min=1)
-        ratio = torch.exp(torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / n).expand_as(logp)
+        mean_log_ratio = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / n
+        ratio = torch.exp(mean_log_ratio.clamp(-bound, bound)).expand_as(logp)
         adv = (adv.sum(-1, keepdim=True) / n).expand_as(logp)
     else:
-        ratio = torch.exp(log_ratio)
+        ratio = torch.exp(log_ratio.clamp(-bound, bound))
     g = gate(ratio, adv, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
 
     out = _agg(-g * adv, mask, agg=cfg.agg, denom=denom, norm_len=cfg.norm_len)

@@ -168,3 +168,59 @@ def test_hand_computed_gspo_recipe():
 def test_config_validation_names_the_field(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         gspo.GSPOConfig(**kw)
+
+
+@st.composite
+def far_token_rows(draw):
+    """float64 ``(logp, logp_prox, adv, mask)`` rows whose single tokens lie far beyond ``max_log_ratio`` (±60)
+    while each row's mean log-ratio stays within ±15; padding holds garbage."""
+    b, t = draw(st.integers(1, 4)), draw(st.integers(2, 6))
+    lengths = draw(st.lists(st.integers(1, t), min_size=b, max_size=b))
+    mask = torch.arange(t)[None] < torch.tensor(lengths)[:, None]
+    lr = torch.tensor(draw(st.lists(st.floats(-60, 60), min_size=b * t, max_size=b * t)), dtype=torch.float64)
+    lr = torch.where(mask, lr.reshape(b, t), 0.0)
+    n = mask.sum(-1, keepdim=True)
+    target = torch.tensor(draw(st.lists(st.floats(-15, 15), min_size=b, max_size=b)), dtype=torch.float64)
+    lr = torch.where(mask, lr - lr.sum(-1, keepdim=True) / n + target[:, None], 0.0)  # row mean = target
+    logp_prox = -torch.rand(b, t, dtype=torch.float64) * 5
+    adv = torch.tensor(draw(st.lists(st.floats(-3, 3), min_size=b * t, max_size=b * t)), dtype=torch.float64)
+    garbage = torch.full((b, t), float("nan"), dtype=torch.float64)
+    return (
+        torch.where(mask, logp_prox + lr, garbage),
+        torch.where(mask, logp_prox, garbage),
+        torch.where(mask, adv.reshape(b, t), garbage),
+        mask,
+    )
+
+
+@given(
+    far_token_rows(), st.sampled_from([(3e-4, 4e-4), (0.4, 0.4), (0.2, 0.28)]), st.sampled_from([None, 3.0])
+)
+def test_sequence_ratio_stays_the_geometric_mean_when_single_tokens_exceed_max_log_ratio(rows, clip, dual):
+    # spec 7.1: s_i = exp(sum_t m (logp - logp_prox) / n_i). The max_log_ratio guard must bound the exponent of
+    # s_i, not each token's log-ratio: a token at +-60 inside a row of mean log-ratio 1 still gives s_i = e.
+    # Previously each token was clamped to +-20 before averaging, so s_i (and the loss) was wrong for such rows.
+    logp, logp_prox, adv, mask = rows
+    n = mask.sum(-1)
+    mean_lr = torch.where(mask, logp - logp_prox, 0.0).sum(-1) / n
+    torch.testing.assert_close(gspo.sequence_ratio(logp, logp_prox, mask), torch.exp(mean_lr))
+
+    lo, hi = clip
+    cfg = gspo.GSPOConfig(clip_low=lo, clip_high=hi, dual_clip=dual, decoupled=False)
+    # float64 spec reference: every valid token of row i carries p(s_i, A_i); token mean; d/dlogp by hand
+    loss_ref, grad_ref = 0.0, torch.zeros_like(logp)
+    for i in range(logp.shape[0]):
+        s, a = math.exp(float(mean_lr[i])), float(torch.where(mask[i], adv[i], 0.0).sum() / n[i])
+        p1, p2 = -a * s, -a * min(max(s, 1 - lo), 1 + hi)
+        p, dp_ds = (p1, -a) if p1 >= p2 else (p2, 0.0)
+        if dual is not None and a < 0 and dual * abs(a) < p:
+            p, dp_ds = dual * abs(a), 0.0
+        loss_ref += p * int(n[i])
+        grad_ref[i] = torch.where(mask[i], dp_ds * s, 0.0)  # n_i tokens x (dp/ds) (ds/dlogp_t = s / n_i)
+    total = int(n.sum())
+    for fn, c in ((gspo.loss, cfg), (ppo.loss, as_ppo(cfg, "sequence"))):
+        lp = logp.clone().requires_grad_(True)
+        out, _ = fn(lp, logp_prox, logp_prox, adv, mask, cfg=c)
+        (g,) = torch.autograd.grad(out, lp)
+        torch.testing.assert_close(out, torch.tensor(loss_ref / total, dtype=torch.float64))
+        torch.testing.assert_close(g, grad_ref / total)

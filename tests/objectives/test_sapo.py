@@ -160,3 +160,28 @@ def test_hand_computed_sapo_recipe():
 def test_config_validation_names_the_field(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         sapo.SAPOConfig(**kw)
+
+
+@given(
+    st.lists(st.floats(-60, 60), min_size=2, max_size=6),
+    st.floats(-15, 15),
+    st.floats(-3, 3).filter(lambda a: a != 0),
+    st.sampled_from(["behav", "prox"]),
+)
+def test_sequence_level_ratio_is_exact_geometric_mean_beyond_max_log_ratio(tokens, mean, a, against):
+    # spec 10.1 with the GSPO ratio of 7.1: s = exp(mean_t (logp - logp_old)). Tokens beyond +-max_log_ratio (20)
+    # inside a row whose mean log-ratio is moderate must not change s (the guard bounds the mean, not each token).
+    lr = torch.tensor(tokens, dtype=torch.float64)
+    lr = (lr - lr.mean() + mean)[None]
+    logp_old = torch.full_like(lr, -2.0)
+    logp = (logp_old + lr).requires_grad_(True)
+    mask = torch.ones_like(lr, dtype=torch.bool)
+    cfg = sapo.SAPOConfig(level="sequence", ratio_against=against)
+    out, _ = sapo.loss(logp, logp_old, logp_old, torch.full_like(lr, a), mask, cfg=cfg)
+    (g,) = torch.autograd.grad(out, logp)
+    s = math.exp(float(lr.mean()))
+    tau = cfg.tau_pos if a > 0 else cfg.tau_neg
+    sig = 1 / (1 + math.exp(-tau * (s - 1)))
+    torch.testing.assert_close(out, torch.tensor(-(4 / tau) * sig * a, dtype=torch.float64))
+    # d/dlogp_t of the token mean of -g(s) a over n tokens = -4 sig (1 - sig) a s / n
+    torch.testing.assert_close(g, torch.full_like(lr, -4 * sig * (1 - sig) * a * s / lr.shape[1]))
