@@ -40,6 +40,17 @@ def _ok(message: str, **extra: Any) -> tuple[int, dict]:
     return 200, {"success": True, "status": "ok", "message": message, **extra}
 
 
+def _flag(p: dict, key: str) -> bool:
+    """A boolean field (absent / null = false). Anything else is a 400: a string such as ``"false"`` is truthy, and
+    ``abort_all_requests: "no"`` used to abort every request in flight."""
+    v = p.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"{key} must be true or false, got {v!r}")
+    return v
+
+
 def _timeout(p: dict, default: float | None) -> float | None:
     t = p.get("timeout_s", default)
     if t is None:
@@ -66,7 +77,7 @@ async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
         return _err(400, "load_format must be 'auto' or 'safetensors'")
     version = json_version(p.get("weight_version"), "weight_version")
     timeout_s = _timeout(p, None)
-    n = await engine.aabort() if p.get("abort_all_requests", False) else 0
+    n = await engine.aabort() if _flag(p, "abort_all_requests") else 0
     try:
         await _control(engine, engine.update_weights_from_disk, path, version, timeout_s=timeout_s)
     except EngineBusy:
@@ -102,7 +113,7 @@ async def _update_from_tensor(engine: Engine, p: dict) -> tuple[int, dict]:
         )
     version = json_version(p.get("weight_version"), "weight_version")
     timeout_s = _timeout(p, None)
-    n = await engine.aabort() if p.get("abort_all_requests", False) else 0
+    n = await engine.aabort() if _flag(p, "abort_all_requests") else 0
     try:
         named = tensor_ipc.loads_named_tensors(ser[0])
         await _control(engine, engine.update_weights_from_tensors, named, version, timeout_s=timeout_s)
@@ -178,7 +189,7 @@ async def _update_distributed(engine: Engine, p: dict) -> tuple[int, dict]:
     group = p.get("group_name", "update_weight_group")
     version = json_version(p.get("weight_version"), "weight_version")
     timeout_s = _timeout(p, None)
-    if p.get("abort_all_requests", False):
+    if _flag(p, "abort_all_requests"):
         await engine.aabort()
     args = (names, dtypes, shapes, group, version)
     try:
@@ -217,7 +228,7 @@ async def _continue(engine: Engine, p: dict) -> tuple[int, dict]:
 
 
 async def _abort(engine: Engine, p: dict) -> tuple[int, dict]:
-    if p.get("abort_all"):
+    if _flag(p, "abort_all"):
         await engine.aabort()
         return 200, {}
     rid = p.get("rid")
@@ -237,7 +248,7 @@ async def _set_version(engine: Engine, p: dict) -> tuple[int, dict]:
     v = json_version(p.get("new_version"), "new_version")
     if v is None:
         return _err(400, "new_version is required (an integer)")
-    if p.get("abort_all_requests", False):
+    if _flag(p, "abort_all_requests"):
         await engine.aabort()
     await engine.aset_version(v)
     return _ok(f"version set to {v}", new_version=str(v))
@@ -286,7 +297,7 @@ async def _get_model_info(engine: Engine, p: dict) -> tuple[int, dict]:
 async def _models(engine: Engine, p: dict) -> tuple[int, dict]:
     name = engine.model_path or "rlcore-engine"
     return 200, {"object": "list", "data": [{"id": name, "object": "model", "created": _STARTED, "owned_by": "rlcore",
-                                             "root": name}]}
+                                             "root": name, "max_model_len": engine.max_seq_len}]}
 
 
 _STARTED = int(time.time())

@@ -177,9 +177,25 @@ def _check_prompt_ids(engine: Engine, ids: list[int], param: str) -> None:
         raise OpenAIError(f"{param} contains token ids outside [0, {engine.vocab_size})", param)
 
 
+def _early_length_check(engine: Engine, body: Any) -> None:
+    """A token-id prompt longer than the context is refused before the schema validation, which walks every id
+    holding the GIL (seconds for a 20 MB body, during which no other request is served)."""
+    raw = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(raw, list) or not raw or isinstance(raw[0], str):
+        return
+    rows = raw if isinstance(raw[0], list) else [raw]
+    longest = max(len(r) if isinstance(r, list) else 0 for r in rows)
+    if longest >= engine.max_seq_len:
+        raise OpenAIError(
+            f"prompt has {longest} tokens but the server's context is {engine.max_seq_len} tokens; shorten it (or "
+            "restart the server with a larger --max-seq-len)", "prompt", code="context_length_exceeded",
+        )
+
+
 def completion_plan(engine: Engine, body: Any) -> Plan:
     """Validate a ``/v1/completions`` body (``CompletionRequest``). ``prompt``: a string, a list of strings, a
     list of token ids or a list of token-id lists. Raises ``OpenAIError``; queues nothing."""
+    _early_length_check(engine, body)
     req = validate(CompletionRequest, body)
     tok = _require_tokenizer(engine, "completions")
     raw = req.prompt
@@ -391,7 +407,7 @@ async def complete(engine: Engine, plan: Plan) -> dict:
         outs = [await asyncio.wrap_future(f) for f in futs]
     finally:
         for rid, f in zip(rids, futs):
-            if not f.done():
+            if not f.done() or f.cancelled():  # the awaited future is cancelled with us; its request still runs
                 await asyncio.to_thread(engine.abort, rid)
     return response_body(engine, plan, outs)
 
@@ -602,6 +618,10 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
     return out.resp
 
 
+_THREAD_BYTES = 64 << 10
+"""Bodies larger than this are parsed and tokenised off the event loop."""
+
+
 def make_view(engine: Engine, endpoint: str, tool_parser: str | ToolParser | ParseFn | None = None):
     """The aiohttp handler of ``POST /v1/completions`` or ``POST /v1/chat/completions`` for ``engine``.
     ``tool_parser``: a name in ``tool_parsers.PARSERS``, a ``ToolParser`` or a parse callable; None reads
@@ -611,16 +631,28 @@ def make_view(engine: Engine, endpoint: str, tool_parser: str | ToolParser | Par
         raise ValueError(f"make_view: unknown endpoint {endpoint!r}")
     fixed = resolve(tool_parser) if tool_parser is not None else None
 
+    def plan_of(raw: bytes, parser: Any) -> Plan:
+        body = parse_body(raw)
+        return completion_plan(engine, body) if ep == "v1/completions" else chat_plan(engine, body, parser)
+
     async def view(request: web.Request) -> web.StreamResponse:
         try:
-            body = parse_body(await request.read())
-            if ep == "v1/completions":
-                plan = completion_plan(engine, body)
-            else:
-                plan = chat_plan(engine, body, fixed or request.app.get(TOOL_PARSER_KEY, HERMES))
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge as e:
+                limit = e.text.rstrip(".")
+                raise OpenAIError(
+                    f"the request body is too large ({limit}; make_app(client_max_size=...)); send a shorter prompt",
+                    status=413, code="request_too_large",
+                ) from None
+            parser = fixed or request.app.get(TOOL_PARSER_KEY, HERMES)
+            # large bodies are parsed, validated and tokenised off the event loop (a 20 MB prompt took 10 s)
+            plan = await asyncio.to_thread(plan_of, raw, parser) if len(raw) > _THREAD_BYTES else plan_of(raw, parser)
             if plan.stream:
                 return await stream(engine, plan, request)
-            return web.json_response(await complete(engine, plan))
+            return web.json_response(await sse.while_connected(complete(engine, plan), request))
+        except ConnectionResetError:  # the client left: complete() aborted its requests
+            return web.Response(status=499)
         except OpenAIError as e:
             return web.json_response(e.body(), status=e.status)
         except EngineError as e:

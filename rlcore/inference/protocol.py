@@ -7,6 +7,7 @@ the same rollout code runs against the embedded engine, our HTTP server and a re
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import math
 import os
@@ -231,12 +232,45 @@ def json_version(x: Any, name: str) -> int | None:
     return json_int(x, name)
 
 
+SGLANG_SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+})
+"""SGLang's ``sampling_params`` fields (``sglang.api.v1.SamplingParams``, 0.5.23, which refuses any other key;
+0.5.4's ``SamplingParams(**sampling_params)`` raised on one too). ``seed`` is accepted as rlcore's alias of
+``sampling_seed``."""
+_SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                     "min_tokens": "min_new_tokens", "stop_sequences": "stop"}
+
+
+def _check_sampling_keys(sp: dict) -> None:
+    """An unknown key is a 400 naming it (a typo such as ``max_tokens`` would otherwise run to the context end)."""
+    for key in sp:
+        if key in SGLANG_SAMPLING_KEYS or key == "seed":
+            continue
+        hint = _SAMPLING_ALIASES.get(key) or next(iter(difflib.get_close_matches(str(key), SGLANG_SAMPLING_KEYS, 1)),
+                                                  None)
+        raise BadRequest(
+            f"sampling_params.{key} is not an SGLang sampling parameter"
+            + (f"; did you mean {hint}?" if hint else f"; use one of {sorted(SGLANG_SAMPLING_KEYS)}")
+        )
+    if sp.get("beam_width") not in (None, 0, 1):
+        raise BadRequest("sampling_params.beam_width: beam search is not supported by the embedded engine; omit it")
+    if sp.get("choice"):
+        raise BadRequest("sampling_params.choice: constrained decoding is not supported by the embedded engine")
+    if isinstance(sp.get("watermark"), dict) and sp["watermark"].get("enabled"):
+        raise BadRequest("sampling_params.watermark is not supported by the embedded engine; omit it")
+
+
 def parse_sampling_params(sp: Any) -> SamplingParams:
-    """SGLang ``sampling_params`` JSON -> ``SamplingParams`` (unknown keys are ignored, as display-only)."""
+    """SGLang ``sampling_params`` JSON -> ``SamplingParams``; a key SGLang does not know is a 400 (as in SGLang)."""
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
         raise BadRequest("sampling_params must be a JSON object")
+    _check_sampling_keys(sp)
     kw: dict[str, Any] = {}
     if "max_new_tokens" in sp and sp["max_new_tokens"] is not None:
         kw["max_new_tokens"] = json_int(sp["max_new_tokens"], "sampling_params.max_new_tokens", 0)

@@ -38,7 +38,7 @@ from rlcore.inference.protocol import (
     parse_n,
     parse_sampling_params,
 )
-from rlcore.inference.sse import next_stream_items
+from rlcore.inference.sse import next_stream_items, while_connected
 
 CLIENT_MAX_SIZE = 32 << 20
 """Largest request body ``make_app`` accepts by default (bytes); larger ones get a 413."""
@@ -354,8 +354,16 @@ async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
     plan = await _plan(engine, p)
     # prompt log-probs first: under the weights the request starts with (the scoring case has 0-1 new tokens)
     ins = await plan.input_logprobs(engine) if plan.return_logprob else [None] * len(plan.prompts)
-    futs = [engine.submit(x, s, r) for x, s, r in zip(plan.prompts, plan.params, plan.rids)]
-    outs = [await asyncio.wrap_future(f) for f in futs]
+    rids = [r or new_rid() for r in plan.rids]
+    futs = []
+    try:
+        for x, s, r in zip(plan.prompts, plan.params, rids):
+            futs.append(engine.submit(x, s, r))
+        outs = [await asyncio.wrap_future(f) for f in futs]
+    finally:  # cancelled (the client went away, sse.while_connected) or a later prompt refused: free the slots
+        for rid, f in zip(rids, futs):
+            if not f.done() or f.cancelled():  # the awaited future is cancelled with us; its request still runs
+                await engine.aabort(rid)
     failed = [o for o in outs if error_status(o) is not None]
     if failed:  # SGLang answers a request its engine failed with the error status, never 200 + "abort"
         return _engine_error(failed[0])
@@ -567,7 +575,7 @@ def _parse_json(raw: bytes) -> Any:
 async def read_json(request: web.Request, client_max_size: int) -> Any:
     """The request's JSON body (``{}`` when empty). Raises ``web.HTTPException``-free ``BadRequest`` for bad JSON
     and ``_TooLarge`` beyond ``client_max_size``; large bodies are parsed off the event loop."""
-    if request.method != "POST" or not request.can_read_body:
+    if request.method not in ("POST", "PUT") or not request.can_read_body:
         return {}
     try:
         raw = await request.read()
@@ -587,6 +595,18 @@ class _TooLarge(BadRequest):
     """A body over ``client_max_size`` (413)."""
 
 
+async def _retrieve_model(request: web.Request) -> web.Response:
+    """OpenAI's ``GET /v1/models/{model}`` (SGLang's ``retrieve_model``): the served model's card, else a 404."""
+    name = request.match_info["model"]
+    _, models = await control._models(request.app[ENGINE_KEY], {})
+    card = next((m for m in models["data"] if m["id"] == name), None)
+    if card is not None:
+        return web.json_response(card)
+    msg = f"The model {name!r} does not exist; this server serves {models['data'][0]['id']!r}"
+    err = {"message": msg, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    return web.json_response({"error": err}, status=404)
+
+
 def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE) -> web.Application:
     """aiohttp application serving ``engine`` with SGLang's endpoints and the OpenAI-compatible
     ``/v1/completions`` and ``/v1/chat/completions`` (the engine must be started). Bodies over
@@ -602,7 +622,11 @@ def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE) -> web.A
                 return _json(_err(400, str(e))[1], 400)
             if ep == "generate" and isinstance(payload, dict) and payload.get("stream") is True:
                 return await stream_generate(engine, payload, request)
-            status, body = await handle(engine, ep, payload)
+            try:
+                status, body = await (while_connected(handle(engine, ep, payload), request) if ep == "generate"
+                                      else handle(engine, ep, payload))
+            except ConnectionResetError:  # the client left: its requests were aborted, nobody reads an answer
+                return web.Response(status=499)
             return _json(body, status)
 
         return view
@@ -615,7 +639,15 @@ def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE) -> web.A
     for ep in OPENAI_ROUTES:
         app.router.add_post("/" + ep, openai_api.make_view(engine, ep))
 
+    app.router.add_put("/generate", route("generate"))  # SGLang's /generate takes POST and PUT
+    app.router.add_get("/v1/models/{model:.+}", _retrieve_model)
+
     async def unknown(request: web.Request) -> web.Response:
+        ep = request.path.strip("/")
+        allowed = [m for m, eps in (("GET", GET_ROUTES), ("POST", POST_ROUTES + OPENAI_ROUTES)) if ep in eps]
+        if allowed:  # a known endpoint asked with the wrong method: 405 naming the right one, as SGLang answers
+            status, body = _err(405, f"{request.method} /{ep} is not allowed; use {' or '.join(allowed)}")
+            return web.json_response(body, status=status, headers={"Allow": ", ".join(allowed)})
         status, body = _err(404, f"unknown endpoint {request.method} {request.path}")
         return web.json_response(body, status=status)
 

@@ -18,9 +18,14 @@ make this simpler or keep the wire format, and it narrows the supported Pythons.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from aiohttp import web
+
+T = TypeVar("T")
 
 
 class EventWriter:
@@ -58,9 +63,35 @@ async def next_stream_items(queue: asyncio.Queue, request: web.Request) -> list 
             first = await asyncio.wait_for(queue.get(), timeout=1.0)
             break
         except asyncio.TimeoutError:
-            if request.transport is None or request.transport.is_closing():
+            if client_gone(request):
                 return None
     items = [first]
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client of ``request`` has closed its connection."""
+    return request.transport is None or request.transport.is_closing()
+
+
+async def while_connected(aw: Awaitable[T], request: web.Request) -> T:
+    """Await ``aw`` while the client stays connected (checked every second). A client that goes away gets ``aw``
+    cancelled (its ``finally`` aborts the engine requests it submitted) and ``ConnectionResetError`` raised: a
+    non-streaming request is abandoned as SGLang abandons one (``TokenizerManager._wait_one_response``) instead of
+    holding its slot until it finishes. aiohttp's default (``handler_cancellation=False``) never cancels it."""
+    task: asyncio.Future[Any] = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if client_gone(request):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ConnectionResetError("the client disconnected")
+    finally:
+        if not task.done():  # we were cancelled ourselves
+            task.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import stat
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -92,26 +93,45 @@ def parse_dtype(name: str) -> torch.dtype:
     return dt
 
 
+def _regular_file(f: str, path: str) -> str:
+    """``f`` if it is a regular file (symlinks followed), else ``EngineError``. A FIFO, device or socket could
+    block its reader forever, and safetensors opens files while holding the GIL: one such file named by a request
+    would freeze the whole server."""
+    try:
+        mode = os.stat(f).st_mode
+    except (OSError, ValueError) as e:
+        raise EngineError(f"model_path {path!r}: {f!r} cannot be read ({e}); pass an HF model directory") from None
+    if not stat.S_ISREG(mode):
+        raise EngineError(
+            f"model_path {path!r}: {f!r} is not a regular file (a FIFO, device or socket); pass an HF model "
+            "directory whose weights are ordinary *.safetensors files"
+        )
+    return f
+
+
 def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors files of ``path`` (a directory, sharded through its index or not, or one file); each is a
+    regular file (checked before anything opens it)."""
     p = os.fspath(path)
     if os.path.isfile(p):
         return [p]
     if not os.path.isdir(p):
         raise EngineError(f"model_path {p!r} does not exist; pass an HF model directory with *.safetensors")
     index = os.path.join(p, "model.safetensors.index.json")
-    if os.path.exists(index):
+    if os.path.lexists(index):
+        _regular_file(index, p)
         try:
             with open(index) as f:
                 names = sorted(set(json.load(f)["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise EngineError(f"model_path {p!r}: model.safetensors.index.json is unreadable ({e})") from None
-        return [os.path.join(p, n) for n in names]
+        return [_regular_file(os.path.join(p, n), p) for n in names]
     files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
     if not files:
         raise EngineError(
             f"model_path {p!r} has no *.safetensors files; save with save_pretrained(safe_serialization=True)"
         )
-    return files
+    return [_regular_file(f, p) for f in files]
 
 
 def read_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:

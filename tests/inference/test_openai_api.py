@@ -403,6 +403,61 @@ def test_in_process_handle_matches_http(client, engine):
     assert asyncio.run(handle(engine, "v1/embeddings", {}))[0] == 404
 
 
+def test_models_retrieve_wrong_methods_and_oversized_bodies_answer_like_openai(client, server, engine):
+    # SGLang serves GET /v1/models/{model} (retrieve_model); the official client's models.retrieve got a 404
+    served = client.models.list().data[0].id
+    card = client.models.retrieve(served)
+    assert card.id == served and card.model_extra["max_model_len"] == CTX
+    with pytest.raises(openai.NotFoundError, match="does not exist") as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    # a known endpoint with the wrong method is a 405 naming the method (was a 404 "unknown endpoint")
+    req = urllib.request.Request(server.url + "/v1/chat/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as he:
+        urllib.request.urlopen(req, timeout=30)
+    assert he.value.code == 405 and "use POST" in json.loads(he.value.read())["error"]["message"]
+    # a body over client_max_size is OpenAI's 413 (was a 500, which the official client retries twice)
+    big = client.with_options(max_retries=0)
+    with pytest.raises(openai.APIStatusError) as te:
+        big.completions.create(model="m", prompt="a" * (33 << 20), max_tokens=1)
+    assert te.value.status_code == 413 and te.value.body["code"] == "request_too_large"
+
+
+def test_a_big_body_is_parsed_off_the_event_loop(server):
+    # a 20 MB prompt of token ids was parsed, validated and checked on the event loop: /health stalled for ~10 s
+    big = b'{"model": "m", "max_tokens": 1, "prompt": [' + b"1," * (8 << 20) + b"1]}"
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(http, server.url + "/v1/completions", big)
+        time.sleep(0.3)
+        worst = 0.0
+        while not fut.done():
+            t0 = time.monotonic()
+            with urllib.request.urlopen(server.url + "/health", timeout=60) as r:
+                assert r.status == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.05)
+        status, raw = fut.result()
+    assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
+    assert worst < 2.5, f"/health waited {worst:.1f} s behind the big body"  # json.loads itself holds the GIL
+
+
+def test_a_client_that_leaves_a_non_streaming_completion_has_its_requests_aborted(server, engine):
+    # SGLang aborts a non-streaming request whose client disconnected; ours ran to the end (here: forever, paused)
+    engine.pause("in_place")  # queued requests wait: only an abort can end them
+    try:
+        body = json.dumps({"model": "m", "prompt": "abc", "max_tokens": 50, "n": 3}).encode()
+        req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(OSError):  # the client gives up (read timeout) and closes the connection
+            urllib.request.urlopen(req, timeout=0.5)
+        t0 = time.monotonic()
+        while engine.num_waiting + engine.num_running and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert engine.num_waiting + engine.num_running == 0
+    finally:
+        engine.continue_generation()
+
+
 def test_server_without_tokenizer_answers_400_naming_the_fix(tok):
     eng = tiny_engine(tok)
     eng.tokenizer = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -253,6 +254,11 @@ BAD = [
     ({"input_ids": [1], "sampling_params": {"presence_penalty": "high"}}, "presence_penalty"),
     ({"input_ids": [1], "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"input_ids": [1], "sampling_params": {"sampling_seed": 1 << 70}}, "sampling_seed"),
+    # unknown sampling_params keys are refused as SGLang refuses them (sglang.api.v1.SamplingParams); a typo
+    # used to be ignored and the request ran to the end of the context
+    ({"input_ids": [1], "sampling_params": {"max_tokens": 4}}, "did you mean max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"temprature": 0.5}}, "did you mean temperature"),
+    ({"input_ids": [1], "sampling_params": {"beam_width": 4}}, "beam_width"),
 ]
 
 
@@ -647,3 +653,47 @@ def test_stream_disconnect_aborts_the_request(engine):
         return ended
 
     assert serve(engine, body)
+
+
+def test_a_client_that_leaves_a_non_streaming_generate_has_its_requests_aborted(engine):
+    # SGLang aborts a non-streaming request whose client disconnected (TokenizerManager._wait_one_response); ours
+    # stayed queued (or ran to its end), holding its slot
+    async def body(http):
+        await post(http, "/pause_generation", {"mode": "in_place"})  # queued requests wait: only an abort ends them
+        try:
+            payload = {"input_ids": [[3], [4, 5]], "sampling_params": {**GREEDY, "n": 2}}
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with http.post("/generate", json=payload, timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                    await r.read()
+            t0 = time.time()
+            while engine.num_waiting + engine.num_running and time.time() - t0 < 10:
+                await asyncio.sleep(0.05)
+            return engine.num_waiting + engine.num_running
+        finally:
+            await post(http, "/continue_generation", {})
+
+    assert serve(engine, body) == 0
+
+
+def test_wrong_methods_get_405_and_flags_must_be_booleans(engine):
+    async def body(http):
+        async with http.get("/generate") as r:  # a known endpoint with the wrong method: 405, not "unknown"
+            wrong = r.status, r.headers.get("Allow"), await r.json()
+        async with http.put("/generate", json={"input_ids": [3], "sampling_params": GREEDY}) as r:  # as SGLang
+            put = r.status, await r.json()
+        async with http.delete("/no_such_endpoint") as r:
+            unknown = r.status
+        flags = [
+            await post(http, "/update_weights_from_disk", {"model_path": "/nonexistent", "abort_all_requests": "no"}),
+            await post(http, "/abort_request", {"abort_all": "false"}),
+        ]
+        return wrong, put, unknown, flags
+
+    (status, allow, err), put, unknown, flags = serve(engine, body)
+    assert status == 405 and allow == "POST" and "use POST" in err["error"]["message"]
+    assert put[0] == 200 and len(put[1]["output_ids"]) == GREEDY["max_new_tokens"]
+    assert unknown == 404
+    # a string was truthy: abort_all_requests: "no" aborted every request in flight
+    assert [s for s, _ in flags] == [400, 400]
+    assert "abort_all_requests must be true or false" in flags[0][1]["error"]["message"]
+    assert "abort_all must be true or false" in flags[1][1]["error"]["message"]

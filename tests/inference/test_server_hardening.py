@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -303,6 +305,29 @@ def test_a_tied_embedding_checkpoint_with_lm_head_weight_loads(tmp_path):
         with pytest.raises(EngineError, match="tied"):
             eng.update_weights_from_disk(tmp_path, version=4)
         assert eng.version == 3 and _greedy(eng) == _greedy(ref)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_the_model_directory_is_refused_without_freezing_the_server(engine, tmp_path):
+    # safetensors opens a file holding the GIL: a FIFO named model.safetensors froze the whole process (every
+    # endpoint, the engine loop) until some writer opened it. The writer here only comes after 4 s (so the test
+    # fails instead of hanging on the old code); the fixed server refuses the FIFO before opening it.
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["timeout", "20", "sh", "-c", f"sleep 4; echo garbage > '{fifo}'"])
+    try:
+        async def body(http):
+            t0 = time.monotonic()
+            out = await post(http, "/update_weights_from_disk", {"model_path": str(tmp_path)})
+            return out, time.monotonic() - t0
+
+        (status, out, _), took = serve(engine, body)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert status == 400 and out["success"] is False and "not a regular file" in out["message"], out
+    assert took < 3, f"the load blocked on the FIFO for {took:.1f} s"
+    assert engine.version == 0
 
 
 # ---- 16.4 (engine side): seeded resubmission, bounded queue ------------------------------------------------
