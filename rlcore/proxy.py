@@ -45,6 +45,8 @@ class Args:
     """Timeout of one engine call."""
     version: int = 0
     """Weight version to tag tokens with until /rl/set_version changes it."""
+    max_body_bytes: int = 32 * 2**20
+    """Largest request body accepted (a larger one is a JSON 413)."""
 
 
 async def serve(args: Args) -> None:
@@ -60,6 +62,7 @@ async def serve(args: Args) -> None:
     cfg = ProxyConfig(
         host=args.host, port=args.port, admin_key=args.admin_key, template_mode=args.template_mode,
         engine_max_tokens=args.engine_max_tokens, capacity_gating=args.capacity_gating,
+        max_body_bytes=args.max_body_bytes,
     )
     async with client, AgentProxy(client, tokenizer, cfg) as proxy:
         print(f"rlcore proxy: serving {proxy.base_url} for {client.live_servers()}", flush=True)

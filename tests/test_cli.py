@@ -188,3 +188,18 @@ def test_serve_flag_for_fused_projections_reaches_the_engine_config():
     assert engine_config(tyro.cli(ServeConfig, args=["--model", "m"])).fused_projections == "auto"
     with pytest.raises(SystemExit):
         tyro.cli(ServeConfig, args=["--model", "m", "--fused-projections", "yes"])
+
+
+def test_proxy_cli_passes_every_shared_flag_to_the_proxy_config():
+    """rlcore-proxy's flags that are ProxyConfig fields all reach the ProxyConfig it builds (a flag left out of
+    serve() would do nothing)."""
+    import dataclasses
+    import inspect
+
+    from rlcore.rollout.proxy import ProxyConfig
+
+    shared = {f.name for f in dataclasses.fields(proxy.Args)} & {f.name for f in dataclasses.fields(ProxyConfig)}
+    assert {"admin_key", "max_body_bytes", "capacity_gating", "template_mode"} <= shared
+    src = inspect.getsource(proxy.serve)
+    missing = [n for n in sorted(shared) if f"{n}=args.{n}" not in src]
+    assert not missing, missing

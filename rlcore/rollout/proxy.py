@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import json
 import logging
 import secrets
@@ -109,6 +110,9 @@ class ProxyConfig:
     """Sessions idle this long are dropped (checked at most once a minute, on start_session)."""
     export_wait_s: float = 600.0
     """How long export waits for the session to end before answering 408."""
+    max_body_bytes: int = 32 * 2**20
+    """Largest request body accepted (long agent conversations grow past aiohttp's 1 MiB default); a larger one is
+    a JSON 413 naming this field."""
 
     def __post_init__(self):
         if self.template_mode not in ("hf", "concat"):
@@ -118,6 +122,8 @@ class ProxyConfig:
             raise ValueError("ProxyConfig.engine_max_tokens must be >= 2 and default_max_new_tokens >= 1")
         if not self.admin_key:
             raise ValueError("ProxyConfig.admin_key is empty: set a secret key")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"ProxyConfig.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
 
 @dataclass
@@ -372,7 +378,7 @@ class AgentProxy:
         return self.url + "/v1"
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors])
+        app = web.Application(middlewares=[self._errors], client_max_size=self.cfg.max_body_bytes)
         r = app.router
         for prefix in ("/v1", ""):
             r.add_post(prefix + "/chat/completions", self._h_chat)
@@ -441,7 +447,7 @@ class AgentProxy:
             raise ProxyError(400, "task_id: a non-empty string is required")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
             raise ProxyError(400, "api_key: must be a non-empty string when given")
-        if api_key == self.cfg.admin_key:
+        if self._is_admin_key(api_key):
             raise ProxyError(400, "api_key: the admin key cannot be used as a session key")
         with self._lock:
             self._gc()
@@ -693,8 +699,18 @@ class AgentProxy:
             return await handler(request)
         except OpenAIError as e:  # ProxyError included
             return web.json_response(e.body(), status=e.status)
-        except web.HTTPException:
-            raise
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            # aiohttp's own answers (unknown path, wrong method, body too large) in OpenAI's error shape, so a
+            # client reads a message instead of an HTML/plain-text body
+            message = {404: f"unknown endpoint {request.method} {request.path}",
+                       405: f"{request.method} is not allowed on {request.path}",
+                       413: f"request body over ProxyConfig.max_body_bytes ({self.cfg.max_body_bytes} bytes); "
+                            "raise it (rlcore-proxy --max-body-bytes) or send less"}.get(e.status, e.reason)
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+            return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": code}},
+                                     status=e.status, headers={k: v for k, v in e.headers.items() if k == "Allow"})
         except Exception as e:  # never die of one bad request
             log.exception("agent proxy: %s failed", request.path)
             return web.json_response({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}},
@@ -710,8 +726,12 @@ class AgentProxy:
             raise ProxyError(400, "body: a JSON object is required")
         return body
 
+    def _is_admin_key(self, key: str | None) -> bool:
+        """Constant-time comparison with the admin key (no timing hint of how much of a guess matched)."""
+        return key is not None and hmac.compare_digest(key.encode(), self.cfg.admin_key.encode())
+
     def _admin(self, request: web.Request) -> None:
-        if _bearer(request) != self.cfg.admin_key:
+        if not self._is_admin_key(_bearer(request)):
             raise ProxyError(401, "Authorization: a valid admin key is required (Bearer <admin key>)")
 
     def _session_of(self, request: web.Request) -> str:
@@ -747,8 +767,7 @@ class AgentProxy:
         return out.resp
 
     async def _h_models(self, request: web.Request) -> web.Response:
-        key = _bearer(request)
-        if key != self.cfg.admin_key:
+        if not self._is_admin_key(_bearer(request)):
             self._session_of(request)
         data = [{"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "rlcore"}]
         return web.json_response({"object": "list", "data": data})

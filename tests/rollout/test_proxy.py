@@ -271,6 +271,34 @@ def test_auth_errors_and_validation(engine, tok):
         AgentProxy(EngineClient(engine, CCFG), tok, ProxyConfig(host="0.0.0.0"))
 
 
+def test_oversized_bodies_unknown_paths_and_wrong_methods_answer_openai_shaped_json(engine, tok):
+    """aiohttp's own answers come back as JSON errors a client can read: 413 naming max_body_bytes (and the
+    limit is the config's, not aiohttp's 1 MiB default), 404, and 405 with Allow; the admin key still works."""
+    cfg = ProxyConfig(admin_key=ADMIN, max_body_bytes=64 * 1024)
+    proxy = AgentProxy(EngineClient(engine, CCFG), tok, cfg)
+    with proxy.serve_in_thread():
+        _, key = start(proxy)
+        big = [{"role": "user", "content": "x" * (70 * 1024)}]
+        r = post(proxy.base_url + "/chat/completions", {"messages": big}, key)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert "max_body_bytes" in r.json()["error"]["message"]
+        r = post(proxy.url + "/v1/nope", {}, key)
+        assert r.status_code == 404 and "unknown endpoint" in r.json()["error"]["message"]
+        req = urllib.request.Request(proxy.base_url + "/chat/completions", method="GET")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 405 and "POST" in e.value.headers["Allow"]
+        assert "not allowed" in json.loads(e.value.read())["error"]["message"]
+    default = AgentProxy(EngineClient(engine, CCFG), tok, ProxyConfig(admin_key=ADMIN))
+    with default.serve_in_thread():  # 2 MiB of conversation: over aiohttp's default, under ours
+        _, key = start(default)
+        long = [{"role": "user", "content": "x" * (2 * 2**20)}]
+        r = post(default.base_url + "/chat/completions", {"messages": long, "max_completion_tokens": 1}, key)
+        assert r.status_code != 413, r.text
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        ProxyConfig(max_body_bytes=10)
+
+
 class ScriptedEngine:
     """In-process engine answering /generate with the tokens of the next scripted text (+ eos)."""
 
