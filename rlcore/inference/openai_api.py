@@ -390,12 +390,19 @@ def response_body(engine: Engine, plan: Plan, outs: list[GenerateOutput]) -> dic
 
 
 def _submit_all(engine: Engine, plan: Plan, on_token=None) -> tuple[list[str], list]:
+    """Submit every (prompt, sample) of ``plan``; if one submission fails (e.g. the waiting queue is full), the
+    ones already submitted are aborted before the error propagates: a refused request leaves nothing running."""
     rids, futs = [], []
-    for k in range(len(plan.prompts) * plan.n):
-        rid = f"{plan.response_id}-{k}"
-        cb = None if on_token is None else (lambda t, lp, v, k=k: on_token(k, t, lp))
-        futs.append(engine.submit(plan.prompts[k // plan.n], plan.samples[k % plan.n], rid, on_token=cb))
-        rids.append(rid)
+    try:
+        for k in range(len(plan.prompts) * plan.n):
+            rid = f"{plan.response_id}-{k}"
+            cb = None if on_token is None else (lambda t, lp, v, k=k: on_token(k, t, lp))
+            futs.append(engine.submit(plan.prompts[k // plan.n], plan.samples[k % plan.n], rid, on_token=cb))
+            rids.append(rid)
+    except BaseException:
+        for rid in rids:
+            engine.abort(rid)
+        raise
     return rids, futs
 
 

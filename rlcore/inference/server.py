@@ -644,7 +644,8 @@ def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE) -> web.A
 
     async def unknown(request: web.Request) -> web.Response:
         ep = request.path.strip("/")
-        allowed = [m for m, eps in (("GET", GET_ROUTES), ("POST", POST_ROUTES + OPENAI_ROUTES)) if ep in eps]
+        allowed = [m for m, eps in (("GET", GET_ROUTES), ("POST", POST_ROUTES + OPENAI_ROUTES), ("PUT", ("generate",)))
+                   if ep in eps]
         if allowed:  # a known endpoint asked with the wrong method: 405 naming the right one, as SGLang answers
             status, body = _err(405, f"{request.method} /{ep} is not allowed; use {' or '.join(allowed)}")
             return web.json_response(body, status=status, headers={"Allow": ", ".join(allowed)})

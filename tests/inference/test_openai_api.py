@@ -786,3 +786,28 @@ def test_serve_tool_parser_flag_sets_the_app_parser(engine):
     assert app[TOOL_PARSER_KEY].start is None
     with pytest.raises(ValueError, match="--tool-parser"):
         ServeConfig(model="m", tool_parser="nope")
+
+
+def test_a_refused_submission_aborts_the_samples_already_submitted(engine, monkeypatch):
+    """n = 4 where the third submission is refused (queue full): the two already queued are aborted before the
+    error reaches the caller, so a 503 leaves nothing running."""
+    from rlcore.inference import openai_api
+
+    plan = openai_api.completion_plan(engine, {"prompt": "abc", "n": 4, "max_tokens": 3})
+    submitted, aborted = [], []
+    real_submit = engine.submit
+
+    def submit(prompt, sample, rid, on_token=None):
+        if len(submitted) == 2:
+            raise RuntimeError("waiting queue is full")
+        submitted.append(rid)
+        return real_submit(prompt, sample, rid, on_token=on_token)
+
+    monkeypatch.setattr(engine, "submit", submit)
+    monkeypatch.setattr(engine, "abort", lambda rid: aborted.append(rid))
+    with pytest.raises(RuntimeError, match="queue is full"):
+        openai_api._submit_all(engine, plan)
+    assert len(submitted) == 2 and aborted == submitted
+    monkeypatch.undo()
+    for rid in submitted:  # really stop them (the patched abort only recorded)
+        engine.abort(rid)

@@ -690,7 +690,7 @@ def test_wrong_methods_get_405_and_flags_must_be_booleans(engine):
         return wrong, put, unknown, flags
 
     (status, allow, err), put, unknown, flags = serve(engine, body)
-    assert status == 405 and allow == "POST" and "use POST" in err["error"]["message"]
+    assert status == 405 and allow == "POST, PUT" and "use POST or PUT" in err["error"]["message"]
     assert put[0] == 200 and len(put[1]["output_ids"]) == GREEDY["max_new_tokens"]
     assert unknown == 404
     # a string was truthy: abort_all_requests: "no" aborted every request in flight
