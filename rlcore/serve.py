@@ -27,7 +27,10 @@ class ServeConfig:
     model: str
     """Local HF model directory (config.json + *.safetensors; a tokenizer there enables text I/O)."""
     host: str = "127.0.0.1"
-    """Bind address; keep 127.0.0.1 unless the network is trusted (the server has no authentication)."""
+    """Bind address; keep 127.0.0.1 unless the network is trusted or ``--api-key`` is set."""
+    api_key: str = ""
+    """Require ``Authorization: Bearer <key>`` on every endpoint but /health (SGLang's ``--api-key``; clients:
+    ``ClientConfig.api_key``, or the openai client's ``api_key``). Empty: no authentication."""
     port: int = 30000
     """TCP port; 0 picks a free one (printed at start-up)."""
     tokenizer: str | None = None
@@ -96,7 +99,7 @@ def build_app(engine: Engine, cfg: ServeConfig) -> web.Application:
     from rlcore.inference.server import make_app
     from rlcore.inference.tool_parsers import resolve
 
-    app = make_app(engine)
+    app = make_app(engine, api_key=cfg.api_key or None)
     app[TOOL_PARSER_KEY] = resolve(cfg.tool_parser)
     return app
 
@@ -152,6 +155,9 @@ def main(cfg: ServeConfig) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.host, cfg.port))
     print(f"[rlcore.serve] {cfg.model} on http://{cfg.host}:{sock.getsockname()[1]}", flush=True)
+    if not cfg.api_key and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"[rlcore.serve] WARNING: bound to {cfg.host} without --api-key: anyone who reaches this port can "
+              "generate, load weights from this host's files and pause the engine", flush=True)
     with engine:
         asyncio.run(_serve(web, build_app(engine, cfg), sock))
 

@@ -152,7 +152,7 @@ def test_launcher_built_serve_command_lines_parse_as_serve_config():
     script = launch.slurm_script(launch.parse_allocation("engines:1+trainer:1"), ["e.py"], model="/m")
     line = next(ln for ln in script.splitlines() if "rlcore.serve" in ln)
     serve_argv = line.split("rlcore.serve", 1)[1].rstrip(" &").split()
-    assert tyro.cli(serve.ServeConfig, args=serve_argv).host == "0.0.0.0"
+    assert tyro.cli(serve.ServeConfig, args=serve_argv).host == "127.0.0.1"  # one node: loopback
 
 
 def test_proxy_default_admin_key_matches_the_library():

@@ -115,7 +115,8 @@ def test_slurm_script_shape():
     assert s.count("rlcore.serve") == 2
     assert "CUDA_VISIBLE_DEVICES=0 " in s and "CUDA_VISIBLE_DEVICES=1 " in s
     assert "CUDA_VISIBLE_DEVICES=2,3 torchrun --standalone --nproc_per_node=2 experiments/gsm8k_grpo.py" in s
-    assert f"export {launch.ENV_ADDRS}=$HOST:30000,$HOST:30001" in s
+    assert f"export {launch.ENV_ADDRS}=127.0.0.1:30000,127.0.0.1:30001" in s
+    assert "0.0.0.0" not in s  # one node: the engines are reachable over loopback only
     assert s.count("until curl -sf") == 2
 
 

@@ -174,7 +174,8 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         sess = self._sessions.get(loop)
         if sess is None or sess.closed:
-            sess = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            auth = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
+            sess = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth)
             self._sessions[loop] = sess
         return sess
 

@@ -31,7 +31,7 @@ _GET = frozenset({"health", "health_generate", "get_model_info", "v1/models"})
 class CoalescingHTTP:
     """``async handle(endpoint, payload) -> (status, body)`` over HTTP, batching ``/generate`` per loop tick."""
 
-    def __init__(self, address: str, *, max_batch: int = 512, timeout_s: float = 3600.0):
+    def __init__(self, address: str, *, max_batch: int = 512, timeout_s: float = 3600.0, api_key: str | None = None):
         if max_batch < 1:
             raise ValueError(f"CoalescingHTTP.max_batch must be >= 1, got {max_batch}")
         if timeout_s <= 0:
@@ -40,6 +40,8 @@ class CoalescingHTTP:
         self.url = url if url.startswith(("http://", "https://")) else "http://" + url
         self.max_batch = max_batch
         self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        """Sent with every call (a server started with ``--api-key``)."""
         self.batches = 0
         """HTTP /generate calls sent (a statistic: requests / batches is the coalescing factor)."""
         self._pending: dict[tuple[asyncio.AbstractEventLoop, str], _Batch] = {}
@@ -54,7 +56,8 @@ class CoalescingHTTP:
         kw: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=self.timeout_s)}
         if method == "POST":
             kw["json"] = payload or {}
-        async with aiohttp.ClientSession() as sess, sess.request(method, self.url + endpoint, **kw) as resp:
+        async with aiohttp.ClientSession(headers=self.headers) as sess, sess.request(method, self.url + endpoint,
+                                                                                    **kw) as resp:
             text = await resp.text()
         try:
             return resp.status, (json.loads(text) if text else {})

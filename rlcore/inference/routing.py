@@ -61,6 +61,9 @@ class ClientConfig:
     """Period of /health polling in ``wait_until_healthy``."""
     seed: int | None = None
     """Seed of the random round-robin start index; None draws it from the OS."""
+    api_key: str | None = None
+    """Sent as ``Authorization: Bearer <api_key>`` on every call (servers started with ``--api-key``: rlcore-serve
+    or SGLang); None sends no header."""
 
     def __post_init__(self):
         if self.timeout_s <= 0:

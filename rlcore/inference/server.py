@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hmac
 import json
 from typing import Any
 
@@ -607,10 +608,30 @@ async def _retrieve_model(request: web.Request) -> web.Response:
     return web.json_response({"error": err}, status=404)
 
 
-def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE) -> web.Application:
+def api_key_middleware(api_key: str):
+    """Every request but ``/health*`` and ``/metrics`` (and CORS pre-flights) must carry ``Authorization: Bearer
+    <api_key>``, as SGLang's ``--api-key`` asks; anything else is a JSON 401 (OpenAI's error shape, so the openai
+    client raises ``AuthenticationError``). The key is compared in constant time."""
+    want = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def require_key(request: web.Request, handler):
+        if request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
+            return await handler(request)
+        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), want):
+            err = {"message": "Unauthorized: send 'Authorization: Bearer <key>' with this server's --api-key",
+                   "type": "authentication_error", "code": "invalid_api_key"}
+            return web.json_response({"error": err}, status=401)
+        return await handler(request)
+
+    return require_key
+
+
+def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE, api_key: str | None = None) -> web.Application:
     """aiohttp application serving ``engine`` with SGLang's endpoints and the OpenAI-compatible
     ``/v1/completions`` and ``/v1/chat/completions`` (the engine must be started). Bodies over
-    ``client_max_size`` bytes get a JSON 413."""
+    ``client_max_size`` bytes get a JSON 413. ``api_key``: require it as a Bearer token on every endpoint but
+    ``/health`` (:func:`api_key_middleware`); None or empty: no authentication (bind to loopback)."""
 
     def route(ep: str):
         async def view(request: web.Request) -> web.StreamResponse:
@@ -631,7 +652,8 @@ def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE) -> web.A
 
         return view
 
-    app = web.Application(client_max_size=client_max_size)
+    app = web.Application(client_max_size=client_max_size,
+                          middlewares=[api_key_middleware(api_key)] if api_key else [])
     for ep in GET_ROUTES:
         app.router.add_get("/" + ep, route(ep))
     for ep in POST_ROUTES:

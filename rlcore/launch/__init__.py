@@ -243,16 +243,17 @@ def slurm_script(
     ]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
-    lines += ["set -euo pipefail", 'HOST=$(hostname)', "PIDS=()", "trap 'kill ${PIDS[@]} 2>/dev/null' EXIT", ""]
+    lines += ["set -euo pipefail", "PIDS=()", "trap 'kill ${PIDS[@]} 2>/dev/null' EXIT", ""]
     addrs = []
     for i in range(alloc.engines):
         p = port + i
-        cmd = engine_command(engine, model, "0.0.0.0", p, alloc.engine_gpus)
+        # one node: the trainer reaches its engines over loopback, so they are not exposed to the cluster network
+        cmd = engine_command(engine, model, "127.0.0.1", p, alloc.engine_gpus)
         cmd[0] = "python"
         devs = ",".join(map(str, alloc.engine_devices(i)))
         lines.append(f"CUDA_VISIBLE_DEVICES={devs} {' '.join(q(c) for c in cmd)} &")
         lines.append("PIDS+=($!)")
-        addrs.append(f"$HOST:{p}")
+        addrs.append(f"127.0.0.1:{p}")
     for a in addrs:
         lines.append(f"until curl -sf http://{a}/health >/dev/null; do sleep 2; done")
     tdevs = ",".join(map(str, alloc.trainer_devices))

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rlcore.inference.engine import Engine, EngineConfig, EngineError
-from rlcore.inference.protocol import SamplingParams
+from rlcore.inference.protocol import ModelRequest, SamplingParams
 from rlcore.inference.server import make_app
 from tests.inference.test_server import V, tiny_model, tiny_tokenizer
 from tests.inference.test_server import _with_server as _serve
@@ -368,3 +368,88 @@ def test_engine_modules_stay_small():
     mine += ["protocol"]
     sizes = {m: len((root / f"{m}.py").read_text().splitlines()) for m in mine}
     assert max(sizes.values()) <= 720, sizes
+
+
+def test_api_key_guards_every_endpoint_but_health_and_rlcore_and_openai_clients_send_it(engine, tmp_path):
+    """``make_app(api_key=...)`` (``rlcore-serve --api-key``): without the Bearer key or with a wrong one every
+    endpoint (generation, OpenAI routes, weight loads, pause) is a JSON 401 and nothing happens; /health stays open;
+    ``EngineClient(ClientConfig(api_key=...))`` and the openai client with the key work. ``ServeConfig.api_key``
+    reaches the app."""
+    import openai
+
+    from rlcore import serve as serve_cli
+    from rlcore.inference.client import ClientConfig, EngineClient
+
+    key = "s3cret-key"
+    app = make_app(engine, api_key=key)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def up(app):
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]
+
+    runner, port = asyncio.run_coroutine_threadsafe(up(app), loop).result(10)
+    url = f"http://127.0.0.1:{port}"
+    version = engine.version
+
+    async def calls(headers):
+        out = {}
+        async with aiohttp.ClientSession(url, headers=headers) as http:
+            for method, path, body in [
+                ("POST", "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}}),
+                ("POST", "/v1/completions", {"prompt": [3, 4], "max_tokens": 2}),
+                ("GET", "/v1/models", None),
+                ("GET", "/get_model_info", None),
+                ("POST", "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": 99}),
+                ("POST", "/pause_generation", {}),
+                ("GET", "/health", None),
+            ]:
+                async with http.request(method, path, json=body) as r:
+                    out[path] = r.status, (await r.json() if r.status == 401 else None)
+        return out
+
+    try:
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            got = asyncio.run(calls(headers))
+            assert got.pop("/health")[0] == 200
+            assert {p: s for p, (s, _) in got.items()} == {p: 401 for p in got}, got
+            assert all(b["error"]["code"] == "invalid_api_key" for _, b in got.values())
+        assert engine.version == version and not engine.paused
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(
+                model="m", prompt=[3, 4], max_tokens=2)
+        ok = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).completions.create(
+            model="m", prompt=[3, 4], max_tokens=2, temperature=0)
+        assert ok.usage.completion_tokens == 2
+
+        greedy = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+
+        async def with_client():
+            async with EngineClient(url, ClientConfig(api_key=key, retries=0)) as c:
+                return await c.agenerate(ModelRequest([3, 4], greedy))
+
+        assert asyncio.run(with_client()).output_len == 3
+
+        async def without_key():
+            async with EngineClient(url, ClientConfig(retries=0)) as c:
+                return await c.agenerate(ModelRequest([3, 4], greedy))
+
+        with pytest.raises(Exception, match="401"):
+            asyncio.run(without_key())
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    # the CLI flag reaches the app: a request without the key is refused
+    cli_app = serve_cli.build_app(engine, serve_cli.ServeConfig(model="unused", api_key=key))
+    runner, port = asyncio.run_coroutine_threadsafe(up(cli_app), loop).result(10)
+    try:
+        async def plain():
+            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/get_model_info") as r:
+                return r.status
+        assert asyncio.run(plain()) == 401
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
