@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -314,7 +315,8 @@ def test_a_fifo_in_the_model_directory_is_refused_without_freezing_the_server(en
     # fails instead of hanging on the old code); the fixed server refuses the FIFO before opening it.
     fifo = tmp_path / "model.safetensors"
     os.mkfifo(fifo)
-    writer = subprocess.Popen(["timeout", "20", "sh", "-c", f"sleep 4; echo garbage > '{fifo}'"])
+    writer = subprocess.Popen(["timeout", "20", "sh", "-c", f"sleep 4; echo garbage > '{fifo}'"],
+                              start_new_session=True)  # its own group: killed whole below, sh included
     try:
         async def body(http):
             t0 = time.monotonic()
@@ -323,7 +325,8 @@ def test_a_fifo_in_the_model_directory_is_refused_without_freezing_the_server(en
 
         (status, out, _), took = serve(engine, body)
     finally:
-        writer.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(writer.pid, signal.SIGKILL)  # killing `timeout` alone left its sh blocked on the FIFO
         writer.wait()
     assert status == 400 and out["success"] is False and "not a regular file" in out["message"], out
     assert took < 3, f"the load blocked on the FIFO for {took:.1f} s"

@@ -150,6 +150,10 @@ def _drop_and_run(libc, spec: dict, *, namespaced: bool) -> None:
 
 
 def _init_main(spec: dict) -> None:
+    # No handler of Python's own: pid 1 of the namespace runs as the program's uid, and a SIGINT from the program
+    # became a KeyboardInterrupt there (reported as a setup error). The kernel drops a signal sent to a namespace's
+    # pid 1 from inside the namespace unless pid 1 handles it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     libc = _libc()
     root = os.getuid() == 0
     flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS

@@ -21,8 +21,9 @@ Chain of processes (docs/rollout.md, "Sandbox guarantees", has the attack -> res
 - **network namespace**: only a loopback that is down; ``allow_network=True`` keeps the host's network.
 - **seccomp** (x86_64, aarch64): execve/execveat, fork/vfork and non-thread clone fail with EPERM (clone3 with ENOSYS, so
   threads fall back to clone); kill/tgkill only to itself, tkill, ptrace, process_vm_*, pidfd_*, unshare, setns,
-  mount, pivot_root, chroot, bpf, perf_event_open, userfaultfd, io_uring, keyrings refused; sockets other than
-  AF_UNIX refused unless ``allow_network``.
+  mount, pivot_root, chroot, bpf, perf_event_open, userfaultfd, io_uring, keyrings, rt_(tg)sigqueueinfo,
+  setsid/setpgid, SysV IPC and memfd_create refused; sockets other than AF_UNIX refused unless ``allow_network``.
+- **output**: the caller keeps ``max_output_bytes`` of stdout and of stderr and reads the rest into nothing.
 - **rlimits**: CPU, AS, DATA, FSIZE, NOFILE, NPROC, CORE=0; PR_SET_NO_NEW_PRIVS.
 - **audit hook** (PEP 578): a first filter with readable errors ("sandbox: socket.connect is not allowed"); it can
   be switched off from inside (via ``gc``) and the layers above still hold.
@@ -40,6 +41,7 @@ import logging
 import os
 import platform
 import secrets
+import selectors
 import shutil
 import signal
 import subprocess
@@ -180,6 +182,9 @@ _X86_64 = {
                272, 308, 165, 166, 155, 161,  # unshare, setns, mount, umount2, pivot_root, chroot
                321, 298, 323, 425, 426, 427,  # bpf, perf_event_open, userfaultfd, io_uring_setup/enter/register
                248, 249, 250, 139, 169, 246,  # add_key, request_key, keyctl, sysfs, reboot, kexec_load
+               129, 297, 112, 109,            # rt_sigqueueinfo, rt_tgsigqueueinfo, setsid, setpgid
+               29, 30, 31, 67, 64, 65, 66, 220, 68, 69, 70, 71,  # SysV shm*, sem*, msg*
+               319, 447,                      # memfd_create, memfd_secret
                *_NEW_MOUNT_API],
 }
 _AARCH64 = {  # asm-generic numbering; there is no fork/vfork syscall
@@ -189,6 +194,9 @@ _AARCH64 = {  # asm-generic numbering; there is no fork/vfork syscall
                97, 268, 40, 39, 41, 51,       # unshare, setns, mount, umount2, pivot_root, chroot
                280, 241, 282, 425, 426, 427,  # bpf, perf_event_open, userfaultfd, io_uring_setup/enter/register
                217, 218, 219, 142, 104,       # add_key, request_key, keyctl, reboot, kexec_load
+               138, 240, 157, 154,            # rt_sigqueueinfo, rt_tgsigqueueinfo, setsid, setpgid
+               194, 196, 195, 197, 190, 193, 191, 192, 186, 189, 188, 187,  # SysV shm*, sem*, msg*
+               279, 447,                      # memfd_create, memfd_secret
                *_NEW_MOUNT_API],
 }
 _SECCOMP_TABLES = {"x86_64": _X86_64, "aarch64": _AARCH64}
@@ -397,16 +405,58 @@ def spawn(code: str, *, cfg: SandboxConfig = SandboxConfig(), stdin=subprocess.P
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _read_all(proc: subprocess.Popen, stdin: bytes, deadline: float) -> tuple[bytes, bytes, bool]:
-    """``communicate`` with a hard deadline; returns (stdout, stderr, timed_out)."""
-    try:
-        out, err = proc.communicate(stdin, timeout=max(deadline - time.monotonic(), 0.01))
-        return out or b"", err or b"", False
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=5.0)  # the namespace is dead: every write end is closed
-        return out or b"", err or b"", True
+def _read_all(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int) -> tuple[bytes, bytes, bool]:
+    """Feed ``stdin`` and read stdout/stderr to EOF or the deadline; returns (stdout, stderr, timed_out).
+
+    At most ``cap`` bytes of each stream are kept; the rest is read and dropped, so a program that prints without
+    end costs the caller no memory (``communicate`` buffered all of it: gigabytes within the timeout). At the
+    deadline the process group is killed and the pipes get 5 s more to reach EOF, then are given up on.
+    """
+    keep = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    sel = selectors.DefaultSelector()
+    for f in keep:
+        sel.register(f, selectors.EVENT_READ)
+    data = memoryview(stdin)
+    if data:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+    timed_out = False
+    with sel:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if timed_out:
+                    break  # killed 5 s ago and a pipe is still open: give up on it (spawn closes it)
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5.0  # the namespace is dead: every write end closes
+                continue
+            for key, _ in sel.select(left):
+                f = key.fileobj
+                if f is proc.stdin:
+                    try:
+                        data = data[os.write(f.fileno(), data[:65536]):]
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # EPIPE: the program closed its stdin or exited
+                        data = data[:0]
+                    if not data:
+                        sel.unregister(f)
+                        with contextlib.suppress(OSError):
+                            f.close()
+                    continue
+                chunk = os.read(f.fileno(), 65536)
+                if not chunk:
+                    sel.unregister(f)
+                    continue
+                buf = keep[f]
+                if len(buf) < cap:
+                    buf += chunk[:cap - len(buf)]
+    return bytes(keep[proc.stdout]), bytes(keep[proc.stderr]), timed_out
 
 
 def run_python(code: str, *, stdin: str = "", cfg: SandboxConfig = SandboxConfig()) -> SandboxResult:
@@ -417,7 +467,8 @@ def run_python(code: str, *, stdin: str = "", cfg: SandboxConfig = SandboxConfig
     layers the run had and the uid it ran as. Raises ``SandboxSetupError`` when the sandbox cannot be built.
     """
     with spawn(code, cfg=cfg) as box:
-        out, err, timed_out = _read_all(box.proc, stdin.encode(), box.started + cfg.timeout_s)
+        out, err, timed_out = _read_all(box.proc, stdin.encode(), box.started + cfg.timeout_s,
+                                        cfg.max_output_bytes)
         box.proc.wait()
         return box.result(out, err, timed_out, cfg)
 

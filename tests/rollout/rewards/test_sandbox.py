@@ -62,6 +62,13 @@ def _procs_named(comm: str) -> list[int]:
     return out
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def _named(comm: str) -> str:
     """Source that renames the current process (so the test can find it from outside by /proc/*/comm)."""
     return f"import ctypes\nctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n"
@@ -331,3 +338,115 @@ def test_unprivileged_caller_gets_a_user_namespace_or_says_it_fell_back():
         assert "False" in out["default"]["stdout"] and "fork Operation not permitted" in out["default"]["stdout"]
     assert not {"mount", "pid", "net"} & set(out["fallback"]["isolation"])
     assert "fork Operation not permitted" in out["fallback"]["stdout"], out["fallback"]
+
+
+def test_output_flood_is_read_in_bounded_memory_and_time():
+    """A program printing without end until the timeout: the caller keeps ``max_output_bytes`` of each stream and
+    drops the rest as it reads (before: every byte was buffered, ~6 GiB in 3 s, and the call ran 5x past the timeout).
+    Run in a child whose address space is capped at 1 GiB, so a regression fails here instead of exhausting memory."""
+    script = (
+        "import resource, sys, time\n"
+        f"sys.path.insert(0, {str(PROJECT)!r})\n"
+        "from rlcore.rollout.rewards import sandbox\n"
+        "t = time.monotonic()\n"
+        "r = sandbox.run_python('import sys\\nb = b\"x\" * (1 << 20)\\nwhile True:\\n    sys.stdout.buffer.write(b)\\n"
+        "    sys.stderr.buffer.write(b)', cfg=sandbox.SandboxConfig(timeout_s=2.0, cpu_s=5, memory_mb=256,"
+        " max_output_bytes=1000))\n"
+        "print(len(r.stdout), len(r.stderr), r.timed_out, round(time.monotonic() - t, 1),"
+        " resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)\n")
+    def cap_memory():
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          preexec_fn=cap_memory)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n_out, n_err, timed_out, wall, rss_mb = proc.stdout.split()
+    assert (n_out, n_err, timed_out) == ("1000", "1000", "True")
+    assert float(wall) <= 2.0 + 4.0, wall
+    assert int(rss_mb) < 200, f"caller peaked at {rss_mb} MiB"
+
+
+@pytest.mark.parametrize("layers", ["all-layers", "namespaces-only"])
+def test_signalling_pid_1_cannot_fail_the_call(layers):
+    """SIGINT to the sandbox's pid 1 (its init, same uid) raised KeyboardInterrupt there, which the caller saw as
+    ``SandboxSetupError``: any program could turn its own run into a harness error. With every layer the signal is
+    sent with ``rt_sigqueueinfo`` (which ``kill``'s seccomp rule does not cover); without seccomp with ``kill``."""
+    cfg = _cfg(layers)
+    send = ("import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "info = ctypes.create_string_buffer(struct.pack('iii', signal.SIGINT, 0, -1), 128)\n"
+            "print('sent', libc.syscall(129, 1, signal.SIGINT, info), ctypes.get_errno(), flush=True)\n"
+            if layers == "all-layers" else "os.kill(1, signal.SIGINT)\nprint('sent', flush=True)\n")
+    if layers == "all-layers" and os.uname().machine != "x86_64":
+        pytest.skip("the payload uses the x86_64 syscall number of rt_sigqueueinfo")
+    res = sandbox.run_python(UNHOOK + "import os, signal, time\n" + send + "time.sleep(0.3)\nprint('done')\n", cfg=cfg)
+    assert res.ok and "done" in res.stdout, (res.stdout, res.stderr)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="payloads use x86_64 syscall numbers")
+def test_seccomp_refuses_sigqueue_setsid_sysv_ipc_and_memfd():
+    """rt_sigqueueinfo/rt_tgsigqueueinfo signalled any pid (the caller itself in the fallback without namespaces);
+    setsid/setpgid took the program out of the process group the caller kills; SysV shared memory (shmat, fill,
+    shmdt: 1 GiB held under memory_mb=256) and memfd_create kept memory outside RLIMIT_AS."""
+    res = sandbox.run_python(
+        UNHOOK + "import ctypes, os, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                 "info = ctypes.create_string_buffer(struct.pack('iii', 0, 0, -1), 128)\n"
+                 "def try_(name, f):\n"
+                 "    try:\n        r = f()\n    except OSError as e:\n        r = -1; ctypes.set_errno(e.errno)\n"
+                 "    print(name, 'OK' if r != -1 else 'errno=%d' % ctypes.get_errno())\n"
+                 "try_('rt_sigqueueinfo', lambda: libc.syscall(129, os.getpid(), 0, info))\n"
+                 "try_('rt_tgsigqueueinfo', lambda: libc.syscall(297, os.getpid(), os.getpid(), 0, info))\n"
+                 "try_('setsid', os.setsid)\n"
+                 "try_('setpgid', lambda: os.setpgid(0, 0))\n"
+                 "try_('shmget', lambda: libc.shmget(0, 1 << 20, 0o600))\n"
+                 "try_('msgget', lambda: libc.msgget(0, 0o600))\n"
+                 "try_('semget', lambda: libc.semget(0, 1, 0o600))\n"
+                 "try_('memfd_create', lambda: os.memfd_create('x'))\n",
+        cfg=FAST)
+    assert res.ok, res.stderr
+    lines = dict(line.split() for line in res.stdout.splitlines())
+    assert lines == dict.fromkeys(("rt_sigqueueinfo", "rt_tgsigqueueinfo", "setsid", "setpgid", "shmget", "msgget",
+                                   "semget", "memfd_create"), "errno=1"), res.stdout
+
+
+def test_unprivileged_fallback_cannot_signal_the_callers_processes_or_outlive_the_call():
+    """Without namespaces, not root, the program runs as the caller's own uid: rt_sigqueueinfo killed a process of
+    the caller (e.g. the trainer), and setsid + sleep survived the call (which raised TimeoutExpired)."""
+    python = "/usr/bin/python3"
+    if os.getuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path(python).exists():
+        pytest.skip("needs root, setpriv and a system python3 to become an unprivileged caller")
+    if os.uname().machine != "x86_64":
+        pytest.skip("the payload uses the x86_64 syscall number of rt_sigqueueinfo")
+    marker = "rlx" + secrets.token_hex(4)
+    prog = (UNHOOK + "import ctypes, os, struct, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "info = ctypes.create_string_buffer(struct.pack('iii', 9, 0, -1), 128)\n"
+            "print('sigqueue', libc.syscall(129, int(sys.stdin.read()), 9, info), flush=True)\n"
+            + _named(marker) + "try:\n    os.setsid()\nexcept OSError as e:\n    print('setsid', e.strerror, flush=True)\n"
+            "time.sleep(30)\n")
+    script = (
+        "import json, subprocess, sys\n"
+        f"sys.path.insert(0, {str(Path(sandbox.__file__).parent)!r})\n"
+        "import sandbox\n"
+        "victim = subprocess.Popen(['sleep', '60'])\n"
+        "try:\n"
+        f"    r = sandbox.run_python({prog!r}, stdin=str(victim.pid), cfg=sandbox.SandboxConfig(timeout_s=2.0,"
+        " namespaces=False))\n"
+        "    out = {'stdout': r.stdout, 'stderr': r.stderr[-300:], 'timed_out': r.timed_out}\n"
+        "except Exception as e:\n"
+        "    out = {'raised': repr(e)}\n"
+        "out['victim_alive'] = victim.poll() is None\n"
+        "victim.kill()\n"
+        "print(json.dumps(out))\n")
+    try:
+        proc = subprocess.run(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I",
+                               "-c", script], capture_output=True, text=True, timeout=60, cwd="/")
+        time.sleep(0.2)
+        survivors = [pid for pid in _procs_named(marker) if not _is_zombie(pid)]  # a killed orphan awaits host init
+    finally:
+        for pid in _procs_named(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["victim_alive"], out
+    assert "raised" not in out and out["timed_out"], out
+    assert "setsid Operation not permitted" in out["stdout"], out
+    assert not survivors, "a setsid'd program outlived the call"
