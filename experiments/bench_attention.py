@@ -190,9 +190,12 @@ def triton_varlen_attention(q, k, v, cu, max_len: int, scale: float, config=None
 # first H200 run are left out: compiling one entry takes ~10-20 s there, so the grid stays small. The first entry of
 # each list is KernelConfig's default.
 TUNE_FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 3)]
-TUNE_DKDV = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 4)]
+# dK/dV entries may carry a fifth number: KernelConfig.dkdv_head_split (the group's query heads over that many
+# programs per key tile; for the few long sequences of a 16k pack)
+TUNE_DKDV = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 3, 2),
+             (64, 128, 8, 3, 4)]
 TUNE_DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
-TUNE_FUSED = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)]
+TUNE_FUSED = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3, 2), (64, 128, 8, 3, 4)]
 
 
 def _tune_inputs(cfg: Config, total: int, dev: torch.device) -> tuple:
@@ -242,7 +245,8 @@ def _tune_size(cfg: Config, dev: torch.device, total: int, totals: dict, t0: flo
                 res[kind].append({"config": list(combo), "skipped": f"past --tune-budget-s {cfg.tune_budget_s}"})
                 continue
             prefix = "dkdv" if kind == "fused" else kind
-            fields = (f"{prefix}_block_m", f"{prefix}_block_n", f"{prefix}_warps", f"{prefix}_stages")
+            fields = (f"{prefix}_block_m", f"{prefix}_block_n", f"{prefix}_warps", f"{prefix}_stages",
+                      f"{prefix}_head_split")  # zip stops at the combo's length (the fifth: dK/dV only)
             c = dataclasses.replace(base, fused_dq=int(kind == "fused"), **dict(zip(fields, combo)))
             row: dict = {"config": list(combo)}
             try:
@@ -305,7 +309,7 @@ def tune(cfg: Config, dev: torch.device, save_partial=lambda res: None) -> dict:
         best["dkdv"], best["dq"] = best["fused"], None
     best_cfg = dataclasses.replace(base, fused_dq=int(fused), **{
         f"{kind}_{f}": val for kind, combo in best.items() if combo and kind != "fused"
-        for f, val in zip(("block_m", "block_n", "warps", "stages"), combo)})
+        for f, val in zip(("block_m", "block_n", "warps", "stages", "head_split"), combo)})
     res["best"], res["best_repr"] = dataclasses.asdict(best_cfg), repr(best_cfg)
     for total in sizes:  # end to end (autograd through the custom ops): the default config against the best
         q, k, v, go, cu, lens = _tune_inputs(cfg, total, dev)

@@ -102,6 +102,11 @@ class KernelConfig:
     """1: the dK/dV kernel also computes dQ (``dS K`` per tile, atomically added to an fp32 ``(T, Hq, D)``
     buffer; 5 products of ``l^2 d / 2`` in the backward instead of 7, dQ not bitwise deterministic) and the dQ
     kernel does not run; 0: the separate dQ kernel (no atomics)."""
+    dkdv_head_split: int = 1
+    """dK/dV: the query heads of one KV head are shared among this many programs per key tile (each writes an fp32
+    partial dK / dV, summed after the kernel). 1: one program loops over all ``Hq / Hkv`` heads and writes dK /
+    dV directly; more programs balance short packs of a few long sequences (the largest divisor of the group
+    size up to this value is used). Written for the 16k-token case of docs/benchmarks.md; not yet timed."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -116,6 +121,8 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{f.name}={value} must be >= 1.")
         if self.fused_dq not in (0, 1):
             raise ValueError(f"KernelConfig.fused_dq={self.fused_dq} must be 0 or 1.")
+        if self.dkdv_head_split < 1:
+            raise ValueError(f"KernelConfig.dkdv_head_split={self.dkdv_head_split} must be >= 1.")
 
     def as_list(self) -> list[int]:
         """The fields in order (how the config travels through the custom ops)."""
@@ -262,9 +269,14 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, st
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU, qk_scale, scale,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                  stride_lh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
-                 GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DIAG: tl.constexpr, FUSED_DQ: tl.constexpr, PRECISION: tl.constexpr):
-    kvh = tl.program_id(0)
+                 stride_dkp, stride_dvp,
+                 GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DIAG: tl.constexpr, FUSED_DQ: tl.constexpr, PRECISION: tl.constexpr):
+    # axis 0: (KV head, part); the part's HEADS query heads of the group (HEADS == GROUP: one part, written to
+    # DK / DV directly; else DK / DV are fp32 partial buffers with one slice per part, stride_dkp / stride_dvp)
+    parts = GROUP // HEADS
+    kvh = tl.program_id(0) // parts
+    part = tl.program_id(0) % parts
     seq = tl.program_id(1)
     n0 = tl.program_id(2) * BLOCK_N  # first key tiles (the most query rows below them) first
     start = tl.load(CU + seq)
@@ -288,9 +300,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU, qk_scale, scale,
     dqa_seq = DQA + start64 * stride_dqat
     # query tiles [n0, n0 + DIAG * BLOCK_M) straddle the diagonal: masked; one loop over (head, tile) pairs
     n_diag = tl.minimum(DIAG, tl.cdiv(seqlen - n0, BLOCK_M))
-    for i in range(0, GROUP * n_diag):
+    h0 = kvh * GROUP + part * HEADS
+    for i in range(0, HEADS * n_diag):
         g = i // n_diag
-        h = kvh * GROUP + g
+        h = h0 + g
         m = n0 + (i - g * n_diag) * BLOCK_M
         dk, dv = _dkdv_step(dk, dv, k, v, q_seq + h * stride_qh, do_seq + h * stride_doh, lse_seq + h * stride_lh,
                             delta_seq + h * stride_lh, dqa_seq + h * stride_dqah, stride_qt, stride_dot,
@@ -298,18 +311,18 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, CU, qk_scale, scale,
     # query tiles entirely at or after the key tile's last key: no mask (rows past the end load as zeros)
     first = n0 + DIAG * BLOCK_M
     n_full = tl.cdiv(tl.maximum(seqlen - first, 0), BLOCK_M)
-    for i in range(0, GROUP * n_full):
+    for i in range(0, HEADS * n_full):
         g = i // n_full
-        h = kvh * GROUP + g
+        h = h0 + g
         m = first + (i - g * n_full) * BLOCK_M
         dk, dv = _dkdv_step(dk, dv, k, v, q_seq + h * stride_qh, do_seq + h * stride_doh, lse_seq + h * stride_lh,
                             delta_seq + h * stride_lh, dqa_seq + h * stride_dqah, stride_qt, stride_dot,
                             stride_dqat, m, cols, seqlen, qk_scale, scale, False, FUSED_DQ, BLOCK_M, D, PRECISION)
     dk = dk * scale
-    tl.store(DK + start64 * stride_dkt + kvh * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + start64 * stride_dvt + kvh * stride_dvh + cols[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DK + part * stride_dkp + start64 * stride_dkt + kvh * stride_dkh + cols[:, None] * stride_dkt
+             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + part * stride_dvp + start64 * stride_dvt + kvh * stride_dvh + cols[:, None] * stride_dvt
+             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @triton.jit
@@ -446,13 +459,23 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
               grad_out.stride(0), grad_out.stride(1), lse.stride(0))
     if "dkdv" in parts:
         dqa = torch.zeros((t, hq, d), dtype=torch.float32, device=q.device) if c.fused_dq else dq
-        _dkdv_kernel[_grid(hkv, n_seqs, max_seqlen, c.dkdv_block_n)](
-            q, k, v, grad_out, lse, delta, dk, dv, dqa, cu_seqlens, scale * LOG2E, scale, *common,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dqa.stride(0), dqa.stride(1),
-            GROUP=group, D=d, BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n,
+        split = max(n for n in range(1, min(c.dkdv_head_split, group) + 1) if group % n == 0)
+        if split == 1:
+            dkp, dvp = dk, dv
+        else:  # one fp32 slice per part, summed below
+            dkp = torch.empty((split, t, hkv, d), dtype=torch.float32, device=q.device)
+            dvp = torch.empty_like(dkp)
+        _dkdv_kernel[_grid(hkv * split, n_seqs, max_seqlen, c.dkdv_block_n)](
+            q, k, v, grad_out, lse, delta, dkp, dvp, dqa, cu_seqlens, scale * LOG2E, scale, *common,
+            dkp.stride(-3), dkp.stride(-2), dvp.stride(-3), dvp.stride(-2), dqa.stride(0), dqa.stride(1),
+            dkp.stride(0) if split > 1 else 0, dvp.stride(0) if split > 1 else 0,
+            GROUP=group, HEADS=group // split, D=d, BLOCK_M=c.dkdv_block_m, BLOCK_N=c.dkdv_block_n,
             DIAG=max(c.dkdv_block_n // c.dkdv_block_m, 1), FUSED_DQ=bool(c.fused_dq), PRECISION=prec,
             num_warps=c.dkdv_warps, num_stages=c.dkdv_stages,
         )
+        if split > 1:  # rows outside every sequence stay unwritten in each slice, as in dk / dv themselves
+            dk.copy_(dkp.sum(0))
+            dv.copy_(dvp.sum(0))
         if c.fused_dq:
             dq.copy_(dqa)
     if "dq" in parts and not c.fused_dq:

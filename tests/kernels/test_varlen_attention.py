@@ -44,8 +44,10 @@ def _configs(device: str, d: int, every: bool = True) -> list:
     if device != "cuda":
         return [
             default_config(d),
-            KernelConfig(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1, 32),
-            KernelConfig(16, 32, 1, 1, 32, 16, 1, 1, 16, 32, 1, 1, 16, fused_dq=1),  # dQ from the dK/dV kernel
+            # query heads of a KV head split over 2 programs (fp32 partials summed): 16/2 -> 2 x 4, 7:1 -> 1 x 7
+            KernelConfig(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1, 32, dkdv_head_split=2),
+            # dQ from the dK/dV kernel, one program per query head (16/2 -> 8 parts, 7:1 -> 7)
+            KernelConfig(16, 32, 1, 1, 32, 16, 1, 1, 16, 32, 1, 1, 16, fused_dq=1, dkdv_head_split=8),
         ]
     if d != 128:
         return [default_config(d)]
@@ -53,6 +55,7 @@ def _configs(device: str, d: int, every: bool = True) -> list:
         default_config(d),
         KernelConfig(64, 128, 4, 2, 32, 64, 4, 4, 64, 128, 4, 2, 128),
         KernelConfig(128, 32, 4, 4, 64, 64, 8, 2, 128, 32, 4, 3, 32),
+        KernelConfig(dkdv_head_split=2),  # the default with the dK/dV head loop split over two programs
     ]
 
 
