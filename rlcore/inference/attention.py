@@ -296,6 +296,16 @@ def install_engine_attention(model: nn.Module) -> bool:
     return True
 
 
+def uninstall_engine_attention(model: nn.Module) -> None:
+    """Back to HF's sdpa: for models whose attention modules branch on ``config._attn_implementation == "sdpa"``
+    themselves instead of calling the attention interface (Falcon): under the engine's name they would take their
+    eager branch with the sdpa (boolean) mask the engine registered, and compute wrong attention silently."""
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "_attn_implementation", None) == ENGINE_ATTENTION:
+            cfg._attn_implementation = "sdpa"
+
+
 def grouped_heads(model: nn.Module) -> bool:
     """The model has grouped KV heads (fewer KV heads than query heads)."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rlcore.inference import attention
 from rlcore.inference.attention import flash_varlen_available, paged_decode_available, paged_decode_selftest
 from rlcore.inference.kv_cache import ModelForward, PagedKVCache
 from rlcore.inference.protocol import EngineError
@@ -306,6 +307,10 @@ def build_kv_cache(
     with torch.no_grad():
         probe = fwd.probe(probe_cache, device)
     shapes = dict(probe_cache.shapes)
+    if own_attention and probe.calls != len(shapes):
+        # some attention module branches on the "sdpa" name itself instead of HF's interface (Falcon): give it back
+        attention.uninstall_engine_attention(fwd.model)
+        fwd.grouped = False
     bytes_per_token = sum(x.bytes_per_token for x in shapes.values())
     free = free_cuda_bytes(device) if device.type == "cuda" else None
     tokens = kv_budget_tokens(cfg, max_seq_len, bytes_per_token, free)

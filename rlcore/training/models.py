@@ -48,15 +48,26 @@ def load_causal_lm(
     if isinstance(model_or_path, nn.Module):
         return model_or_path
     kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+
+    def load(fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except ValueError as e:
+            # an architecture that refuses sdpa (Gemma 2 with attn_logit_softcapping) gets its own default (eager)
+            if kw.get("attn_implementation") != "sdpa" or "scaled_dot_product_attention" not in str(e):
+                raise
+            kw.pop("attn_implementation")
+            return fn(*args, **kw)
+
     if isinstance(model_or_path, PretrainedConfig):
-        model = AutoModelForCausalLM.from_config(model_or_path, **kw)
+        model = load(AutoModelForCausalLM.from_config, model_or_path, **kw)
         return model.to(dtype) if dtype is not None else model
     path = Path(model_or_path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a local directory; pass a module, config or HF dir")
     if dtype is not None:
         kw["dtype"] = dtype
-    return AutoModelForCausalLM.from_pretrained(str(path), **kw)
+    return load(AutoModelForCausalLM.from_pretrained, str(path), **kw)
 
 
 def _backbone(hf: nn.Module) -> nn.Module:
@@ -82,15 +93,47 @@ PACKED_POSITION_IDS_OK = frozenset(
 )
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive ``(1, 1, T, T)`` mask: 0 where query i may attend key j (same sequence, j <= i), min elsewhere."""
+def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive ``(1, 1, T, T)`` mask: 0 where query i may attend key j (same sequence, j <= i), min elsewhere.
+
+    ``window``: also hide keys ``window`` or more tokens behind the query (HF's sliding window: ``j > i - window``).
+    """
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
     idx = torch.arange(seg.numel(), device=cu.device)
     allowed = (seg[:, None] == seg[None, :]) & (idx[:, None] >= idx[None, :])
+    if window is not None:
+        allowed &= idx[None, :] > idx[:, None] - window
     zero = torch.zeros((), dtype=dtype, device=cu.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+
+
+def packed_masks(hf: nn.Module, cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict:
+    """The explicit mask(s) of a packed stream for ``hf``: a given 4D mask replaces the model's own, sliding window
+    included, so models with sliding-window layers get the window here (one mask per layer type where the model
+    has several, which HF's decoders take as a dict; one windowed mask where every layer slides)."""
+    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if other:
+            raise ValueError(
+                f"{type(hf).__name__} has layers of type {other}: packed training builds explicit block-causal "
+                "masks for full and sliding-window attention only; train this model unpacked or with a "
+                "flash-attention implementation"
+            )
+    full = block_causal_mask(cu_seqlens, dtype)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return full
+    if layer_types is not None:
+        if "sliding_attention" not in layer_types:
+            return full
+        return {"full_attention": full, "sliding_attention": block_causal_mask(cu_seqlens, dtype, window)}
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return full
+    return block_causal_mask(cu_seqlens, dtype, window)
 
 
 def _use_explicit_mask(hf: nn.Module, mask_mode: str) -> bool:
@@ -536,7 +579,7 @@ def backbone_hidden(
     kw = _flash_kwargs(hf, cu_seqlens, max_seqlen)
     if cu_seqlens is not None and cu_seqlens.numel() > 2 and _use_explicit_mask(hf, mask_mode):
         dtype = hf.get_input_embeddings().weight.dtype
-        kw["attention_mask"] = block_causal_mask(cu_seqlens.to(input_ids.device), dtype)
+        kw["attention_mask"] = packed_masks(hf, cu_seqlens.to(input_ids.device), dtype)
     out = _backbone(hf)(
         input_ids=input_ids.reshape(1, -1),
         position_ids=position_ids.reshape(1, -1),
@@ -717,17 +760,29 @@ def as_policy(model: nn.Module | PolicyModel) -> PolicyModel:
     return model if isinstance(model, (PolicyModel, CriticModel)) else PolicyModel(model)
 
 
+def _is_dropout_name(name: str) -> bool:
+    n = name.lower()
+    return "dropout" in n or "pdrop" in n or n.endswith("layerdrop") or n.endswith("_drop") or n == "drop"
+
+
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Set every ``nn.Dropout`` to p=0 (RL needs the training forward to match the proximal/behaviour one)."""
+    """Set every ``nn.Dropout`` to p=0 (RL needs the training forward to match the proximal/behaviour one).
+
+    Also every float dropout probability a module keeps as an attribute and applies functionally
+    (``F.dropout(x, p=self.dropout, training=self.training)``: OPT's ``dropout`` / ``activation_dropout`` /
+    ``layerdrop``, Bloom's ``hidden_dropout``, ...), and the config's dropout fields.
+    """
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):
-            m.attention_dropout = 0.0
-    for key in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
-        cfg = getattr(model, "config", None)
-        if cfg is not None and isinstance(getattr(cfg, key, None), float):
-            setattr(cfg, key, 0.0)
+        for k, v in list(vars(m).items()):
+            if isinstance(v, float) and not isinstance(v, bool) and _is_dropout_name(k):
+                setattr(m, k, 0.0)
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        for k, v in list(vars(cfg).items()):
+            if isinstance(v, float) and _is_dropout_name(k):
+                setattr(cfg, k, 0.0)
     return model
 
 

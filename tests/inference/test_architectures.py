@@ -119,6 +119,11 @@ ADAPTED = {
     "falcon-alibi": lambda: transformers.FalconConfig(
         vocab_size=V, num_hidden_layers=2, hidden_size=32, num_attention_heads=4, alibi=True,
         new_decoder_architecture=False, multi_query=True, **NO_IDS),
+    # rotary Falcon: its attention branches on config._attn_implementation == "sdpa" itself (no attention
+    # interface), so the engine must leave it under HF's sdpa name
+    "falcon-rotary": lambda: transformers.FalconConfig(
+        vocab_size=V, num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, **NO_IDS),
 }
 
 
@@ -163,3 +168,40 @@ def test_hybrid_conv_architecture_is_refused_at_load_naming_it():
 
     with pytest.raises(EngineError, match=r"Lfm2ForCausalLM.*'conv'.*not supported"):
         Engine(model, EngineConfig(max_batch=2, max_seq_len=64, device="cpu"))
+
+
+# ---- a model directory the trainer has never seen: init_train_state(DIR) packed == HF per sequence ---------------
+
+FROM_DIR = {
+    # OPT applies dropout functionally (F.dropout(p=self.dropout)), which no nn.Dropout switch reaches
+    "opt-functional-dropout": lambda: transformers.OPTConfig(
+        vocab_size=V, num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
+        max_position_embeddings=96, word_embed_proj_dim=32, dropout=0.3, activation_dropout=0.3, **NO_IDS),
+    # Gemma 2 with attention soft-capping (every real checkpoint) refuses sdpa at load
+    "gemma2-attn-softcap": lambda: transformers.Gemma2Config(
+        **COMMON, head_dim=8, attn_logit_softcapping=5.0, final_logit_softcapping=2.0, sliding_window=4),
+    # sliding windows shorter than the sequences, on models packed with an explicit block-causal mask
+    "gemma3-sliding-4": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=4),
+    "starcoder2-sliding-4": lambda: transformers.Starcoder2Config(**COMMON, sliding_window=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FROM_DIR))
+def test_trainer_from_model_directory_equals_hf_per_sequence(name, tmp_path):
+    from rlcore.training import train_state as ts
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(FROM_DIR[name]()).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    state = ts.init_train_state(str(tmp_path), ts.OptimConfig())
+    assert state.model.training  # the training forward itself must match (no dropout anywhere)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(1, V, (n,), generator=g) for n in (12, 9, 7)]
+    ids, pos = torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs])
+    tgt = torch.cat([torch.cat([s[1:], torch.tensor([-100])]) for s in seqs])
+    bounds = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    with torch.no_grad():
+        logp, _ = state.model(ids, pos, tgt, cu_seqlens=bounds.to(torch.int32), max_seqlen=12)
+    for (a, b), s in zip(zip(bounds[:-1].tolist(), bounds[1:].tolist()), seqs):
+        want = _hf_logprobs(hf, s.tolist(), len(s) - 1)
+        torch.testing.assert_close(logp[a : b - 1], torch.tensor(want), atol=2e-5, rtol=0)
