@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlcore.inference import tensor_ipc
@@ -34,6 +35,33 @@ def error_status(out: GenerateOutput) -> int | None:
     code = out.finish_reason.get("status_code") if isinstance(out.finish_reason, dict) else None
     return int(code) if isinstance(code, int) and code >= 400 else None
 
+
+
+def submit_each(engine: Engine, jobs: Iterable[tuple[list[int], SamplingParams, str, Callable | None]]) -> list:
+    """``engine.submit(prompt, params, rid, on_token=cb)`` for every job, in order; if one is refused (e.g. the
+    waiting queue is full) the ones already submitted are aborted before the error propagates, so a refused HTTP
+    request leaves nothing running. Returns the futures."""
+    futs, rids = [], []
+    try:
+        for prompt, params, rid, cb in jobs:
+            futs.append(engine.submit(prompt, params, rid, on_token=cb))
+            rids.append(rid)
+    except BaseException:
+        for rid in rids:
+            engine.abort(rid)
+        raise
+    return futs
+
+
+async def wait_or_abort(engine: Engine, rids: list[str], futs: list) -> list[GenerateOutput]:
+    """Await every future; if the caller is cancelled (the client left: ``sse.while_connected``) the requests not
+    finished are aborted (an awaited future is cancelled with its awaiter while its request still runs)."""
+    try:
+        return [await asyncio.wrap_future(f) for f in futs]
+    finally:
+        for rid, f in zip(rids, futs):
+            if not f.done() or f.cancelled():
+                await engine.aabort(rid)
 
 
 def _ok(message: str, **extra: Any) -> tuple[int, dict]:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from rlcore.inference import sse
+from rlcore.inference import control, sse
 from rlcore.inference.chat import (
     MAX_N,
     ChatRequest,
@@ -390,33 +390,19 @@ def response_body(engine: Engine, plan: Plan, outs: list[GenerateOutput]) -> dic
 
 
 def _submit_all(engine: Engine, plan: Plan, on_token=None) -> tuple[list[str], list]:
-    """Submit every (prompt, sample) of ``plan``; if one submission fails (e.g. the waiting queue is full), the
-    ones already submitted are aborted before the error propagates: a refused request leaves nothing running."""
-    rids, futs = [], []
-    try:
-        for k in range(len(plan.prompts) * plan.n):
-            rid = f"{plan.response_id}-{k}"
-            cb = None if on_token is None else (lambda t, lp, v, k=k: on_token(k, t, lp))
-            futs.append(engine.submit(plan.prompts[k // plan.n], plan.samples[k % plan.n], rid, on_token=cb))
-            rids.append(rid)
-    except BaseException:
-        for rid in rids:
-            engine.abort(rid)
-        raise
-    return rids, futs
+    """Submit every (prompt, sample) of ``plan`` (``control.submit_each``: a refusal aborts the ones before it)."""
+    n = len(plan.prompts) * plan.n
+    rids = [f"{plan.response_id}-{k}" for k in range(n)]
+    cbs = [None if on_token is None else (lambda t, lp, v, k=k: on_token(k, t, lp)) for k in range(n)]
+    jobs = ((plan.prompts[k // plan.n], plan.samples[k % plan.n], rids[k], cbs[k]) for k in range(n))
+    return rids, control.submit_each(engine, jobs)
 
 
 async def complete(engine: Engine, plan: Plan) -> dict:
     """Run every request of ``plan`` and return the JSON answer; requests still running when the caller is
     cancelled (client gone) are aborted."""
     rids, futs = _submit_all(engine, plan)
-    try:
-        outs = [await asyncio.wrap_future(f) for f in futs]
-    finally:
-        for rid, f in zip(rids, futs):
-            if not f.done() or f.cancelled():  # the awaited future is cancelled with us; its request still runs
-                await asyncio.to_thread(engine.abort, rid)
-    return response_body(engine, plan, outs)
+    return response_body(engine, plan, await control.wait_or_abort(engine, rids, futs))
 
 
 async def handle(engine: Engine, endpoint: str, body: Any) -> tuple[int, dict]:

@@ -356,15 +356,8 @@ async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
     # prompt log-probs first: under the weights the request starts with (the scoring case has 0-1 new tokens)
     ins = await plan.input_logprobs(engine) if plan.return_logprob else [None] * len(plan.prompts)
     rids = [r or new_rid() for r in plan.rids]
-    futs = []
-    try:
-        for x, s, r in zip(plan.prompts, plan.params, rids):
-            futs.append(engine.submit(x, s, r))
-        outs = [await asyncio.wrap_future(f) for f in futs]
-    finally:  # cancelled (the client went away, sse.while_connected) or a later prompt refused: free the slots
-        for rid, f in zip(rids, futs):
-            if not f.done() or f.cancelled():  # the awaited future is cancelled with us; its request still runs
-                await engine.aabort(rid)
+    futs = control.submit_each(engine, zip(plan.prompts, plan.params, rids, [None] * len(rids)))
+    outs = await control.wait_or_abort(engine, rids, futs)  # the client leaving aborts what still runs
     failed = [o for o in outs if error_status(o) is not None]
     if failed:  # SGLang answers a request its engine failed with the error status, never 200 + "abort"
         return _engine_error(failed[0])
