@@ -192,8 +192,8 @@ def triton_varlen_attention(q, k, v, cu, max_len: int, scale: float, config=None
 TUNE_FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 3)]
 # dK/dV entries may carry a fifth number: KernelConfig.dkdv_head_split (the group's query heads over that many
 # programs per key tile; for the few long sequences of a 16k pack)
-TUNE_DKDV = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 3, 2),
-             (64, 128, 8, 3, 4)]
+# (64, 128, 8, 4) is left out: on the H200 it did not come back within 100 s (sessions 11 and 12).
+TUNE_DKDV = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3, 2), (64, 128, 8, 3, 4)]
 TUNE_DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 TUNE_FUSED = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3, 2), (64, 128, 8, 3, 4)]
 

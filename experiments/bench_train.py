@@ -434,6 +434,7 @@ def bench_rlcore(
         "shape": shape or cfg.shape,
         "logp_backend": v.logp_backend,
         "attention": st.model.attention,
+        "attention_kernel": st.model.attention_kernel,  # ModelConfig's setting as init_train_state resolved it
         "attn_implementation_used": str(st.model.config._attn_implementation),
         "optimizer": type(st.optim).__name__,
         "optimizer_fused": bool(st.optim.defaults.get("fused")),
@@ -637,8 +638,12 @@ def sections_table(cfg: Config, batch) -> dict:
         "chunked_logp": r(V("chunked torch log-probs instead of the Triton kernel", logp_backend="chunked")),
         "hf_attn": r(V("transformers sdpa attention + block-causal mask", attention="hf")),
         "triton_attention": r(
-            V("this repository's Triton varlen attention (kernels/varlen_attention.py) instead of flash-attention-2",
-              model_cfg=mc(attention_kernel="triton"))
+            V("this repository's Triton varlen attention (kernels/varlen_attention.py) explicitly (the CUDA default "
+              "since session 12: ModelConfig.attention_kernel='auto')", model_cfg=mc(attention_kernel="triton"))
+        ),
+        "flash_attention": r(
+            V("flash-attention-2 (torch varlen_attn) instead of the Triton varlen attention (the default before "
+              "session 12)", model_cfg=mc(attention_kernel="flash"))
         ),
         "activation_ckpt": r(V("activation checkpointing", model_cfg=mc(activation_checkpointing=True))),
         "profile_default": r(V("none; plus one profiled step", profile=True)),

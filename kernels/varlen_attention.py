@@ -87,7 +87,8 @@ class KernelConfig:
     dkdv_warps: int = 8
     """dK/dV: warps per program."""
     dkdv_stages: int = 3
-    """dK/dV: software-pipelining depth of the query loop."""
+    """dK/dV: software-pipelining depth of the query loop, at most 3 (with 4, triton 3.6 built a kernel that hung
+    or made illegal memory accesses on an H200)."""
     dq_block_m: int = 128
     """dQ: query rows per program."""
     dq_block_n: int = 64
@@ -121,6 +122,11 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{f.name}={value} must be >= 1.")
         if self.fused_dq not in (0, 1):
             raise ValueError(f"KernelConfig.fused_dq={self.fused_dq} must be 0 or 1.")
+        if self.dkdv_stages > 3:
+            raise ValueError(
+                f"KernelConfig.dkdv_stages={self.dkdv_stages}: the dK/dV kernel hangs or reads out of bounds with "
+                "4 or more pipeline stages (triton 3.6 on an H200, session 12: docs/kernels.md); use 3 or fewer."
+            )
         if self.dkdv_head_split < 1:
             raise ValueError(f"KernelConfig.dkdv_head_split={self.dkdv_head_split} must be >= 1.")
 

@@ -162,7 +162,9 @@ ATTENTION_MODES = ("auto", "hf", "varlen")
 ATTENTION_KERNELS = ("flash", "triton")
 """Kernels of the packed varlen path on CUDA: ``flash`` is torch's ``varlen_attn`` (flash-attention-2, kv heads
 repeated where this torch has no ``enable_gqa``); ``triton`` is ``kernels/varlen_attention.py`` (native GQA; see
-docs/kernels.md). CPU runs take the padded / per-sequence SDPA path under either."""
+docs/kernels.md; sliding-window layers and head sizes it does not cover use flash). CPU runs take the padded /
+per-sequence SDPA path under either. ``ModelConfig.attention_kernel="auto"`` resolves to one of these in
+``init_train_state``."""
 
 _KERNEL_STATE: dict[str, object] = {}
 _PACKED_FORWARD = threading.local()  # .active: inside backbone_hidden's varlen call (no mask needed)
@@ -415,13 +417,22 @@ def varlen_attention(
     except torch.OutOfMemoryError:
         raise  # a real OOM is not a missing kernel
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
-        if native and q.shape[1] != k.shape[1]:
+        ours = kernel is not None and kernel is _KERNEL_STATE.get("triton")  # native GQA: no retry without it
+        if native and q.shape[1] != k.shape[1] and not ours:
             try:  # e.g. a cuDNN backend without GQA: retry with repeated kv heads, and keep doing so
                 out = _call_kernel(kernel, q, k, v, cu, max_seqlen, scale=scale, window=window, native_gqa=False)
                 _KERNEL_STATE["native_gqa"] = False
                 return out
             except (RuntimeError, ValueError, NotImplementedError, TypeError):
                 pass
+        if ours:  # the Triton kernel failed (e.g. compiling on an untested GPU): flash takes over
+            _KERNEL_STATE["triton_broken"] = True
+            warnings.warn(
+                f"the Triton varlen attention kernel failed ({type(e).__name__}: {str(e)[:300]}); using "
+                "flash-attention (ModelConfig.attention_kernel='flash') from now on",
+                stacklevel=2,
+            )
+            return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, window=window)
         if kernel is _KERNEL_STATE.get("fn"):
             _KERNEL_STATE["broken"] = True
         warnings.warn(
@@ -466,7 +477,10 @@ def _hf_varlen_attention(
         raise ValueError("cu_seq_lens_q was passed without max_length_q (the longest packed sequence)")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
     which = kwargs.get("rlcore_attention_kernel", "flash")
-    kernel = _triton_kernel() if which == "triton" and _triton_runs_on(q) else None
+    # a sliding window or an uncovered head size keeps flash; so does a Triton kernel that failed once
+    use_triton = which == "triton" and sliding_window is None and _triton_runs_on(q)
+    use_triton = use_triton and "triton_broken" not in _KERNEL_STATE
+    kernel = _triton_kernel() if use_triton else None
     out = varlen_attention(q, k, v, cu, int(max_len), scale=scaling, window=sliding_window, kernel=kernel)
     return out[None], None
 

@@ -71,8 +71,8 @@ class ModelConfig:
     """How the trainer runs its models on the device: parameter dtype, compilation, fused kernels, activation
     memory. Speed and memory only: every setting computes the same loss and gradient up to rounding.
 
-    The defaults are what a user gets: on CUDA, bf16 parameters with float32 masters in the optimizer and every
-    decoder layer ``torch.compile``'d; on CPU, the model as loaded, eager.
+    The defaults are what a user gets: on CUDA, bf16 parameters with float32 masters in the optimizer, every
+    decoder layer ``torch.compile``'d and the Triton varlen attention; on CPU, the model as loaded, eager.
     """
 
     param_dtype: Literal["auto", "keep", "float32", "bfloat16"] = "auto"
@@ -89,13 +89,15 @@ class ModelConfig:
     compiled (compilation fuses the same ops, faster). ``liger``: require it on CUDA (an error names what is
     missing; with compiled layers the kernels run eagerly between the layer's graphs); CPU runs never use it.
     Only this model's module instances are patched."""
-    attention_kernel: Literal["flash", "triton"] = "flash"
+    attention_kernel: Literal["auto", "flash", "triton"] = "auto"
     """Kernel of the packed varlen attention on CUDA (``models.ATTENTION_KERNELS``). ``flash``: torch's
     ``varlen_attn`` (flash-attention-2). ``triton``: ``kernels/varlen_attention.py``, this repository's
-    flash-style kernel with native GQA: on one H200 at Qwen2.5-3B heads, forward + backward 1.13x flash at 64k
-    packed tokens and 0.94-0.97x at 16k (docs/benchmarks.md); not yet the default because the train step with it
-    is unmeasured. Head sizes other than a power of two in [16, 256] keep flash. CPU runs use the padded /
-    per-sequence SDPA path under either setting."""
+    flash-style kernel with native GQA (on one H200 at Qwen2.5-3B shapes the RL step runs at 50.8% MFU with it
+    against 49.0% with flash in the same run, docs/benchmarks.md). ``auto``: ``triton`` on CUDA GPUs of compute
+    capability 8.0 or newer when triton imports, else ``flash`` (:func:`resolve_attention_kernel`). Under both,
+    layers the kernel does not cover (a sliding window, a head size other than a power of two in [16, 256]) use
+    flash, and a kernel that fails to compile or launch warns once and hands over to flash. CPU runs use the
+    padded / per-sequence SDPA path under every setting."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (memory ~ one layer's
     activations plus one hidden state per layer; ~1/3 more compute). Unsharded models; FSDP2 runs also honour
@@ -104,7 +106,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name, ok in (("param_dtype", ("auto", "keep", "float32", "bfloat16")),
                          ("compile_layers", ("auto", "on", "off")), ("fused_kernels", ("auto", "liger", "off")),
-                         ("attention_kernel", ("flash", "triton"))):
+                         ("attention_kernel", ("auto", "flash", "triton"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"ModelConfig.{name} must be one of {ok}, got {getattr(self, name)!r}")
 
@@ -288,6 +290,23 @@ def resolve_compile(model_cfg: ModelConfig, device: torch.device) -> bool:
     return model_cfg.compile_layers == "on" or (model_cfg.compile_layers == "auto" and device.type == "cuda")
 
 
+def resolve_attention_kernel(model_cfg: ModelConfig, device: torch.device) -> str:
+    """The varlen attention kernel :func:`init_train_state` gives the models (one of ``models.ATTENTION_KERNELS``).
+
+    ``auto``: ``triton`` on a CUDA device of compute capability >= 8.0 (bf16 tensor cores; the kernel's tested
+    range) when ``kernels.varlen_attention`` and triton import, ``flash`` everywhere else (CPU runs never call
+    either kernel)."""
+    if model_cfg.attention_kernel != "auto":
+        return model_cfg.attention_kernel
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return "flash"
+    try:
+        import kernels.varlen_attention  # noqa: F401
+    except ImportError:
+        return "flash"
+    return "triton"
+
+
 def init_train_state(
     model_or_path: nn.Module | str | os.PathLike | object,
     cfg: OptimConfig,
@@ -353,11 +372,12 @@ def init_train_state(
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
     pdt = resolve_param_dtype(model_cfg, dev, sharded)
     use_compile = resolve_compile(model_cfg, dev)
+    attention_kernel = resolve_attention_kernel(model_cfg, dev)
     for m in (policy, ref_mod, critic_mod):
         if m is None:
             continue
         m.to(dev) if pdt is None else m.to(dev, pdt)
-        m.attention_kernel = model_cfg.attention_kernel
+        m.attention_kernel = attention_kernel
         # fused kernels go in before sharding/checkpointing/compilation wrap the layers
         m.fused_kernels = fusions.apply_fused_kernels(m, model_cfg.fused_kernels, compiled=use_compile)
         if sharded:

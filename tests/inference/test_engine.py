@@ -636,11 +636,12 @@ def test_capture_at_start_keeps_graphs_next_to_a_trainer_thread_on_the_same_gpu(
         while not stop.is_set():
             float((x @ x).sum().item())
 
-    outs = {}
+    outs, n = {}, 0
     for graph in (True, False):
         with Engine(copy.deepcopy(model), dataclasses.replace(cfg, cuda_graph=graph)) as eng:
-            if graph:
-                assert eng.stats["graphs_captured"] == 4 * 2  # batch 1, 2, 4, 8 x keys 32, 64
+            if graph:  # every (batch 1, 2, 4, 8) x (key bucket) the cache layout can use, all before a request
+                n = len(eng._graphs.buckets())
+                assert n >= 4 and eng.stats["graphs_captured"] == n
             t = threading.Thread(target=trainer)
             t.start()
             try:
@@ -650,7 +651,7 @@ def test_capture_at_start_keeps_graphs_next_to_a_trainer_thread_on_the_same_gpu(
                 t.join()
                 stop.clear()
             if graph:
-                assert eng._static_mode == "graph" and eng.stats["graphs_captured"] == 8
+                assert eng._static_mode == "graph" and eng.stats["graphs_captured"] == n  # none captured lazily
     for a, b in zip(outs[True], outs[False]):
         assert a.output_ids == b.output_ids
 

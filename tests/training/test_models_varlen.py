@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import sys
+import types
 import warnings
 
 import pytest
@@ -411,6 +413,65 @@ def test_attention_kernel_is_checked_and_reaches_the_policy_and_critic():
     ids, pos, cu = packed([4, 6])
     with pytest.raises(ValueError, match="attention_kernel must be one of"):
         models.backbone_hidden(st.model.hf, ids, pos, cu_seqlens=cu, max_seqlen=6, attention_kernel="cudnn")
+
+
+def test_attention_kernel_auto_is_the_default_and_resolves_by_device(monkeypatch):
+    assert ts.ModelConfig().attention_kernel == "auto"
+    auto, cpu, gpu = ts.ModelConfig(), torch.device("cpu"), torch.device("cuda")
+    assert ts.resolve_attention_kernel(auto, cpu) == "flash"  # CPU: neither kernel runs; the name is inert
+    for name in ("flash", "triton"):  # explicit settings are kept as they are, on any device
+        assert ts.resolve_attention_kernel(ts.ModelConfig(attention_kernel=name), gpu) == name
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert ts.resolve_attention_kernel(auto, gpu) == "triton"  # Hopper / Ampere and newer: ours
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert ts.resolve_attention_kernel(auto, gpu) == "flash"  # Turing: no bf16 tensor cores for it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "kernels.varlen_attention", None)  # triton / kernels/ not importable
+    assert ts.resolve_attention_kernel(auto, gpu) == "flash"
+    st = ts.init_train_state(tiny_qwen().config, ts.OptimConfig(), device="cpu")
+    assert st.model.attention_kernel == "flash"
+
+
+def test_a_failing_triton_kernel_hands_over_to_flash_once_and_for_all(monkeypatch):
+    monkeypatch.setattr(models, "_KERNEL_STATE", dict(models._KERNEL_STATE))  # this test's failures stay here
+    calls = []
+
+    def broken(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=True, scale=None, enable_gqa=True):
+        calls.append(1)
+        raise RuntimeError("triton: out of shared memory (as a compile failure on an untested GPU reads)")
+
+    models._KERNEL_STATE["triton"] = broken
+    torch.manual_seed(0)
+    lengths = [3, 5]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    ref = models.varlen_attention_reference(q, k, v, cu)
+    with pytest.warns(UserWarning, match="Triton varlen attention kernel failed"):
+        out = models.varlen_attention(q, k, v, cu, max(lengths), kernel=broken)
+    torch.testing.assert_close(out, ref)  # flash's path (on CPU its reference loop) answered
+    assert models._KERNEL_STATE.get("triton_broken") and "broken" not in models._KERNEL_STATE
+    # the attention entry no longer picks the Triton kernel, even where it would run
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    module = types.SimpleNamespace()
+    got, _ = models._hf_varlen_attention(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], None, cu_seq_lens_q=cu, max_length_q=5,
+                                         rlcore_attention_kernel="triton")
+    torch.testing.assert_close(got[0], ref)
+    assert len(calls) == 1
+
+
+def test_triton_attention_leaves_sliding_window_layers_to_flash(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernel would be taken for this head size
+    monkeypatch.setattr(models, "_KERNEL_STATE", dict(models._KERNEL_STATE))
+    calls = []
+    models._KERNEL_STATE["triton"] = lambda *a, **kw: calls.append(1)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    got, _ = models._hf_varlen_attention(types.SimpleNamespace(), q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], None, cu_seq_lens_q=cu, max_length_q=5,
+                                         sliding_window=2, rlcore_attention_kernel="triton")
+    torch.testing.assert_close(got[0], models.varlen_attention_reference(q, k, v, cu, window=2))
+    assert calls == []  # the kernel has no window: never called for a windowed layer
 
 
 def test_triton_attention_takes_only_the_head_sizes_it_has_kernels_for(monkeypatch):
