@@ -10,6 +10,8 @@ on the engine's loop without a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -40,11 +42,14 @@ def error_status(out: GenerateOutput) -> int | None:
 def submit_each(engine: Engine, jobs: Iterable[tuple[list[int], SamplingParams, str, Callable | None]]) -> list:
     """``engine.submit(prompt, params, rid, on_token=cb)`` for every job, in order; if one is refused (e.g. the
     waiting queue is full) the ones already submitted are aborted before the error propagates, so a refused HTTP
-    request leaves nothing running. Returns the futures."""
+    request leaves nothing running. Returns the futures. The engine's loop is woken once, by the last: a batched
+    /generate is then prefilled as one batch, where a wake per request had the loop prefill the first arrivals alone
+    and the rest one forward later."""
     futs, rids = [], []
+    jobs = list(jobs)
     try:
-        for prompt, params, rid, cb in jobs:
-            futs.append(engine.submit(prompt, params, rid, on_token=cb))
+        for i, (prompt, params, rid, cb) in enumerate(jobs):
+            futs.append(engine.submit(prompt, params, rid, on_token=cb, wake=i == len(jobs) - 1))
             rids.append(rid)
     except BaseException:
         for rid in rids:
@@ -53,11 +58,49 @@ def submit_each(engine: Engine, jobs: Iterable[tuple[list[int], SamplingParams, 
     return futs
 
 
+async def all_done(futs: list) -> None:
+    """Wait until every ``concurrent.futures`` future in ``futs`` is done, or one has failed, with ONE wake-up of
+    this event loop (the last completion, or the first failure, posts it).
+
+    ``[await asyncio.wrap_future(f) for f in futs]`` posts a callback to the loop for each future as the engine's
+    loop thread finishes it: a batched /generate of 128 samples then wakes the server's event loop 128 times while
+    the engine is still decoding the others, and every wake-up takes the GIL from the decoding thread. Profiled on
+    the CPU main job (two engine servers, 128 samples per request), those wake-ups were a tenth of each engine
+    loop's busy time."""
+    if not futs:
+        return
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def wake() -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    def done(f: Any) -> None:  # on the thread that finished f (the engine's loop thread), or here if already done
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last or (not f.cancelled() and f.exception() is not None):
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting any more
+                loop.call_soon_threadsafe(wake)
+
+    for f in futs:
+        f.add_done_callback(done)
+    await woken
+
+
 async def wait_or_abort(engine: Engine, rids: list[str], futs: list) -> list[GenerateOutput]:
-    """Await every future; if the caller is cancelled (the client left: ``sse.while_connected``) the requests not
-    finished are aborted (an awaited future is cancelled with its awaiter while its request still runs)."""
+    """Await every future (one wake-up of the event loop for all of them, ``all_done``); if the caller is cancelled
+    (the client left: ``sse.while_connected``) the requests not finished are aborted (an awaited future is cancelled
+    with its awaiter while its request still runs). A failed future raises its exception (the first in order)."""
     try:
-        return [await asyncio.wrap_future(f) for f in futs]
+        await all_done(futs)
+        for f in futs:  # woken by a failure: the others may still run (never block the loop on them)
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+        return [f.result() for f in futs]
     finally:
         for rid, f in zip(rids, futs):
             if not f.done() or f.cancelled():

@@ -42,17 +42,10 @@ from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward
 from rlcore.inference.lora import LoraSlots
 from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams, new_rid
-from rlcore.inference.sampling import (
-    check_request,
-    stop_strings,
-    uses_penalty,
-)
+from rlcore.inference.sampling import check_request, stop_strings, uses_penalty
 from rlcore.inference.scheduler import PauseMode, Scheduler, _Request
 from rlcore.inference.weight_updates import WeightUpdates
-from rlcore.inference.weights import (
-    DTYPES,
-    init_custom_process_group,
-)
+from rlcore.inference.weights import DTYPES, init_custom_process_group
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config and results
@@ -464,8 +457,12 @@ class Engine(WeightUpdates):
         sampling: SamplingParams = SamplingParams(),
         rid: str | None = None,
         on_token: Callable[[int, float, int], None] | None = None,
+        wake: bool = True,
     ) -> cf.Future:
         """Queue one request; the future resolves to a ``GenerateOutput`` (aborts resolve too, never raise).
+
+        ``wake=False`` leaves the loop asleep (the next ``submit`` or command wakes it): a caller queuing many requests
+        at once wakes it with the last, so they are admitted (prefilled) together, not the first alone.
 
         ``on_token(token_id, logprob, version)``, when given, is called on the engine's loop thread after
         every generated token, before the future resolves (streaming). It must be quick and must not block; an
@@ -490,7 +487,8 @@ class Engine(WeightUpdates):
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
         self._inbox_reqs.append(None)  # deque appends and pops are atomic: submit may run on any thread
         self._inbox.append(("req", req))
-        self._wake.set()
+        if wake:
+            self._wake.set()
         return req.future
 
     def generate(

@@ -510,7 +510,7 @@ class ScriptedEngine:
         self.tokenizer, self.script = tok, script
         self.max_seq_len, self.vocab_size, self.model_path, self.version = CTX, len(tok), "scripted", 3
 
-    def submit(self, ids, sp, rid=None, on_token=None):
+    def submit(self, ids, sp, rid=None, on_token=None, wake=True):
         fut: cf.Future = cf.Future()
 
         def run():
@@ -797,11 +797,11 @@ def test_a_refused_submission_aborts_the_samples_already_submitted(engine, monke
     submitted, aborted = [], []
     real_submit = engine.submit
 
-    def submit(prompt, sample, rid, on_token=None):
+    def submit(prompt, sample, rid, on_token=None, wake=True):
         if len(submitted) == 2:
             raise RuntimeError("waiting queue is full")
         submitted.append(rid)
-        return real_submit(prompt, sample, rid, on_token=on_token)
+        return real_submit(prompt, sample, rid, on_token=on_token, wake=wake)
 
     monkeypatch.setattr(engine, "submit", submit)
     monkeypatch.setattr(engine, "abort", lambda rid: aborted.append(rid))
