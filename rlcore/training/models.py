@@ -427,19 +427,16 @@ def varlen_attention(
                 pass
         if ours:  # the Triton kernel failed (e.g. compiling on an untested GPU): flash takes over
             _KERNEL_STATE["triton_broken"] = True
-            warnings.warn(
-                f"the Triton varlen attention kernel failed ({type(e).__name__}: {str(e)[:300]}); using "
-                "flash-attention (ModelConfig.attention_kernel='flash') from now on",
-                stacklevel=2,
-            )
-            return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, window=window)
-        if kernel is _KERNEL_STATE.get("fn"):
+        elif kernel is _KERNEL_STATE.get("fn"):
             _KERNEL_STATE["broken"] = True
+        then = "flash-attention (ModelConfig.attention_kernel='flash')" if ours else "the per-sequence SDPA loop"
         warnings.warn(
-            f"varlen attention kernel failed ({type(e).__name__}: {str(e)[:300]}); using the per-sequence SDPA "
-            "loop from now on (correct, slower)",
+            f"{'the Triton ' if ours else ''}varlen attention kernel failed ({type(e).__name__}: {str(e)[:300]}); "
+            f"using {then} from now on (correct{'' if ours else ', slower'})",
             stacklevel=2,
         )
+        if ours:
+            return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, window=window)
         return _varlen_fallback(q, k, v, cu_seqlens, max_seqlen, scale=scale, window=window)
 
 
