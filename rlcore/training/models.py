@@ -199,6 +199,37 @@ def _triton_kernel() -> Callable:
     return varlen_attn
 
 
+def probe_triton_attention(config: Any, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Run the Triton varlen kernel once, forward and backward, on a tiny packed batch with ``config``'s head shapes
+    (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``) on ``device``; None if it works (or if the
+    kernel does not cover this head size, so flash runs anyway), else the error as text. Compiling here is not
+    wasted: the train step's calls reuse the same compiled kernels (lengths are not compile-time constants).
+
+    Catches what only shows on a given GPU (too little shared memory for the block config, a compiler error),
+    so ``ModelConfig.attention_kernel="auto"`` can fall back to flash before the first step instead of failing
+    inside a compiled layer."""
+    hq = int(config.num_attention_heads)
+    hkv = int(getattr(config, "num_key_value_heads", None) or hq)
+    d = int(getattr(config, "head_dim", None) or config.hidden_size // hq)
+    if not (16 <= d <= 256 and d & (d - 1) == 0):
+        return None
+    try:
+        fn = _triton_kernel()
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(40, h, d, device=device, dtype=dtype, generator=g) for h in (hq, hkv, hkv))
+        q.requires_grad_()
+        cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
+        out = fn(q, k, v, cu, cu, 23, 23, is_causal=True, scale=d**-0.5, enable_gqa=True)
+        out.float().square().sum().backward()
+        if not bool(torch.isfinite(q.grad).all()):  # one host read, once per init_train_state
+            return "the kernel's gradients are not finite on a small test batch"
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
 def _triton_runs_on(x: torch.Tensor) -> bool:
     """Whether the Triton kernel takes ``x (T, H, D)``: on CUDA (or anywhere under ``TRITON_INTERPRET=1``, for
     tests) with ``D`` a power of two in [16, 256]; other head sizes keep the flash kernel."""
@@ -416,8 +447,10 @@ def varlen_attention(
         return _call_kernel(kernel, q, k, v, cu, max_seqlen, scale=scale, window=window, native_gqa=bool(native))
     except torch.OutOfMemoryError:
         raise  # a real OOM is not a missing kernel
-    except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+    except Exception as e:  # triton's own errors (OutOfResources, CompilationError) are not RuntimeErrors
         ours = kernel is not None and kernel is _KERNEL_STATE.get("triton")  # native GQA: no retry without it
+        if not ours and not isinstance(e, (RuntimeError, ValueError, NotImplementedError, TypeError)):
+            raise
         if native and q.shape[1] != k.shape[1] and not ours:
             try:  # e.g. a cuDNN backend without GQA: retry with repeated kv heads, and keep doing so
                 out = _call_kernel(kernel, q, k, v, cu, max_seqlen, scale=scale, window=window, native_gqa=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -94,9 +95,11 @@ class ModelConfig:
     ``varlen_attn`` (flash-attention-2). ``triton``: ``kernels/varlen_attention.py``, this repository's
     flash-style kernel with native GQA (on one H200 at Qwen2.5-3B shapes the RL step runs at 50.8% MFU with it
     against 49.0% with flash in the same run, docs/benchmarks.md). ``auto``: ``triton`` on CUDA GPUs of compute
-    capability 8.0 or newer when triton imports, else ``flash`` (:func:`resolve_attention_kernel`). Under both,
+    capability 8.0 or newer when triton imports and the kernel passes a one-off forward + backward check at the
+    model's head shapes in ``init_train_state`` (a GPU with too little shared memory for its blocks, say: a
+    warning names the error and flash is used), else ``flash`` (:func:`resolve_attention_kernel`). Under both,
     layers the kernel does not cover (a sliding window, a head size other than a power of two in [16, 256]) use
-    flash, and a kernel that fails to compile or launch warns once and hands over to flash. CPU runs use the
+    flash, and an uncompiled layer whose Triton call fails warns once and hands over to flash. CPU runs use the
     padded / per-sequence SDPA path under every setting."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (memory ~ one layer's
@@ -290,12 +293,13 @@ def resolve_compile(model_cfg: ModelConfig, device: torch.device) -> bool:
     return model_cfg.compile_layers == "on" or (model_cfg.compile_layers == "auto" and device.type == "cuda")
 
 
-def resolve_attention_kernel(model_cfg: ModelConfig, device: torch.device) -> str:
+def resolve_attention_kernel(model_cfg: ModelConfig, device: torch.device, config: object | None = None) -> str:
     """The varlen attention kernel :func:`init_train_state` gives the models (one of ``models.ATTENTION_KERNELS``).
 
     ``auto``: ``triton`` on a CUDA device of compute capability >= 8.0 (bf16 tensor cores; the kernel's tested
-    range) when ``kernels.varlen_attention`` and triton import, ``flash`` everywhere else (CPU runs never call
-    either kernel)."""
+    range) when ``kernels.varlen_attention`` and triton import and, given the model's ``config``, the kernel
+    compiles and runs there forward and backward at its head shapes (:func:`models.probe_triton_attention`; a
+    failure warns and picks flash); ``flash`` everywhere else (CPU runs never call either kernel)."""
     if model_cfg.attention_kernel != "auto":
         return model_cfg.attention_kernel
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
@@ -304,6 +308,16 @@ def resolve_attention_kernel(model_cfg: ModelConfig, device: torch.device) -> st
         import kernels.varlen_attention  # noqa: F401
     except ImportError:
         return "flash"
+    if config is not None:
+        err = models.probe_triton_attention(config, device)
+        if err is not None:
+            warnings.warn(
+                f"ModelConfig.attention_kernel='auto': the Triton varlen attention failed its check on "
+                f"{torch.cuda.get_device_name(device)} ({err}); the train step uses flash-attention instead "
+                "(set attention_kernel='flash' to skip the check)",
+                stacklevel=2,
+            )
+            return "flash"
     return "triton"
 
 
@@ -372,7 +386,7 @@ def init_train_state(
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
     pdt = resolve_param_dtype(model_cfg, dev, sharded)
     use_compile = resolve_compile(model_cfg, dev)
-    attention_kernel = resolve_attention_kernel(model_cfg, dev)
+    attention_kernel = resolve_attention_kernel(model_cfg, dev, hf.config)
     for m in (policy, ref_mod, critic_mod):
         if m is None:
             continue

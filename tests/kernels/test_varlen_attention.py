@@ -222,6 +222,42 @@ def test_varlen_attention_degenerate_and_interfaces_under_the_interpreter():
     _interpreted("check_degenerate('cpu'); t.check_interfaces('cpu')")
 
 
+def check_probe() -> None:
+    """``models.probe_triton_attention``: None where the kernel runs at the config's head shapes (and where it
+    does not cover the head size); the error text where the kernel raises triton's own errors (not RuntimeErrors),
+    e.g. too little shared memory on an untested GPU."""
+    import types
+
+    from triton.runtime.errors import OutOfResources
+
+    from rlcore.training import models
+
+    cpu = torch.device("cpu")
+    ok = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64)  # head dim 16
+    assert models.probe_triton_attention(ok, cpu, torch.float32) is None
+    odd = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=48)  # 12: flash anyway
+    assert models.probe_triton_attention(odd, cpu, torch.float32) is None
+
+    def no_room(*args, **kwargs):
+        raise OutOfResources(232448, 166912, "shared memory")
+
+    models._KERNEL_STATE["triton"] = no_room
+    err = models.probe_triton_attention(ok, cpu, torch.float32)
+    assert err is not None and err.startswith("OutOfResources") and "shared memory" in err, err
+    # the same error in a train step's call: flash's path takes over instead of the step failing
+    q, k, v, go, cu = _inputs([5, 9], 4, 2, 16, "cpu", torch.float32, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = models.varlen_attention(q, k, v, cu, 9, kernel=no_room)
+    assert any("Triton varlen attention kernel failed" in str(w.message) for w in caught)
+    torch.testing.assert_close(out, models.varlen_attention_reference(q, k, v, cu))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below run the kernels natively")
+def test_probe_and_fallback_of_the_triton_kernel_under_the_interpreter():
+    _interpreted("check_probe()")
+
+
 def check_train_step_with_the_triton_kernel() -> None:
     """``ModelConfig(attention_kernel="triton")`` through ``init_train_state`` and one RL step (proximal forward,
     advantages, ``train_step`` over 3 micro-batches, SGD): the Triton kernel runs (counted), and the loss and the

@@ -428,7 +428,17 @@ def test_attention_kernel_auto_is_the_default_and_resolves_by_device(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setitem(sys.modules, "kernels.varlen_attention", None)  # triton / kernels/ not importable
     assert ts.resolve_attention_kernel(auto, gpu) == "flash"
-    st = ts.init_train_state(tiny_qwen().config, ts.OptimConfig(), device="cpu")
+    monkeypatch.delitem(sys.modules, "kernels.varlen_attention")
+    cfg = tiny_qwen().config
+    probed = []
+    monkeypatch.setattr(models, "probe_triton_attention", lambda c, d, dtype=None: probed.append(c) or None)
+    assert ts.resolve_attention_kernel(auto, gpu, cfg) == "triton" and probed == [cfg]  # checked at its shapes
+    monkeypatch.setattr(models, "probe_triton_attention", lambda c, d, dtype=None: "OutOfResources: shared memory")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU it was never tuned on")
+    with pytest.warns(UserWarning, match="failed its check on a GPU it was never tuned on.*OutOfResources"):
+        assert ts.resolve_attention_kernel(auto, gpu, cfg) == "flash"
+    assert ts.resolve_attention_kernel(ts.ModelConfig(attention_kernel="triton"), gpu, cfg) == "triton"  # no check
+    st = ts.init_train_state(cfg, ts.OptimConfig(), device="cpu")
     assert st.model.attention_kernel == "flash"
 
 
