@@ -293,23 +293,26 @@ def resolve_compile(model_cfg: ModelConfig, device: torch.device) -> bool:
     return model_cfg.compile_layers == "on" or (model_cfg.compile_layers == "auto" and device.type == "cuda")
 
 
-def resolve_attention_kernel(model_cfg: ModelConfig, device: torch.device, config: object | None = None) -> str:
+def resolve_attention_kernel(model_cfg: ModelConfig, device: torch.device, hf: nn.Module | None = None) -> str:
     """The varlen attention kernel :func:`init_train_state` gives the models (one of ``models.ATTENTION_KERNELS``).
 
     ``auto``: ``triton`` on a CUDA device of compute capability >= 8.0 (bf16 tensor cores; the kernel's tested
-    range) when ``kernels.varlen_attention`` and triton import and, given the model's ``config``, the kernel
-    compiles and runs there forward and backward at its head shapes (:func:`models.probe_triton_attention`; a
-    failure warns and picks flash); ``flash`` everywhere else (CPU runs never call either kernel)."""
+    range) when ``kernels.varlen_attention`` and triton import and, given the model ``hf``, the model takes the
+    packed varlen path (``models.varlen_supported``) and the kernel compiles and runs there forward and backward
+    at its head shapes (:func:`models.probe_triton_attention`; a failure warns and picks flash); ``flash``
+    everywhere else (CPU runs never call either kernel)."""
     if model_cfg.attention_kernel != "auto":
         return model_cfg.attention_kernel
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return "flash"
+    if hf is not None and not models.varlen_supported(hf):
+        return "flash"  # neither kernel runs for it: nothing to compile
     try:
         import kernels.varlen_attention  # noqa: F401
     except ImportError:
         return "flash"
-    if config is not None:
-        err = models.probe_triton_attention(config, device)
+    if hf is not None:
+        err = models.probe_triton_attention(hf.config, device)
         if err is not None:
             warnings.warn(
                 f"ModelConfig.attention_kernel='auto': the Triton varlen attention failed its check on "
@@ -386,7 +389,7 @@ def init_train_state(
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
     pdt = resolve_param_dtype(model_cfg, dev, sharded)
     use_compile = resolve_compile(model_cfg, dev)
-    attention_kernel = resolve_attention_kernel(model_cfg, dev, hf.config)
+    attention_kernel = resolve_attention_kernel(model_cfg, dev, hf)
     for m in (policy, ref_mod, critic_mod):
         if m is None:
             continue

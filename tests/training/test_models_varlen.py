@@ -429,16 +429,18 @@ def test_attention_kernel_auto_is_the_default_and_resolves_by_device(monkeypatch
     monkeypatch.setitem(sys.modules, "kernels.varlen_attention", None)  # triton / kernels/ not importable
     assert ts.resolve_attention_kernel(auto, gpu) == "flash"
     monkeypatch.delitem(sys.modules, "kernels.varlen_attention")
-    cfg = tiny_qwen().config
+    hf = tiny_qwen()
     probed = []
     monkeypatch.setattr(models, "probe_triton_attention", lambda c, d, dtype=None: probed.append(c) or None)
-    assert ts.resolve_attention_kernel(auto, gpu, cfg) == "triton" and probed == [cfg]  # checked at its shapes
+    assert ts.resolve_attention_kernel(auto, gpu, hf) == "triton" and probed == [hf.config]  # checked at its shapes
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert ts.resolve_attention_kernel(auto, gpu, gpt2) == "flash" and len(probed) == 1  # no varlen path: no check
     monkeypatch.setattr(models, "probe_triton_attention", lambda c, d, dtype=None: "OutOfResources: shared memory")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU it was never tuned on")
     with pytest.warns(UserWarning, match="failed its check on a GPU it was never tuned on.*OutOfResources"):
-        assert ts.resolve_attention_kernel(auto, gpu, cfg) == "flash"
-    assert ts.resolve_attention_kernel(ts.ModelConfig(attention_kernel="triton"), gpu, cfg) == "triton"  # no check
-    st = ts.init_train_state(cfg, ts.OptimConfig(), device="cpu")
+        assert ts.resolve_attention_kernel(auto, gpu, hf) == "flash"
+    assert ts.resolve_attention_kernel(ts.ModelConfig(attention_kernel="triton"), gpu, hf) == "triton"  # no check
+    st = ts.init_train_state(hf.config, ts.OptimConfig(), device="cpu")
     assert st.model.attention_kernel == "flash"
 
 
