@@ -380,7 +380,8 @@ def build_state(cfg: Config, mcfg, v: Variant):
         hf, train_state.OptimConfig(lr=1e-6, master_weights=v.master_weights), device=dev, model_cfg=mc
     )
     st.model.logp_backend = v.logp_backend  # "auto" = fused Triton kernel on CUDA
-    # "auto" = varlen flash kernel on CUDA; the CPU smoke forces "varlen" so the packed plumbing runs end to end
+    # "auto" = the packed varlen kernel on CUDA (ModelConfig.attention_kernel picks which); the CPU smoke forces
+    # "varlen" so the packed plumbing runs end to end
     st.model.attention = "varlen" if (cfg.smoke and v.attention == "auto" and dev == "cpu") else v.attention
     return st
 
