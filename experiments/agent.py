@@ -150,7 +150,8 @@ def make_loss_fn(cfg: Config) -> step.LossFn:
         behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, spec §4.1
         keep, weight, m_rs = rejection_lib.process(mb.logp_prox, behav, mb.loss_mask, cfg=cfg.rejection)
         loss, m = ppo.loss(logp, mb.logp_prox, behav, mb.adv, keep, cfg=cfg.objective,
-                           denom=mb.denom(cfg.objective.agg), weight=weight)
+                           denom=mb.denom(cfg.objective.agg), denom_mask=mb.loss_mask,
+                           weight=weight)
         ent = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
         return loss, {**m, **m_rs, "ppo_actor/entropy": ent}
 

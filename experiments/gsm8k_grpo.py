@@ -310,14 +310,15 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
             keep, _, m = kpop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.kpop)
             metrics.update(m)
         denom = mb.denom(obj.agg)
+        counted = mb.loss_mask  # the pre-mask counts: a dropped token leaves the numerator only (spec §6.4)
         if isinstance(obj, gspo.GSPOConfig):
-            loss, m = gspo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, weight=weight)
+            loss, m = gspo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
         elif isinstance(obj, sapo.SAPOConfig):
-            loss, m = sapo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom)
+            loss, m = sapo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted)
         elif isinstance(obj, cispo.CISPOConfig):
-            loss, m = cispo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, weight=weight)
+            loss, m = cispo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
         else:
-            loss, m = ppo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, weight=weight)
+            loss, m = ppo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
         metrics.update(m)
         if cfg.kl_loss_coef > 0:
             kl_term, m = kl.penalty(logp, mb.logp_ref, keep, cfg=cfg.kl_loss, denom=mb.n_tokens)

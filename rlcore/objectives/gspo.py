@@ -66,13 +66,15 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)).detach()
 
 
-def _agg(x: Tensor, mask: Tensor, *, agg: Agg, denom: Tensor | float | None, norm_len: int) -> Tensor:
+def _agg(x: Tensor, mask: Tensor, *, agg: Agg, denom: Tensor | float | None, norm_len: int,
+         denom_mask: Tensor | None = None) -> Tensor:
     """Reduce per-token ``x (b t)`` to a scalar. ``denom`` counts tokens (token_mean) or non-empty sequences."""
     x = torch.where(mask, x, 0.0)
+    counted = mask if denom_mask is None else denom_mask
     if agg == "token_mean":
-        total, count = x.sum(), mask.sum()
+        total, count = x.sum(), counted.sum()
     else:
-        n = mask.sum(-1)
+        n = counted.sum(-1)
         per_seq = x.sum(-1) / (n.clamp(min=1) if agg == "seq_mean_token_mean" else norm_len)
         total, count = per_seq.sum(), (n > 0).sum()
     d = count if denom is None else torch.as_tensor(denom, device=x.device)
@@ -97,6 +99,7 @@ def loss(
     *,
     cfg: GSPOConfig,
     denom: Tensor | float | None = None,
+    denom_mask: Tensor | None = None,
     weight: Tensor | None = None,
     **unused,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -107,6 +110,9 @@ def loss(
       mask: (b t) bool; off-mask values may be NaN/inf and get exactly zero gradient.
       cfg: GSPOConfig.
       denom: token count (token_mean) or non-empty sequence count; defaults to the count in ``mask``.
+      denom_mask: optional (b t) bool, the mask BEFORE keep-masks (a superset of ``mask``); every count the
+        aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
+        is taken on it, so a rejected token leaves the numerator only (spec §6.4). None: ``mask``.
       weight: optional (b t) precomputed behaviour weight, replacing ``exp(logp_prox - logp_behav)``.
       unused: extra inputs of other objectives; ignored.
 
@@ -145,7 +151,7 @@ def loss(
     if cfg.behav_weight_cap is not None:
         w = w.clamp(max=cfg.behav_weight_cap)
 
-    out = _agg(per_tok * w, mask, agg=cfg.agg, denom=denom, norm_len=cfg.norm_len)
+    out = _agg(per_tok * w, mask, agg=cfg.agg, denom=denom, norm_len=cfg.norm_len, denom_mask=denom_mask)
     metrics = {
         "gspo/clip_frac": _masked_mean(clipped.to(dt), mask),
         "gspo/dual_clip_frac": _masked_mean(dual.to(dt), mask),

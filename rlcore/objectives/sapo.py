@@ -59,13 +59,15 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)).detach()
 
 
-def _agg(x: Tensor, mask: Tensor, *, agg: Agg, denom: Tensor | float | None, norm_len: int) -> Tensor:
+def _agg(x: Tensor, mask: Tensor, *, agg: Agg, denom: Tensor | float | None, norm_len: int,
+         denom_mask: Tensor | None = None) -> Tensor:
     """Reduce per-token ``x (b t)`` to a scalar. ``denom`` counts tokens (token_mean) or non-empty sequences."""
     x = torch.where(mask, x, 0.0)
+    counted = mask if denom_mask is None else denom_mask
     if agg == "token_mean":
-        total, count = x.sum(), mask.sum()
+        total, count = x.sum(), counted.sum()
     else:
-        n = mask.sum(-1)
+        n = counted.sum(-1)
         per_seq = x.sum(-1) / (n.clamp(min=1) if agg == "seq_mean_token_mean" else norm_len)
         total, count = per_seq.sum(), (n > 0).sum()
     d = count if denom is None else torch.as_tensor(denom, device=x.device)
@@ -94,6 +96,7 @@ def loss(
     *,
     cfg: SAPOConfig,
     denom: Tensor | float | None = None,
+    denom_mask: Tensor | None = None,
     **unused,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO loss, to be minimised.
@@ -106,6 +109,9 @@ def loss(
       mask: (b t) bool; off-mask values may be NaN/inf and get exactly zero gradient.
       cfg: SAPOConfig.
       denom: token count (token_mean) or non-empty sequence count; defaults to the count in ``mask``.
+      denom_mask: optional (b t) bool, the mask BEFORE keep-masks (a superset of ``mask``); every count the
+        aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
+        is taken on it, so a rejected token leaves the numerator only (spec §6.4). None: ``mask``.
       unused: extra inputs of other objectives (e.g. ``weight``); ignored, SAPO has no behaviour correction.
 
     Returns:
@@ -131,7 +137,7 @@ def loss(
         ratio = torch.exp(log_ratio.clamp(-bound, bound))
     g = gate(ratio, adv, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
 
-    out = _agg(-g * adv, mask, agg=cfg.agg, denom=denom, norm_len=cfg.norm_len)
+    out = _agg(-g * adv, mask, agg=cfg.agg, denom=denom, norm_len=cfg.norm_len, denom_mask=denom_mask)
     metrics = {
         "sapo/soft_gate": _masked_mean(g, mask),
         "sapo/gate_pos": _masked_mean(g, mask & (adv > 0)),

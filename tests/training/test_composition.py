@@ -10,8 +10,9 @@ cell needs an explicit test-side loss_fn.
 The hand composition is built independently of the experiment: each mask goes through its uniform
 ``keep_mask -> (keep, factor, metrics)`` (the experiment calls ``rejection.process`` and uses the processed weight
 ``w'`` itself), the behaviour weight is ``exp(prox - old) * Π factors`` (spec §7.4 / §8 step 7), the denominators
-are the pre-mask counts of the whole batch, ``ℓ^old`` / ``ℓ^prox`` follow spec §4.1 / §5 from the objective and the
-proximal mode, and the log-probs come from the model's plain-torch log-softmax (the step uses its own kernel).
+are the pre-mask counts of the whole batch (also each row's own count in ``seq_mean_token_mean``, via ``denom_mask``),
+``ℓ^old`` / ``ℓ^prox`` follow spec §4.1 / §5 from the objective and the proximal mode, and the log-probs come from
+the model's plain-torch log-softmax (the step uses its own kernel).
 
 Each cell also checks that it is not vacuous: the mask drops (or the clamp changes) some but not all tokens where
 π_prox ≠ π_behav can occur, and is exactly the identity where it cannot (coupled PPO on recomputed log-probs:
@@ -144,7 +145,7 @@ def hand_loss(obj_name: str, mask_name: str, agg: str, batch: dict, tb: TokenBat
                 factor = factor * f
         seen.update(keep=keep, factor=factor, prox=prox, old=old)
         extra = {"weight": torch.exp(prox - old) * factor} if _weighted(obj_cfg) else {}
-        return leaf(lp, prox, old, adv, keep, cfg=obj_cfg, denom=denom, **extra)[0]
+        return leaf(lp, prox, old, adv, keep, cfg=obj_cfg, denom=denom, denom_mask=mask, **extra)[0]
 
     return loss_of
 
