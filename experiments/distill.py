@@ -117,7 +117,8 @@ def reward_fn(completion: str, item: dict) -> float:
 def make_loss_fn(cfg: Config) -> step.LossFn:
     """Rejection filter -> decoupled PPO (the RL term) -> the distillation loss ``rl_weight·RL + kd_weight·KD``.
 
-    The KD term is the reverse KL to the teacher on the student's own samples (spec §13.4), over the kept tokens,
+    The KD term is the reverse KL to the teacher on the student's own samples (spec §13.4), over every trained token
+    (the rejection filter acts inside the PPO term only, spec §8),
     divided by the GLOBAL token count like the PPO term.
     """
 
@@ -125,8 +126,10 @@ def make_loss_fn(cfg: Config) -> step.LossFn:
         behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, spec §4.1
         keep, weight, m_rs = rejection_lib.process(mb.logp_prox, behav, mb.loss_mask, cfg=cfg.rejection)
         rl_loss, m = ppo.loss(logp, mb.logp_prox, behav, mb.adv, keep, cfg=cfg.objective,
-                              denom=mb.denom(cfg.objective.agg), weight=weight)
-        loss, m_kd = distill_lib.loss(logp, behav, mb.logp_teacher, keep, cfg=cfg.distill, rl_loss=rl_loss,
+                              denom=mb.denom(cfg.objective.agg), denom_mask=mb.loss_mask,
+                              weight=weight)
+        # the KD term covers every trained token: rejection sampling acts inside the surrogate only (spec §8, §13.4)
+        loss, m_kd = distill_lib.loss(logp, behav, mb.logp_teacher, mb.loss_mask, cfg=cfg.distill, rl_loss=rl_loss,
                                       denom=mb.n_tokens)
         ent = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
         return loss, {**m, **m_rs, **m_kd, "ppo_actor/entropy": ent}

@@ -382,3 +382,39 @@ def test_gsm8k_with_remote_engine_server(data_dir, tmp_path):
         finally:
             call(runner.cleanup())
             ev_loop.call_soon_threadsafe(ev_loop.stop)
+
+
+def test_distill_kd_term_covers_rejected_tokens():
+    """Spec §13.4 / §8: rejection sampling acts inside the PPO surrogate only; the distillation term uses the
+    (post-M2PO) loss mask. Regression: experiments/distill.py applied the KD term to the rejection keep mask,
+    so a token the RL term rejected also lost its teacher gradient."""
+    from rlcore.data.trajectory import concat, make_row
+    from rlcore.objectives import distill as distill_lib
+    from rlcore.objectives import rejection as rejection_lib
+    from rlcore.training import step
+    from rlcore.types import TokenBatch
+
+    exp = load("distill")
+    g = torch.Generator().manual_seed(0)
+    rows = [make_row([1, 2, 3], [4, 5, 6, 7], (-1.0 - torch.rand(4, generator=g)).tolist(), [0] * 4, float(i % 2))
+            for i in range(3)]
+    tb = TokenBatch.from_rollout(concat(rows))
+    mask = tb.loss_mask
+    shape = mask.shape
+    prox = torch.where(mask, tb.logp_behav + 0.5 * torch.randn(shape, generator=g), 0.0)
+    teacher = torch.where(mask, -2.0 * torch.rand(shape, generator=g), 0.0)
+    adv = torch.where(mask, torch.randn(shape, generator=g), 0.0)
+    tb = step.with_global_counts(dataclasses.replace(tb, logp_prox=prox, logp_teacher=teacher, adv=adv,
+                                                        entropy=torch.zeros(shape)))
+    rs = rejection_lib.RejectionConfig(lower=0.8, upper=1.25)
+    cfg = dataclasses.replace(exp.SMOKE, rejection=rs)  # pure KD (rl_weight=0): the loss is the KD term
+    keep, _, _ = rejection_lib.process(prox, tb.logp_behav, mask, cfg=rs)
+    assert 0 < int(keep.sum()) < int(mask.sum()), "the filter must reject some tokens"
+    logp = torch.where(mask, prox + 0.1 * torch.randn(shape, generator=g), 0.0).requires_grad_(True)
+    loss, _ = exp.make_loss_fn(cfg)(logp, tb)
+    (grad,) = torch.autograd.grad(loss, logp)
+    ref = torch.where(mask, logp.detach(), 0.0).requires_grad_(True)
+    want, _ = distill_lib.loss(ref, tb.logp_behav, teacher, mask, cfg=cfg.distill, denom=tb.n_tokens)
+    (want_grad,) = torch.autograd.grad(want, ref)
+    assert torch.allclose(grad, want_grad, atol=1e-7)
+    assert bool((grad[mask & ~keep] != 0).all())
