@@ -45,7 +45,7 @@ from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, S
 from rlcore.inference.sampling import check_request, stop_strings, uses_penalty
 from rlcore.inference.scheduler import PauseMode, Scheduler, _Request
 from rlcore.inference.weight_updates import WeightUpdates
-from rlcore.inference.weights import DTYPES, init_custom_process_group
+from rlcore.inference.weights import DTYPES, cast_model, init_custom_process_group
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config and results
@@ -245,7 +245,7 @@ class Engine(WeightUpdates):
                     tokenizer = None
         if not isinstance(model, nn.Module):
             raise EngineError("Engine(model=...) must be an nn.Module or a local model directory path")
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = cast_model(model, self.device, self.dtype).eval()  # RoPE tables, routers stay float32
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or (model_path if tokenizer is not None else None)
         mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
