@@ -45,7 +45,7 @@ from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, S
 from rlcore.inference.sampling import check_request, stop_strings, uses_penalty
 from rlcore.inference.scheduler import PauseMode, Scheduler, _Request
 from rlcore.inference.weight_updates import WeightUpdates
-from rlcore.inference.weights import DTYPES, init_custom_process_group
+from rlcore.inference.weights import DTYPES, cast_model, init_custom_process_group
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config and results
@@ -245,18 +245,19 @@ class Engine(WeightUpdates):
                     tokenizer = None
         if not isinstance(model, nn.Module):
             raise EngineError("Engine(model=...) must be an nn.Module or a local model directory path")
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = cast_model(model, self.device, self.dtype).eval()  # RoPE tables, routers stay float32
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or (model_path if tokenizer is not None else None)
         mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         max_pos = getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
         self.max_seq_len = min(cfg.max_seq_len, int(max_pos)) if max_pos else cfg.max_seq_len
-        # eos ids of the generation config and of the model config together (instruct models often list their
-        # end-of-turn token in one and the end-of-text token in the other)
+        # eos ids of the generation config, the model config and the tokenizer together, as SGLang stops on them:
+        # instruct models often list their end-of-turn token in one config and the end-of-text token in the
+        # other, and a fine-tuned chat model's tokenizer often ends turns with a token neither config names
         gen = getattr(model, "generation_config", None)
         ids: set[int] = set()
         for eos in (getattr(gen, "eos_token_id", None) if gen is not None else None,
-                    getattr(mcfg, "eos_token_id", None)):
+                    getattr(mcfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
             ids.update([eos] if isinstance(eos, int) else (eos or []))
         eos_ids = frozenset(ids)
         self.vocab_size = (

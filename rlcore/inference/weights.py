@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import stat
 from collections.abc import Iterable, Iterator
 
@@ -234,3 +235,47 @@ def move_tensors(model: torch.nn.Module, device: torch.device) -> None:
         if id(t) not in seen:
             seen.add(id(t))
             t.data = t.data.to(device)
+
+
+def fp32_tensors(model: nn.Module, dtype: torch.dtype) -> set[int]:
+    """Ids of the tensors of ``model`` that ``from_pretrained(dtype=dtype)`` keeps in float32 when ``dtype`` is half
+    precision: the float32 buffers of rotary-embedding modules (``inv_freq``, ``original_inv_freq``, GPT-J's
+    ``embed_positions``: computed at init, never in a checkpoint; in bf16 a RoPE angle at position 1000 is off
+    by radians) and what the model's own dtype plan names (``_keep_in_fp32_modules_strict``: DeepSeek-V3's and
+    GLM-4-MoE's router ``gate.weight`` / ``e_score_correction_bias``; ``_keep_in_fp32_modules`` under fp16)."""
+    keep: set[int] = set()
+    if dtype not in (torch.bfloat16, torch.float16):
+        return keep
+    for mod in model.modules():
+        for name, b in mod.named_buffers(recurse=False):
+            rotary = "rotary" in type(mod).__name__.lower() or name.endswith("inv_freq")
+            if rotary and b.dtype == torch.float32:
+                keep.add(id(b))
+        # HF's dtype plan: the strict list under bf16 and fp16, the other under fp16 only
+        plan = [*(getattr(mod, "_keep_in_fp32_modules_strict", None) or ())]
+        if dtype == torch.float16:
+            plan += getattr(mod, "_keep_in_fp32_modules", None) or ()
+        if plan:  # HF's matching: each glob ("*" -> ".*") searched in the tensor's name
+            pattern = re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in plan))
+            for name, t in [*mod.named_parameters(), *mod.named_buffers()]:
+                if t.is_floating_point() and pattern.search(name):
+                    keep.add(id(t))
+    return keep
+
+
+def cast_model(
+    model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """``model.to(device, dtype)`` (in place, returns ``model``) that leaves float32 what HF's loader keeps in float32
+    at that dtype (``fp32_tensors``), so a cast model computes what ``from_pretrained(dtype=dtype)`` computes; a
+    plain ``.to(torch.bfloat16)`` rounds the RoPE frequencies and the MoE routers (silently other log-probs)."""
+    keep = fp32_tensors(model, dtype) if dtype is not None else set()
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in keep:
+            return t.to(device=device, dtype=torch.float32)
+        if dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=dtype)
+        return t.to(device=device)
+
+    return model._apply(convert)

@@ -45,6 +45,8 @@ def load_causal_lm(
     """A Hugging Face causal LM from a module (returned as is), a local directory, or a ``PretrainedConfig``."""
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
+    from rlcore.inference.weights import cast_model
+
     if isinstance(model_or_path, nn.Module):
         return model_or_path
     kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
@@ -61,7 +63,7 @@ def load_causal_lm(
 
     if isinstance(model_or_path, PretrainedConfig):
         model = load(AutoModelForCausalLM.from_config, model_or_path, **kw)
-        return model.to(dtype) if dtype is not None else model
+        return cast_model(model, dtype=dtype) if dtype is not None else model
     path = Path(model_or_path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a local directory; pass a module, config or HF dir")

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from rlcore.inference.weights import cast_model
 from rlcore.training import fsdp, models
 from rlcore.training import lora as lora_lib
 
@@ -393,7 +394,7 @@ def init_train_state(
     for m in (policy, ref_mod, critic_mod):
         if m is None:
             continue
-        m.to(dev) if pdt is None else m.to(dev, pdt)
+        cast_model(m, dev, pdt)  # RoPE tables and fp32-kept routers stay float32, as HF loads them
         m.attention_kernel = attention_kernel
         # fused kernels go in before sharding/checkpointing/compilation wrap the layers
         m.fused_kernels = fusions.apply_fused_kernels(m, model_cfg.fused_kernels, compiled=use_compile)

@@ -205,3 +205,57 @@ def test_trainer_from_model_directory_equals_hf_per_sequence(name, tmp_path):
     for (a, b), s in zip(zip(bounds[:-1].tolist(), bounds[1:].tolist()), seqs):
         want = _hf_logprobs(hf, s.tolist(), len(s) - 1)
         torch.testing.assert_close(logp[a : b - 1], torch.tensor(want), atol=2e-5, rtol=0)
+
+
+# ---- half precision: what HF's loader keeps in float32 stays float32 in the engine and the trainer ---------------
+
+HALF = {
+    # rotary inv_freq (a bf16 RoPE angle at position 1000 is off by radians)
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
+    # _keep_in_fp32_modules_strict: the router's gate.weight and e_score_correction_bias
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HALF))
+def test_half_precision_keeps_the_tensors_hf_keeps_in_float32(name, tmp_path):
+    from rlcore.inference.weights import named_tensors
+    from rlcore.training import train_state as ts
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(HALF[name]()).save_pretrained(tmp_path)
+    for dtype in ("bfloat16", "float16"):
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=getattr(torch, dtype))
+        want = {k: t.dtype for k, t in named_tensors(hf).items()}
+        assert torch.float32 in want.values()
+        with Engine(str(tmp_path), EngineConfig(max_batch=2, max_seq_len=32, device="cpu", dtype=dtype)) as eng:
+            assert {k: t.dtype for k, t in named_tensors(eng.model).items()} == want, dtype
+    state = ts.init_train_state(str(tmp_path), ts.OptimConfig(), dtype=torch.float32,
+                                model_cfg=ts.ModelConfig(param_dtype="bfloat16"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert {k: t.dtype for k, t in named_tensors(state.model.hf).items()} == {
+        k: t.dtype for k, t in named_tensors(hf).items()}
+
+
+def test_bf16_engine_log_probs_at_long_positions_equal_hf(tmp_path):
+    """A bf16 checkpoint served in bf16: the engine's log-probs at positions ~600 equal HF's (float32 RoPE
+    frequencies; rounded to bf16 they were off by 0.3-0.8 nats with sharp attention)."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**{**COMMON, "hidden_size": 64, "num_attention_heads": 2,
+                                      "num_key_value_heads": 1, "max_position_embeddings": 1024})
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # sharp attention: the keys' exact positions matter
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20.0)
+            layer.self_attn.k_proj.weight.mul_(20.0)
+        model.lm_head.weight.mul_(5.0)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    prompt = [(i * 7) % 60 + 1 for i in range(600)]
+    with Engine(str(tmp_path), EngineConfig(max_batch=2, max_seq_len=640, device="cpu", dtype="bfloat16")) as eng:
+        out = eng.submit(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=1)).result(120)
+    want = _hf_logprobs(hf, out.input_ids + out.output_ids, len(out.output_ids))
+    torch.testing.assert_close(torch.tensor(out.output_logprobs), torch.tensor(want), atol=2e-2, rtol=0)

@@ -868,6 +868,23 @@ def test_eos_ids_join_generation_and_model_config():
     assert eng.eos_ids == frozenset({5, 7, 9})
 
 
+def test_eos_ids_include_the_tokenizers_eos(tmp_path):
+    """A model directory whose configs name no eos (or another one than its tokenizer: a chat fine-tune whose
+    tokenizer ends turns with <|im_end|>): the tokenizer's eos stops generation too, as in SGLang."""
+    from rlcore.tiny import build_tokenizer
+
+    model = tiny_model("qwen2", seed=1)
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    tok = build_tokenizer()  # eos "<eos>" = id 1
+    tok.save_pretrained(tmp_path)
+    with Engine(str(tmp_path), EngineConfig(max_batch=2, max_seq_len=32, device="cpu")) as eng:
+        assert eng.eos_ids == frozenset({tok.eos_token_id})
+    model.generation_config.eos_token_id = 7
+    eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=32, device="cpu"), tokenizer=tok)
+    assert eng.eos_ids == frozenset({tok.eos_token_id, 7})
+
+
 def test_a_weight_load_walks_the_model_once_not_once_per_tensor(monkeypatch):
     """``stage_weights`` checks every tensor of a load against one ``named_tensors`` walk: walking the model per
     tensor made a Qwen2-0.5B-shaped publish (291 tensors) cost ~0.25 s of host time on the device's CPU."""
