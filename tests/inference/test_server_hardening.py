@@ -362,6 +362,29 @@ def test_a_full_waiting_queue_answers_503_with_retry_after():
         assert all(f.result(30).finish_reason["type"] == "length" for f in futs)
 
 
+def test_openai_routes_answer_a_full_queue_with_503_and_an_oversized_request_with_400_naming_n():
+    # the OpenAI routes answered a full queue with 400 invalid_request_error (the openai client never retries a 400;
+    # /generate answers 503 + Retry-After), and a request larger than the whole queue with "retry later"
+    with _engine(max_waiting=2) as eng:
+        eng.pause("in_place")
+        futs = [eng.submit([3], SamplingParams(max_new_tokens=2)) for _ in range(2)]
+
+        async def body(http):
+            full = await post(http, "/v1/completions", {"prompt": [3, 4], "max_tokens": 2})
+            stream = await post(http, "/v1/completions", {"prompt": [3, 4], "max_tokens": 2, "stream": True})
+            eng.continue_generation()
+            [f.result(30) for f in futs]
+            big = await post(http, "/v1/completions", {"prompt": [[3], [4]], "n": 2, "max_tokens": 2})
+            return full, stream, big
+
+        full, stream, (big_status, big, _) = serve(eng, body)
+        for status, out, headers in (full, stream):
+            assert status == 503 and headers["Retry-After"] == "1", (status, out)
+            assert out["error"]["type"] == "server_error" and "queue is full" in out["error"]["message"]
+        assert big_status == 400 and big["error"]["param"] == "n" and "4 completions" in big["error"]["message"]
+        assert eng.num_waiting == 0
+
+
 # ---- the split ---------------------------------------------------------------------------------------------
 
 
