@@ -24,7 +24,7 @@ from aiohttp import web
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rlcore.inference.engine import Engine, EngineConfig, EngineError
+from rlcore.inference.engine import Engine, EngineBusy, EngineConfig, EngineError
 from rlcore.inference.protocol import ModelRequest, SamplingParams
 from rlcore.inference.server import make_app
 from tests.inference.test_server import V, tiny_model, tiny_tokenizer
@@ -383,6 +383,56 @@ def test_openai_routes_answer_a_full_queue_with_503_and_an_oversized_request_wit
             assert out["error"]["type"] == "server_error" and "queue is full" in out["error"]["message"]
         assert big_status == 400 and big["error"]["param"] == "n" and "4 completions" in big["error"]["message"]
         assert eng.num_waiting == 0
+
+
+def test_a_streamed_generate_with_a_rid_in_flight_gets_an_error_event_not_a_cut_stream(engine):
+    # the engine refuses a rid already in flight; the streaming /generate raised on the refused future after the
+    # headers and the client saw the connection drop ("Response ended prematurely"), where SGLang streams an error
+    # event and [DONE] (the non-streaming route answers 400)
+    engine.pause("in_place")
+    held = engine.submit([3], SamplingParams(max_new_tokens=2), rid="taken")
+    try:
+        async def body(http):
+            payload = {"input_ids": [4], "rid": "taken", "stream": True, "sampling_params": GREEDY}
+            async with http.post("/generate", json=payload) as r:
+                return r.status, (await r.read()).decode()
+
+        status, text = serve(engine, body)
+    finally:
+        engine.continue_generation()
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert status == 200 and events[-1] == "[DONE]" and len(events) == 2
+    err = json.loads(events[0])["error"]
+    assert err["code"] == 400 and "already in flight" in err["message"]
+    assert held.result(30).finish_reason["type"] == "length"
+
+
+def test_a_streamed_generate_refused_midway_answers_503_and_aborts_what_it_queued(monkeypatch):
+    # the streaming /generate submitted its prompts one by one without submit_each: a refusal of the second (the
+    # queue filled while the prompt log-probs were computed) escaped as aiohttp's text 500 and the first kept its slot
+    with _engine() as eng:
+        eng.pause("in_place")
+        real, calls = eng.submit, []
+
+        def submit(*a, **kw):
+            calls.append(a)
+            if len(calls) == 2:
+                raise EngineBusy("the engine's waiting queue is full; retry later")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(eng, "submit", submit)
+
+        async def body(http):
+            payload = {"input_ids": [[3], [4]], "stream": True, "sampling_params": GREEDY}
+            return await post(http, "/generate", payload)
+
+        status, out, headers = serve(eng, body)
+        assert status == 503 and headers["Retry-After"] and "queue is full" in out["error"]["message"]
+        t0 = time.time()
+        while eng.num_waiting and time.time() - t0 < 10:
+            time.sleep(0.02)
+        assert eng.num_waiting == 0
+        eng.continue_generation()
 
 
 # ---- the split ---------------------------------------------------------------------------------------------
