@@ -349,7 +349,9 @@ def test_tool_calls_stop_strings_and_run_agent(tok):
 
 
 def test_cli_serves_openai_clients(engine, tok, tmp_path):
-    """``python -m rlcore.proxy`` in a subprocess, in front of our engine server (HTTP) on 127.0.0.1."""
+    """``python -m rlcore.proxy`` in a subprocess, in front of our engine server (HTTP) on 127.0.0.1, started with an
+    API key (``--engine-api-key``: without it the proxy could not reach an ``rlcore-serve --api-key`` engine, every
+    chat call was a 502)."""
     import asyncio
     import socket
     import subprocess
@@ -367,7 +369,7 @@ def test_cli_serves_openai_clients(engine, tok, tmp_path):
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def serve_engine():
-        runner = web.AppRunner(make_app(engine))
+        runner = web.AppRunner(make_app(engine, api_key="engine-key"))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -379,7 +381,8 @@ def test_cli_serves_openai_clients(engine, tok, tmp_path):
     port = s.getsockname()[1]
     s.close()
     cmd = [sys.executable, "-m", "rlcore.proxy", "--engine", f"http://127.0.0.1:{engine_port}",
-           "--model", str(tmp_path / "tok"), "--port", str(port), "--admin-key", ADMIN, "--version", "7"]
+           "--model", str(tmp_path / "tok"), "--port", str(port), "--admin-key", ADMIN, "--version", "7",
+           "--engine-api-key", "engine-key"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
