@@ -636,3 +636,40 @@ def test_set_reward_after_end_and_non_finite_rewards_are_refused(tok):
         assert rows.status_code == 200
         (row,) = json.loads(rows.text)["interactions"].values()  # strict JSON: no bare NaN
         assert row["reward"] == 0.5
+
+
+class RefusingEngine(IdsEngine):
+    """Answers /generate with a 400 naming a sampling field, as our engine server and SGLang refuse bad values."""
+
+    async def handle(self, endpoint: str, payload: dict) -> tuple[int, dict]:
+        self.prompts.append(list(payload["input_ids"]))
+        return 400, {"error": {"message": "sampling_params.top_p must be in (0, 1]"}}
+
+
+def test_bad_values_are_400s_naming_the_field_not_502s_or_truthy_strings(tok):
+    # min_tokens above the budget and a top_k past int64 reached the engine, whose 400 the proxy answered as a 502
+    # (which the openai client retries); /rl/set_version took true, 2**80 and -1 (versions tag int64 token tensors,
+    # -1 marks prompt tokens); export's drop_retry_orphans: "no" was truthy
+    hi = [{"role": "user", "content": "hi"}]
+    eng = IdsEngine([tok.encode("a", add_special_tokens=False)] * 2, tok.eos_token_id)
+    with AgentProxy(EngineClient(eng, CCFG), tok, ProxyConfig(admin_key=ADMIN)).serve_in_thread() as proxy:
+        sid, key = start(proxy)
+        for extra, param in [({"max_tokens": 3, "min_tokens": 4}, "min_tokens"), ({"top_k": 2**70}, "top_k")]:
+            bad = post(proxy.base_url + "/chat/completions", {"messages": hi, **extra}, key)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
+        assert eng.prompts == []  # refused before the engine was called
+        for v in (True, 2**80, -1, "3", 1.0):
+            bad = admin_post(proxy, "/rl/set_version", {"version": v})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "version", (v, bad.text)
+        assert admin_post(proxy, "/rl/set_version", {"version": 5}).json() == {"version": 5}
+        assert post(proxy.base_url + "/chat/completions", {"messages": hi}, key).status_code == 200
+        post(proxy.url + "/rl/end_session", {}, key)
+        bad = admin_post(proxy, "/export_trajectories", {"session_id": sid, "drop_retry_orphans": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "drop_retry_orphans"
+        assert admin_post(proxy, "/export_trajectories", {"session_id": sid}).status_code == 200
+    refusing = RefusingEngine([], tok.eos_token_id)
+    with AgentProxy(EngineClient(refusing, CCFG), tok, ProxyConfig(admin_key=ADMIN)).serve_in_thread() as proxy:
+        sid, key = start(proxy)
+        bad = post(proxy.base_url + "/chat/completions", {"messages": hi}, key)
+        assert bad.status_code == 400 and "top_p must be in (0, 1]" in bad.json()["error"]["message"]
+        assert len(refusing.prompts) == 1  # asked once: a 400 is not retried
