@@ -435,6 +435,28 @@ def test_a_streamed_generate_refused_midway_answers_503_and_aborts_what_it_queue
         eng.continue_generation()
 
 
+def test_weight_versions_outside_int64_or_negative_are_refused_and_nothing_changes(engine, tmp_path):
+    # 2**80 and -5 were accepted as versions and tagged every later token: the trainer's int64 version tensors
+    # overflow on the first, and -1 marks prompt tokens there
+    tiny_model(seed=1).save_pretrained(tmp_path / "v1")
+    before = engine.version
+
+    async def body(http):
+        out = []
+        for v in (2**80, -5, "-1", str(2**63)):
+            out.append(await post(http, "/update_weight_version", {"new_version": v}))
+            out.append(await post(http, "/update_weights_from_disk", {"model_path": str(tmp_path / "v1"),
+                                                                      "weight_version": v}))
+        ok = await post(http, "/update_weight_version", {"new_version": str(2**63 - 1)})
+        return out, ok
+
+    refused, ok = serve(engine, body)
+    for status, out, _ in refused:
+        assert status == 400 and "must be in [0, 2**63)" in out["error"]["message"], out
+    assert ok[0] == 200 and engine.version == 2**63 - 1
+    engine.set_version(before)
+
+
 # ---- the split ---------------------------------------------------------------------------------------------
 
 
