@@ -608,14 +608,16 @@ async def _retrieve_model(request: web.Request) -> web.Response:
 def api_key_middleware(api_key: str):
     """Every request but ``/health*`` and ``/metrics`` (and CORS pre-flights) must carry ``Authorization: Bearer
     <api_key>``, as SGLang's ``--api-key`` asks; anything else is a JSON 401 (OpenAI's error shape, so the openai
-    client raises ``AuthenticationError``). The key is compared in constant time."""
-    want = f"Bearer {api_key}".encode()
+    client raises ``AuthenticationError``). The scheme is case-insensitive (RFC 7235, as SGLang reads it); the key is
+    compared in constant time."""
+    want = api_key.encode()
 
     @web.middleware
     async def require_key(request: web.Request, handler):
         if request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
             return await handler(request)
-        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), want):
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), want):
             err = {"message": "Unauthorized: send 'Authorization: Bearer <key>' with this server's --api-key",
                    "type": "authentication_error", "code": "invalid_api_key"}
             return web.json_response({"error": err}, status=401)

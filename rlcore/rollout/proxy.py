@@ -191,8 +191,9 @@ def _flag(body: dict, key: str) -> bool:
 
 
 def _bearer(request: web.Request) -> str | None:
-    h = request.headers.get("Authorization", "")
-    return h[7:].strip() if h.startswith("Bearer ") else None
+    """The key of ``Authorization: Bearer <key>`` (the scheme is case-insensitive, RFC 7235), else None."""
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
 
 
 def _strip_stop(ids: list[int], stop: set[int]) -> list[int]:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -511,7 +512,7 @@ def test_api_key_guards_every_endpoint_but_health_and_rlcore_and_openai_clients_
         return out
 
     try:
-        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"Authorization": f"Basic {key}"}):
             got = asyncio.run(calls(headers))
             assert got.pop("/health")[0] == 200
             assert {p: s for p, (s, _) in got.items()} == {p: 401 for p in got}, got
@@ -531,6 +532,10 @@ def test_api_key_guards_every_endpoint_but_health_and_rlcore_and_openai_clients_
                 return await c.agenerate(ModelRequest([3, 4], greedy))
 
         assert asyncio.run(with_client()).output_len == 3
+        # the scheme is case-insensitive (RFC 7235), as SGLang reads it: "bearer <key>" was a 401
+        lower = urllib.request.Request(url + "/get_weight_version", headers={"Authorization": f"bearer {key}"})
+        with urllib.request.urlopen(lower, timeout=10) as r:
+            assert r.status == 200
 
         async def without_key():
             async with EngineClient(url, ClientConfig(retries=0)) as c:

@@ -663,7 +663,10 @@ def test_bad_values_are_400s_naming_the_field_not_502s_or_truthy_strings(tok):
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "version", (v, bad.text)
         assert admin_post(proxy, "/rl/set_version", {"version": 5}).json() == {"version": 5}
         assert post(proxy.base_url + "/chat/completions", {"messages": hi}, key).status_code == 200
-        post(proxy.url + "/rl/end_session", {}, key)
+        lower = urllib.request.Request(proxy.url + "/rl/end_session", data=b"{}", method="POST",
+                                       headers={"Authorization": f"bearer {key}"})  # the scheme is case-insensitive
+        with urllib.request.urlopen(lower, timeout=30) as r:
+            assert r.status == 200
         bad = admin_post(proxy, "/export_trajectories", {"session_id": sid, "drop_retry_orphans": "no"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "drop_retry_orphans"
         assert admin_post(proxy, "/export_trajectories", {"session_id": sid}).status_code == 200
