@@ -458,6 +458,19 @@ def test_weight_versions_outside_int64_or_negative_are_refused_and_nothing_chang
     engine.set_version(before)
 
 
+def test_a_timeout_too_large_for_torch_is_a_400_naming_timeout_s(engine, tmp_path):
+    # timeout_s: 1e308 reached torch's rendezvous and came back as "OverflowError: Python int too large to convert
+    # to C int", a message that names neither the field nor the limit
+    async def body(http):
+        group = {"master_address": "127.0.0.1", "master_port": _closed_port(), "rank_offset": 1, "world_size": 2,
+                 "backend": "gloo", "timeout_s": 1e308}
+        return [await post(http, "/init_weights_update_group", group),
+                await post(http, "/update_weights_from_disk", {"model_path": str(tmp_path), "timeout_s": 1e12})]
+
+    for status, out, _ in serve(engine, body):
+        assert status == 400 and "timeout_s must be in (0, 604800]" in out["error"]["message"], out
+
+
 # ---- the split ---------------------------------------------------------------------------------------------
 
 
