@@ -1,7 +1,7 @@
 """Run the OpenAI-compatible agent proxy in front of one or more engine servers.
 
     rlcore-proxy --engine http://127.0.0.1:30000[,http://...] --model /path/to/tokenizer \\
-        --host 127.0.0.1 --port 8000 --admin-key SECRET
+        --host 127.0.0.1 --port 8000 --admin-key SECRET [--engine-api-key KEY]
 
 Agents then use ``base_url=http://127.0.0.1:8000/v1`` and a session key obtained by the trainer from
 ``POST /rl/start_session`` (admin key). See docs/agents.md. ``python -m rlcore.proxy`` takes the same flags.
@@ -35,6 +35,8 @@ class Args:
     """Port to bind (0 picks a free one and prints it)."""
     admin_key: str = DEFAULT_ADMIN_KEY
     """Key of the training side for /rl/start_session, /grant_capacity, /export_trajectories."""
+    engine_api_key: str = ""
+    """The engine servers' ``--api-key`` (sent as ``Authorization: Bearer``); empty: none."""
     template_mode: Literal["hf", "concat"] = "hf"
     """``concat`` keeps multi-turn prompts an exact extension of the sampled tokens (for concat export)."""
     engine_max_tokens: int = 32768
@@ -57,7 +59,7 @@ async def serve(args: Args) -> None:
     from rlcore.rollout.proxy import AgentProxy, ProxyConfig
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    client = EngineClient(args.engine, ClientConfig(timeout_s=args.timeout_s))
+    client = EngineClient(args.engine, ClientConfig(timeout_s=args.timeout_s, api_key=args.engine_api_key or None))
     client.set_version(args.version)
     cfg = ProxyConfig(
         host=args.host, port=args.port, admin_key=args.admin_key, template_mode=args.template_mode,

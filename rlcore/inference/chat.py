@@ -206,7 +206,7 @@ class _Sampling(_Model):
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # SGLang's extensions of the OpenAI request
-    top_k: Annotated[int, Field(ge=-1)] = -1
+    top_k: Annotated[int, Field(ge=-1, le=INT64[1])] = -1
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0

@@ -24,6 +24,8 @@ RETRY_AFTER_S = 1
 """``Retry-After`` of a 503 (queue full, control workers busy)."""
 GROUP_TIMEOUT_S = 60.0
 """Default ``timeout_s`` of ``/init_weights_update_group``: a rendezvous that has not completed by then fails."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Largest ``timeout_s`` accepted (a week): torch's rendezvous timeouts overflow a C int of milliseconds past ~24 days."""
 
 
 def _err(status: int, message: str) -> tuple[int, dict]:
@@ -127,8 +129,8 @@ def _timeout(p: dict, default: float | None) -> float | None:
     if t is None:
         return None
     t = json_float(t, "timeout_s")
-    if t <= 0:
-        raise BadRequest("timeout_s must be > 0 (seconds)")
+    if not 0 < t <= MAX_TIMEOUT_S:
+        raise BadRequest(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {t:g}")
     return t
 
 

@@ -39,7 +39,7 @@ from rlcore.inference.chat import (
     validate,
 )
 from rlcore.inference.detok import StreamDecoder
-from rlcore.inference.engine import Engine, EngineError, GenerateOutput
+from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
 from rlcore.inference.protocol import SamplingParams, parallel_sampling
 from rlcore.inference.tool_parsers import HERMES, ParseFn, ToolParser, resolve
 
@@ -144,6 +144,13 @@ def _sampling(
         )
     else:
         max_new = want
+    total = len(prompt_lens) * req.n
+    if total > engine.cfg.max_waiting:
+        raise OpenAIError(
+            f"this request asks for {total} completions (prompts x n) but the server queues at most "
+            f"{engine.cfg.max_waiting}; lower n or send fewer prompts per request",
+            "n",
+        )
     if req.min_tokens > max_new:
         raise OpenAIError(
             f"min_tokens={req.min_tokens} exceeds the completion budget of {max_new} tokens", "min_tokens"
@@ -420,8 +427,14 @@ async def handle(engine: Engine, endpoint: str, body: Any) -> tuple[int, dict]:
         return 200, await complete(engine, plan)
     except OpenAIError as e:
         return e.status, e.body()
+    except EngineBusy as e:
+        return 503, _busy(e).body()
     except EngineError as e:
         return 400, OpenAIError(str(e)).body()
+
+
+def _busy(e: EngineBusy) -> OpenAIError:
+    return OpenAIError(str(e), status=503, code="engine_busy", kind="server_error")
 
 
 # ----------------------------------------------------------------------------------------------- streaming
@@ -648,6 +661,8 @@ def make_view(engine: Engine, endpoint: str, tool_parser: str | ToolParser | Par
             return web.Response(status=499)
         except OpenAIError as e:
             return web.json_response(e.body(), status=e.status)
+        except EngineBusy as e:  # a full queue is transient: 503 + Retry-After, which the openai client retries
+            return web.json_response(_busy(e).body(), status=503, headers={"Retry-After": str(control.RETRY_AFTER_S)})
         except EngineError as e:
             return web.json_response(OpenAIError(str(e)).body(), status=400)
         except Exception as e:  # never let one request take the server down

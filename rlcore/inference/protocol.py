@@ -222,14 +222,20 @@ def _all_ints(x: list) -> bool:
 
 
 def json_version(x: Any, name: str) -> int | None:
+    """A weight version: an integer (or integer string) in ``[0, 2**63)``, as every token it labels is stored in an
+    int64 tensor by training (and -1 marks prompt tokens there); None when absent."""
     if x is None:
         return None
     if isinstance(x, str):
         try:
-            return int(x)
+            v = int(x)
         except ValueError:
             raise BadRequest(f"{name} must be an integer (or an integer string), got {x!r}") from None
-    return json_int(x, name)
+    else:
+        v = json_int(x, name)
+    if not 0 <= v <= _INT64_MAX:
+        raise BadRequest(f"{name} must be in [0, 2**63) (token versions are int64 in training), got {x!r}")
+    return v
 
 
 SGLANG_SAMPLING_KEYS = frozenset({

@@ -388,13 +388,15 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
         if not loop.is_closed():
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    futs, rids = [], []
-    for k, (x, s, r) in enumerate(zip(plan.prompts, plan.params, plan.rids)):
-        rid = r or new_rid()
-        fut = engine.submit(x, s, rid, on_token=lambda t, lp, v, k=k: post((k, (t, lp, v))))
+    rids = [r or new_rid() for r in plan.rids]
+    cbs = [lambda t, lp, v, k=k: post((k, (t, lp, v))) for k in range(len(rids))]
+    try:  # a refusal (the queue filled while the prompt log-probs ran) aborts the ones queued before it
+        futs = control.submit_each(engine, zip(plan.prompts, plan.params, rids, cbs))
+    except EngineError as e:
+        status, body = _err(503 if isinstance(e, EngineBusy) else 400, str(e))
+        return _json(body, status)
+    for k, fut in enumerate(futs):
         fut.add_done_callback(lambda f, k=k: post((k, None)))
-        futs.append(fut)
-        rids.append(rid)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     toks: list[list[tuple[int, float, int]]] = [[] for _ in futs]
     open_reqs = set(range(len(futs)))
@@ -417,8 +419,10 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
                     continue
                 if done:
                     open_reqs.discard(k)
-                    out = futs[k].result()
-                    if error_status(out) is not None:  # SGLang streams an engine failure as an error event
+                    exc = futs[k].exception()
+                    if exc is not None:  # the engine refused it (a rid already in flight): SGLang's error event
+                        body = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}
+                    elif error_status(out := futs[k].result()) is not None:  # an engine failure: an error event
                         body = {"error": _engine_error(out)[1]["error"] | {"code": error_status(out)}}
                     else:
                         body = generate_response(engine, out, plan.return_logprob, opts=plan.opts,
@@ -604,14 +608,16 @@ async def _retrieve_model(request: web.Request) -> web.Response:
 def api_key_middleware(api_key: str):
     """Every request but ``/health*`` and ``/metrics`` (and CORS pre-flights) must carry ``Authorization: Bearer
     <api_key>``, as SGLang's ``--api-key`` asks; anything else is a JSON 401 (OpenAI's error shape, so the openai
-    client raises ``AuthenticationError``). The key is compared in constant time."""
-    want = f"Bearer {api_key}".encode()
+    client raises ``AuthenticationError``). The scheme is case-insensitive (RFC 7235, as SGLang reads it); the key is
+    compared in constant time."""
+    want = api_key.encode()
 
     @web.middleware
     async def require_key(request: web.Request, handler):
         if request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
             return await handler(request)
-        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), want):
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), want):
             err = {"message": "Unauthorized: send 'Authorization: Bearer <key>' with this server's --api-key",
                    "type": "authentication_error", "code": "invalid_api_key"}
             return web.json_response({"error": err}, status=401)

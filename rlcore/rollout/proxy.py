@@ -59,6 +59,7 @@ from aiohttp import web
 from rlcore.data import trajectory
 from rlcore.inference import sse
 from rlcore.inference.chat import (
+    INT64,
     ChatRequest,
     OpenAIError,
     ProxyError,
@@ -71,7 +72,7 @@ from rlcore.inference.chat import (
     usage,
     validate,
 )
-from rlcore.inference.client import EngineClient, EngineError
+from rlcore.inference.client import EngineClient, EngineError, EngineRejected
 from rlcore.inference.protocol import ModelRequest, ModelResponse, SamplingParams
 from rlcore.inference.tool_parsers import ParseFn, ToolParser, resolve
 
@@ -181,9 +182,18 @@ def _number(body: dict, key: str, kind: type, default: Any) -> Any:
     return kind(v)
 
 
+def _flag(body: dict, key: str) -> bool:
+    """``body[key]`` as a boolean (missing / null: False); 400 otherwise (the string "false" is truthy)."""
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise ProxyError(400, f"{key}: true or false is required, got {v!r}", key)
+    return bool(v)
+
+
 def _bearer(request: web.Request) -> str | None:
-    h = request.headers.get("Authorization", "")
-    return h[7:].strip() if h.startswith("Bearer ") else None
+    """The key of ``Authorization: Bearer <key>`` (the scheme is case-insensitive, RFC 7235), else None."""
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
 
 
 def _strip_stop(ids: list[int], stop: set[int]) -> list[int]:
@@ -614,9 +624,13 @@ class AgentProxy:
             raise ProxyError(400, f"messages: prompt has {len(prompt)} tokens, at or above the cap of {cap}",
                              "messages")
         key, want = req.max_new
+        budget = min(want or self.cfg.default_max_new_tokens, cap - len(prompt))
+        if req.min_tokens > budget:
+            raise ProxyError(400, f"min_tokens={req.min_tokens} exceeds the completion budget of {budget} tokens",
+                             "min_tokens")
         stops = list(req.stops)
         sampling = SamplingParams(
-            max_new_tokens=min(want or self.cfg.default_max_new_tokens, cap - len(prompt)),
+            max_new_tokens=budget,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k,
@@ -627,10 +641,14 @@ class AgentProxy:
             frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty,
             repetition_penalty=req.repetition_penalty,
-            min_new_tokens=min(req.min_tokens, cap - len(prompt)),
+            min_new_tokens=req.min_tokens,
         )
         try:
             resp = await self.client.agenerate(ModelRequest(input_ids=prompt, sampling=sampling, rid=session_id))
+        except EngineRejected as e:  # the engine refused this request's values: the caller's to fix, never retried
+            if e.status != 400:
+                raise ProxyError(502, f"generation failed: {e}") from e
+            raise ProxyError(400, f"the engine refused the request: {e}") from e
         except EngineError as e:
             raise ProxyError(502, f"generation failed: {e}") from e
         out_ids = list(resp.output_tokens)
@@ -802,15 +820,16 @@ class AgentProxy:
             sid,
             discount=finite(body.get("discount", 1.0), "discount"),
             style=body.get("style", "individual"),
-            drop_retry_orphans=bool(body.get("drop_retry_orphans", False)),
+            drop_retry_orphans=_flag(body, "drop_retry_orphans"),
         )
         return web.json_response({"interactions": rows})
 
     async def _h_version(self, request: web.Request) -> web.Response:
         self._admin(request)
         body = await self._json(request)
-        if not isinstance(body.get("version"), int):
-            raise ProxyError(400, "version: an integer is required")
+        v = body.get("version")
+        if type(v) is not int or not 0 <= v <= INT64[1]:  # not a bool; a token version fits an int64 tensor
+            raise ProxyError(400, f"version: an integer in [0, 2**63) is required, got {v!r}", "version")
         self.client.set_version(body["version"])
         return web.json_response({"version": self.client.get_version()})
 

@@ -509,6 +509,7 @@ class ScriptedEngine:
     def __init__(self, tok, script: list[int]) -> None:
         self.tokenizer, self.script = tok, script
         self.max_seq_len, self.vocab_size, self.model_path, self.version = CTX, len(tok), "scripted", 3
+        self.cfg = EngineConfig()
 
     def submit(self, ids, sp, rid=None, on_token=None, wake=True):
         fut: cf.Future = cf.Future()

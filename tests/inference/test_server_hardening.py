@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +25,7 @@ from aiohttp import web
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rlcore.inference.engine import Engine, EngineConfig, EngineError
+from rlcore.inference.engine import Engine, EngineBusy, EngineConfig, EngineError
 from rlcore.inference.protocol import ModelRequest, SamplingParams
 from rlcore.inference.server import make_app
 from tests.inference.test_server import V, tiny_model, tiny_tokenizer
@@ -362,6 +363,114 @@ def test_a_full_waiting_queue_answers_503_with_retry_after():
         assert all(f.result(30).finish_reason["type"] == "length" for f in futs)
 
 
+def test_openai_routes_answer_a_full_queue_with_503_and_an_oversized_request_with_400_naming_n():
+    # the OpenAI routes answered a full queue with 400 invalid_request_error (the openai client never retries a 400;
+    # /generate answers 503 + Retry-After), and a request larger than the whole queue with "retry later"
+    with _engine(max_waiting=2) as eng:
+        eng.pause("in_place")
+        futs = [eng.submit([3], SamplingParams(max_new_tokens=2)) for _ in range(2)]
+
+        async def body(http):
+            full = await post(http, "/v1/completions", {"prompt": [3, 4], "max_tokens": 2})
+            stream = await post(http, "/v1/completions", {"prompt": [3, 4], "max_tokens": 2, "stream": True})
+            eng.continue_generation()
+            [f.result(30) for f in futs]
+            big = await post(http, "/v1/completions", {"prompt": [[3], [4]], "n": 2, "max_tokens": 2})
+            return full, stream, big
+
+        full, stream, (big_status, big, _) = serve(eng, body)
+        for status, out, headers in (full, stream):
+            assert status == 503 and headers["Retry-After"] == "1", (status, out)
+            assert out["error"]["type"] == "server_error" and "queue is full" in out["error"]["message"]
+        assert big_status == 400 and big["error"]["param"] == "n" and "4 completions" in big["error"]["message"]
+        assert eng.num_waiting == 0
+
+
+def test_a_streamed_generate_with_a_rid_in_flight_gets_an_error_event_not_a_cut_stream(engine):
+    # the engine refuses a rid already in flight; the streaming /generate raised on the refused future after the
+    # headers and the client saw the connection drop ("Response ended prematurely"), where SGLang streams an error
+    # event and [DONE] (the non-streaming route answers 400)
+    engine.pause("in_place")
+    held = engine.submit([3], SamplingParams(max_new_tokens=2), rid="taken")
+    try:
+        async def body(http):
+            payload = {"input_ids": [4], "rid": "taken", "stream": True, "sampling_params": GREEDY}
+            async with http.post("/generate", json=payload) as r:
+                return r.status, (await r.read()).decode()
+
+        status, text = serve(engine, body)
+    finally:
+        engine.continue_generation()
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert status == 200 and events[-1] == "[DONE]" and len(events) == 2
+    err = json.loads(events[0])["error"]
+    assert err["code"] == 400 and "already in flight" in err["message"]
+    assert held.result(30).finish_reason["type"] == "length"
+
+
+def test_a_streamed_generate_refused_midway_answers_503_and_aborts_what_it_queued(monkeypatch):
+    # the streaming /generate submitted its prompts one by one without submit_each: a refusal of the second (the
+    # queue filled while the prompt log-probs were computed) escaped as aiohttp's text 500 and the first kept its slot
+    with _engine() as eng:
+        eng.pause("in_place")
+        real, calls = eng.submit, []
+
+        def submit(*a, **kw):
+            calls.append(a)
+            if len(calls) == 2:
+                raise EngineBusy("the engine's waiting queue is full; retry later")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(eng, "submit", submit)
+
+        async def body(http):
+            payload = {"input_ids": [[3], [4]], "stream": True, "sampling_params": GREEDY}
+            return await post(http, "/generate", payload)
+
+        status, out, headers = serve(eng, body)
+        assert status == 503 and headers["Retry-After"] and "queue is full" in out["error"]["message"]
+        t0 = time.time()
+        while eng.num_waiting and time.time() - t0 < 10:
+            time.sleep(0.02)
+        assert eng.num_waiting == 0
+        eng.continue_generation()
+
+
+def test_weight_versions_outside_int64_or_negative_are_refused_and_nothing_changes(engine, tmp_path):
+    # 2**80 and -5 were accepted as versions and tagged every later token: the trainer's int64 version tensors
+    # overflow on the first, and -1 marks prompt tokens there
+    tiny_model(seed=1).save_pretrained(tmp_path / "v1")
+    before = engine.version
+
+    async def body(http):
+        out = []
+        for v in (2**80, -5, "-1", str(2**63)):
+            out.append(await post(http, "/update_weight_version", {"new_version": v}))
+            out.append(await post(http, "/update_weights_from_disk", {"model_path": str(tmp_path / "v1"),
+                                                                      "weight_version": v}))
+        ok = await post(http, "/update_weight_version", {"new_version": str(2**63 - 1)})
+        return out, ok
+
+    refused, ok = serve(engine, body)
+    for status, out, _ in refused:
+        assert status == 400 and "must be in [0, 2**63)" in out["error"]["message"], out
+    assert ok[0] == 200 and engine.version == 2**63 - 1
+    engine.set_version(before)
+
+
+def test_a_timeout_too_large_for_torch_is_a_400_naming_timeout_s(engine, tmp_path):
+    # timeout_s: 1e308 reached torch's rendezvous and came back as "OverflowError: Python int too large to convert
+    # to C int", a message that names neither the field nor the limit
+    async def body(http):
+        group = {"master_address": "127.0.0.1", "master_port": _closed_port(), "rank_offset": 1, "world_size": 2,
+                 "backend": "gloo", "timeout_s": 1e308}
+        return [await post(http, "/init_weights_update_group", group),
+                await post(http, "/update_weights_from_disk", {"model_path": str(tmp_path), "timeout_s": 1e12})]
+
+    for status, out, _ in serve(engine, body):
+        assert status == 400 and "timeout_s must be in (0, 604800]" in out["error"]["message"], out
+
+
 # ---- the split ---------------------------------------------------------------------------------------------
 
 
@@ -416,7 +525,7 @@ def test_api_key_guards_every_endpoint_but_health_and_rlcore_and_openai_clients_
         return out
 
     try:
-        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"Authorization": f"Basic {key}"}):
             got = asyncio.run(calls(headers))
             assert got.pop("/health")[0] == 200
             assert {p: s for p, (s, _) in got.items()} == {p: 401 for p in got}, got
@@ -436,6 +545,10 @@ def test_api_key_guards_every_endpoint_but_health_and_rlcore_and_openai_clients_
                 return await c.agenerate(ModelRequest([3, 4], greedy))
 
         assert asyncio.run(with_client()).output_len == 3
+        # the scheme is case-insensitive (RFC 7235), as SGLang reads it: "bearer <key>" was a 401
+        lower = urllib.request.Request(url + "/get_weight_version", headers={"Authorization": f"bearer {key}"})
+        with urllib.request.urlopen(lower, timeout=10) as r:
+            assert r.status == 200
 
         async def without_key():
             async with EngineClient(url, ClientConfig(retries=0)) as c:

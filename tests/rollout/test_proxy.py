@@ -349,7 +349,9 @@ def test_tool_calls_stop_strings_and_run_agent(tok):
 
 
 def test_cli_serves_openai_clients(engine, tok, tmp_path):
-    """``python -m rlcore.proxy`` in a subprocess, in front of our engine server (HTTP) on 127.0.0.1."""
+    """``python -m rlcore.proxy`` in a subprocess, in front of our engine server (HTTP) on 127.0.0.1, started with an
+    API key (``--engine-api-key``: without it the proxy could not reach an ``rlcore-serve --api-key`` engine, every
+    chat call was a 502)."""
     import asyncio
     import socket
     import subprocess
@@ -367,7 +369,7 @@ def test_cli_serves_openai_clients(engine, tok, tmp_path):
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def serve_engine():
-        runner = web.AppRunner(make_app(engine))
+        runner = web.AppRunner(make_app(engine, api_key="engine-key"))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -379,7 +381,8 @@ def test_cli_serves_openai_clients(engine, tok, tmp_path):
     port = s.getsockname()[1]
     s.close()
     cmd = [sys.executable, "-m", "rlcore.proxy", "--engine", f"http://127.0.0.1:{engine_port}",
-           "--model", str(tmp_path / "tok"), "--port", str(port), "--admin-key", ADMIN, "--version", "7"]
+           "--model", str(tmp_path / "tok"), "--port", str(port), "--admin-key", ADMIN, "--version", "7",
+           "--engine-api-key", "engine-key"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -633,3 +636,43 @@ def test_set_reward_after_end_and_non_finite_rewards_are_refused(tok):
         assert rows.status_code == 200
         (row,) = json.loads(rows.text)["interactions"].values()  # strict JSON: no bare NaN
         assert row["reward"] == 0.5
+
+
+class RefusingEngine(IdsEngine):
+    """Answers /generate with a 400 naming a sampling field, as our engine server and SGLang refuse bad values."""
+
+    async def handle(self, endpoint: str, payload: dict) -> tuple[int, dict]:
+        self.prompts.append(list(payload["input_ids"]))
+        return 400, {"error": {"message": "sampling_params.top_p must be in (0, 1]"}}
+
+
+def test_bad_values_are_400s_naming_the_field_not_502s_or_truthy_strings(tok):
+    # min_tokens above the budget and a top_k past int64 reached the engine, whose 400 the proxy answered as a 502
+    # (which the openai client retries); /rl/set_version took true, 2**80 and -1 (versions tag int64 token tensors,
+    # -1 marks prompt tokens); export's drop_retry_orphans: "no" was truthy
+    hi = [{"role": "user", "content": "hi"}]
+    eng = IdsEngine([tok.encode("a", add_special_tokens=False)] * 2, tok.eos_token_id)
+    with AgentProxy(EngineClient(eng, CCFG), tok, ProxyConfig(admin_key=ADMIN)).serve_in_thread() as proxy:
+        sid, key = start(proxy)
+        for extra, param in [({"max_tokens": 3, "min_tokens": 4}, "min_tokens"), ({"top_k": 2**70}, "top_k")]:
+            bad = post(proxy.base_url + "/chat/completions", {"messages": hi, **extra}, key)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
+        assert eng.prompts == []  # refused before the engine was called
+        for v in (True, 2**80, -1, "3", 1.0):
+            bad = admin_post(proxy, "/rl/set_version", {"version": v})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "version", (v, bad.text)
+        assert admin_post(proxy, "/rl/set_version", {"version": 5}).json() == {"version": 5}
+        assert post(proxy.base_url + "/chat/completions", {"messages": hi}, key).status_code == 200
+        lower = urllib.request.Request(proxy.url + "/rl/end_session", data=b"{}", method="POST",
+                                       headers={"Authorization": f"bearer {key}"})  # the scheme is case-insensitive
+        with urllib.request.urlopen(lower, timeout=30) as r:
+            assert r.status == 200
+        bad = admin_post(proxy, "/export_trajectories", {"session_id": sid, "drop_retry_orphans": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "drop_retry_orphans"
+        assert admin_post(proxy, "/export_trajectories", {"session_id": sid}).status_code == 200
+    refusing = RefusingEngine([], tok.eos_token_id)
+    with AgentProxy(EngineClient(refusing, CCFG), tok, ProxyConfig(admin_key=ADMIN)).serve_in_thread() as proxy:
+        sid, key = start(proxy)
+        bad = post(proxy.base_url + "/chat/completions", {"messages": hi}, key)
+        assert bad.status_code == 400 and "top_p must be in (0, 1]" in bad.json()["error"]["message"]
+        assert len(refusing.prompts) == 1  # asked once: a 400 is not retried
