@@ -217,7 +217,8 @@ def test_serve_bad_model_or_tokenizer_dir_is_one_line_naming_the_flag(tmp_path, 
 
 
 def test_readme_and_quickstart_name_every_console_script():
-    """The install's commands, as README.md and docs/quickstart.md list them, are pyproject's console scripts."""
-    for doc in ("README.md", "docs/quickstart.md"):
+    """The install's commands, as README.md, docs/quickstart.md and docs/index.md list them, are pyproject's
+    console scripts."""
+    for doc in ("README.md", "docs/quickstart.md", "docs/index.md"):
         text = (ROOT / doc).read_text()
         assert all(f"`{name}`" in text for name in SCRIPTS), (doc, [n for n in SCRIPTS if f"`{n}`" not in text])
