@@ -488,7 +488,7 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
         next_eval = cfg.eval_every_s
         bar = tqdm(total=round(cfg.minutes * 60), unit="s", disable=not cfg.progress,
-                   bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
+                   bar_format="{l_bar}{bar}| {n:.0f}/{total}s{postfix}")  # the postfix brings its ", "
         # the staleness-0 mismatch warning, printed above the progress bar at most once every warn_every steps
         monitor = offpolicy.Monitor(cfg.offpolicy, log=tqdm.write if cfg.progress else None)
         # ------------------------------------------------------------------ loop
