@@ -38,7 +38,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "pyproject.toml").exists())
+_HERE = Path(globals().get("__file__", Path.cwd())).resolve()  # run as a script: its own folder; in Jupyter: the cwd
+ROOT = next(p for p in [_HERE, *_HERE.parents] if (p / "pyproject.toml").exists())
 FULL = os.environ.get("RLCORE_NB_FULL", "0") == "1"  # tiny CI setting unless RLCORE_NB_FULL=1
 # The docs' figures (docs/img/) come from the full setting; the tiny one writes its coarser copies to a temp dir.
 IMG_DIR = Path(os.environ.get("RLCORE_NB_IMG_DIR") or (ROOT / "docs" / "img" if FULL else Path(tempfile.gettempdir()) / "rlcore_nb_img"))  # tests redirect figures
