@@ -216,6 +216,13 @@ def test_serve_bad_model_or_tokenizer_dir_is_one_line_naming_the_flag(tmp_path, 
     assert msg.startswith("rlcore-serve: " + needle) and "save_pretrained" in msg
 
 
+def test_proxy_bad_model_dir_is_one_line_naming_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setattr(proxy, "serve", lambda *a: pytest.fail("must not serve"))
+    with pytest.raises(SystemExit) as e:
+        proxy.main(["--engine", "http://127.0.0.1:1", "--model", str(tmp_path / "nope")])
+    assert str(e.value.code).startswith("rlcore-proxy: --model='") and "tokenizer" in str(e.value.code)
+
+
 def test_readme_and_quickstart_name_every_console_script():
     """The install's commands, as README.md, docs/quickstart.md and docs/index.md list them, are pyproject's
     console scripts."""
