@@ -9,7 +9,7 @@ time at which +20 points was first reached, and ``perf/cores_busy`` when the job
 
 Run (device, 16 cores):
     python experiments/bench_main_job.py --minutes 10 --seeds 0 1 2 \
-        --variant threads="--engine-layout thread" --variant process="" --out $OUT/main_job.json
+        --variant thread="--engine thread" --variant processes="" --out $OUT/main_job.json
 Smoke:
     python experiments/bench_main_job.py --minutes 0.1 --seeds 0 --variant default="" --out /tmp/mj.json
 """

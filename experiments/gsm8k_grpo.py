@@ -150,6 +150,13 @@ class Config:
                 "weight (decoupled ppo/gspo/cispo); with SAPO or coupled PPO only a mask can act: use "
                 "--rejection.action mask --rejection.level token (or a KL --rejection.metric)"
             )
+        sh = self.shaping
+        if sh.overlong_penalty and not 0 < sh.overlong_tokens <= self.max_new_tokens:
+            # Checked here, not when the first batch is shaped: the overlong ramp ends at --max-new-tokens.
+            raise ValueError(
+                f"--shaping.overlong-tokens {sh.overlong_tokens} must be in (0, --max-new-tokens {self.max_new_tokens}] "
+                "for the overlong penalty; pass a smaller --shaping.overlong-tokens (or --shaping.no-overlong-penalty)"
+            )
 
     @property
     def coupled(self) -> bool:

@@ -20,8 +20,9 @@ thread of this process (engine server only), ``--engine rollout-process`` puts t
 process, ``--engine thread`` runs the engine in a thread of this process (one process, in-process transport, for
 debugging).
 
-The objective is a function: ``--objective`` picks PPO, GSPO or CISPO (and their settings) for
-``build_loss_fn``; from Python, ``main(cfg, loss_fn=my_loss_fn)`` trains any ``loss_fn(logp, mb)``
+The objective is a function: the subcommand ``objective:ppo-config`` (the default), ``objective:gspo-config`` or
+``objective:cispo-config`` picks PPO, GSPO or CISPO for ``build_loss_fn`` (after the other flags; its settings follow
+it, e.g. ``objective:gspo-config --objective.clip-low 3e-4``); from Python, ``main(cfg, loss_fn=my_loss_fn)`` trains any ``loss_fn(logp, mb)``
 (notebooks/write_your_own_objective.py). Every step logs the train-vs-engine mismatch ``offpolicy/*`` of the
 pre-update training forward (rlcore.training.offpolicy) by staleness and position,
 and warns when tokens of the current version disagree (e.g. ``--train-temperature 0.7`` against sampling at 1).
@@ -171,6 +172,12 @@ class Config:
     rank-8 subspace, so it takes a larger step than full fine-tuning's 5e-4 (5e-3 was unstable in a 5-minute run)."""
 
     def __post_init__(self) -> None:
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise ValueError(
+                f"Config.model_dir={self.model_dir!r} is not a local HF model directory (no config.json); pass "
+                f"--model-dir with a directory written by experiments/sft_warmstart.py --out-dir, or drop it to use "
+                f"the shipped warm start {ASSET}"
+            )
         if self.resume and not self.checkpoint_dir:
             raise ValueError("Config.resume needs Config.checkpoint_dir; pass --checkpoint-dir DIR")
         if self.checkpoint_every < 1:
@@ -454,6 +461,8 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
     hist: list[tuple[float, int, float]] = []
     out: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
+        # First, so that an unwritable --log-dir fails before any process starts (metrics.LogDirError).
+        logger = stack.enter_context(metrics.MetricsLogger(metrics.LoggerConfig(log_dir=run_dir(cfg))))
         lay = open_rollout(cfg, stack)
         ctl, targets, publish_cfg = lay.ctl, lay.targets, lay.publish
         if cfg.lora:
@@ -464,7 +473,6 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
                                                 cfg=publish_cfg)
             lay.set_lora(publish_cfg.lora_name)
         ctl = stack.enter_context(ctl)  # rollout starts: the engine samples ahead, up to eta versions
-        logger = stack.enter_context(metrics.MetricsLogger(metrics.LoggerConfig(log_dir=run_dir(cfg))))
         if cfg.resume:
             # Before the first prepare_batch: weights, Adam, RNG; then the prompt cursor and the rollout accounting
             # (groups finished but not consumed come back as they were, prompts in flight are re-issued under the
@@ -480,7 +488,7 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
         next_eval = cfg.eval_every_s
         bar = tqdm(total=round(cfg.minutes * 60), unit="s", disable=not cfg.progress,
-                   bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
+                   bar_format="{l_bar}{bar}| {n:.0f}/{total}s{postfix}")  # the postfix brings its ", "
         # the staleness-0 mismatch warning, printed above the progress bar at most once every warn_every steps
         monitor = offpolicy.Monitor(cfg.offpolicy, log=tqdm.write if cfg.progress else None)
         # ------------------------------------------------------------------ loop
@@ -555,4 +563,8 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config, default=Config()))
+    _cfg = tyro.cli(Config, default=Config())
+    try:
+        main(_cfg)
+    except metrics.LogDirError as e:  # a newcomer's read-only runs/: one line naming the flag, not a traceback
+        raise SystemExit(f"error: {e}") from None

@@ -26,19 +26,23 @@
 # sweep values, under 30 s on one CPU core):
 # `jupytext --sync notebooks/objective_geometry.py && RLCORE_NB_FULL=1 jupyter execute --inplace notebooks/objective_geometry.ipynb`
 # (the .ipynb is generated from this file and git-ignored, see notebooks/README.md).
-# Figures go to `docs/img/nb_objective_geometry.png` and `docs/img/nb_objective_masks.png`.
+# Figures go to `docs/img/nb_objective_geometry.png` and `docs/img/nb_objective_masks.png` in the full setting
+# (`RLCORE_NB_FULL=1`), to the temp dir's `rlcore_nb_img/` in the tiny one.
 
 # %%
 import dataclasses
 import os
+import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "pyproject.toml").exists())
+_HERE = Path(globals().get("__file__", Path.cwd())).resolve()  # run as a script: its own folder; in Jupyter: the cwd
+ROOT = next(p for p in [_HERE, *_HERE.parents] if (p / "pyproject.toml").exists())
 FULL = os.environ.get("RLCORE_NB_FULL", "0") == "1"  # tiny CI setting unless RLCORE_NB_FULL=1
-IMG_DIR = Path(os.environ.get("RLCORE_NB_IMG_DIR", ROOT / "docs" / "img"))  # tests redirect figures
+# The docs' figures (docs/img/) come from the full setting; the tiny one writes its coarser copies to a temp dir.
+IMG_DIR = Path(os.environ.get("RLCORE_NB_IMG_DIR") or (ROOT / "docs" / "img" if FULL else Path(tempfile.gettempdir()) / "rlcore_nb_img"))  # tests redirect figures
 IMG_DIR.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(int(os.environ.get("RLCORE_NB_THREADS", "1")))
 torch.manual_seed(0)

@@ -41,7 +41,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "pyproject.toml").exists())
+_HERE = Path(globals().get("__file__", Path.cwd())).resolve()  # run as a script: its own folder; in Jupyter: the cwd
+ROOT = next(p for p in [_HERE, *_HERE.parents] if (p / "pyproject.toml").exists())
 FULL = os.environ.get("RLCORE_NB_FULL", "0") == "1"  # tiny CI setting unless RLCORE_NB_FULL=1
 IMG_DIR = Path(os.environ.get("RLCORE_NB_IMG_DIR", ROOT / "docs" / "img"))  # tests redirect figures
 IMG_DIR.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import tyro
@@ -74,6 +76,9 @@ async def serve(args: Args) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """``rlcore-proxy``: tyro over ``Args`` (``argv`` default ``sys.argv[1:]``), serve until Ctrl-C."""
     args = tyro.cli(Args, args=argv, prog="rlcore-proxy", description=__doc__)
+    if not Path(args.model).is_dir():  # one line, not transformers' hub traceback ("Repo id must ...")
+        sys.exit(f"rlcore-proxy: --model={args.model!r} is not a directory; pass the local directory holding the "
+                 "served model's tokenizer (e.g. the one given to rlcore-serve --model)")
     logging.basicConfig(level=logging.INFO)
     try:
         asyncio.run(serve(args))

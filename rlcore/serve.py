@@ -174,10 +174,27 @@ async def _serve(web, app, sock) -> None:
         await runner.cleanup()
 
 
+def input_problem(cfg: ServeConfig) -> str:
+    """What is wrong with the paths of a command line (``--model``, ``--tokenizer``), naming the flag and the fix;
+    empty when they look loadable. Checked before anything heavy is imported, so a typo gets one line, not a
+    traceback from transformers."""
+    from pathlib import Path
+
+    if not (Path(cfg.model) / "config.json").is_file():
+        return (f"--model={cfg.model!r} is not a local HF model directory (no config.json); pass a directory "
+                "written by save_pretrained (e.g. an experiment's --export-dir)")
+    if cfg.tokenizer is not None and not Path(cfg.tokenizer).is_dir():
+        return f"--tokenizer={cfg.tokenizer!r} is not a directory; pass a tokenizer saved with save_pretrained"
+    return ""
+
+
 def cli(argv: Sequence[str] | None = None) -> None:
     """``rlcore-serve``: tyro over ``ServeConfig`` (``argv`` default ``sys.argv[1:]``), then ``main``; Ctrl-C
     exits 0."""
     cfg = tyro.cli(ServeConfig, args=argv, prog="rlcore-serve", description=__doc__)
+    problem = input_problem(cfg)
+    if problem:
+        sys.exit(f"rlcore-serve: {problem}")
     try:
         main(cfg)
     except KeyboardInterrupt:

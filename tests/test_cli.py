@@ -203,3 +203,29 @@ def test_proxy_cli_passes_every_shared_flag_to_the_proxy_config():
     src = inspect.getsource(proxy.serve)
     missing = [n for n in sorted(shared) if f"{n}=args.{n}" not in src]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("flags,needle", [([], "--model='"), (["--tokenizer", "/no/such/tok"], "--tokenizer='")])
+def test_serve_bad_model_or_tokenizer_dir_is_one_line_naming_the_flag(tmp_path, flags, needle):
+    """``rlcore-serve --model`` with a typo'd directory: one line naming the flag and the fix, exit 1, before
+    transformers is asked (which would answer with a hub 'Repo id must be in the form' traceback)."""
+    model = str(tmp_path / "nope") if not flags else str(ROOT / "rlcore" / "assets" / "countdown-tiny")
+    with pytest.raises(SystemExit) as e:
+        serve.cli(["--model", model, "--port", "0", *flags])
+    msg = str(e.value.code)
+    assert msg.startswith("rlcore-serve: " + needle) and "save_pretrained" in msg
+
+
+def test_proxy_bad_model_dir_is_one_line_naming_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setattr(proxy, "serve", lambda *a: pytest.fail("must not serve"))
+    with pytest.raises(SystemExit) as e:
+        proxy.main(["--engine", "http://127.0.0.1:1", "--model", str(tmp_path / "nope")])
+    assert str(e.value.code).startswith("rlcore-proxy: --model='") and "tokenizer" in str(e.value.code)
+
+
+def test_readme_and_quickstart_name_every_console_script():
+    """The install's commands, as README.md, docs/quickstart.md and docs/index.md list them, are pyproject's
+    console scripts."""
+    for doc in ("README.md", "docs/quickstart.md", "docs/index.md"):
+        text = (ROOT / doc).read_text()
+        assert all(f"`{name}`" in text for name in SCRIPTS), (doc, [n for n in SCRIPTS if f"`{n}`" not in text])

@@ -319,6 +319,10 @@ def test_bad_inputs_name_the_field(data_dir, tmp_path):
         dataclasses.replace(GSM.SMOKE["grpo"].run, resume=True)
     with pytest.raises(ValueError, match="prox"):
         dataclasses.replace(GSM.SMOKE["sapo"], prox="recompute")
+    # dapo's overlong ramp (512 tokens) with a tiny budget: refused at parse time, naming the flag to change, not
+    # after the model loads and the first batch is shaped
+    with pytest.raises(ValueError, match=r"--shaping\.overlong-tokens 512 must be in \(0, --max-new-tokens 8\]"):
+        dataclasses.replace(GSM.PRESETS["dapo"][1], max_new_tokens=8)
 
 
 def test_every_cli_help_exits_zero(monkeypatch, capsys):

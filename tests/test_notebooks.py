@@ -123,3 +123,18 @@ def test_notebook_executes(name: str, shared_sweep: bool, tmp_path: Path, reques
     assert must <= written, f"{name} did not save {sorted(must - written)}"
     assert not (must_not & written), f"{name} saved full-setting figures {sorted(must_not & written)} in tiny mode"
     assert all(n.startswith("nb_") for n in written), written
+
+
+def test_tiny_setting_run_as_a_script_leaves_the_docs_figures_alone(tmp_path):
+    """``python notebooks/objective_geometry.py`` (the tiny setting, no RLCORE_NB_IMG_DIR) must not overwrite the
+    full-setting figures tracked in docs/img/ with its coarser ones; run from another directory, it still finds
+    the repository."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RLCORE_NB_IMG_DIR", "RLCORE_NB_FULL")}
+    env.update(MPLBACKEND="Agg", TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    docs_img = ROOT / "docs" / "img"
+    before = {p.name: p.stat().st_mtime_ns for p in docs_img.glob("nb_objective_*.png")}
+    r = subprocess.run([sys.executable, str(NB_DIR / "objective_geometry.py")], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {p.name: p.stat().st_mtime_ns for p in docs_img.glob("nb_objective_*.png")} == before
+    assert {p.name for p in (tmp_path / "rlcore_nb_img").glob("*.png")} == EXPECTED["objective_geometry"][0]

@@ -445,3 +445,30 @@ def test_tiny_cpu_publish_pause_reaches_the_publish(pause):
     with contextlib.ExitStack() as stack:
         layout = mod.open_rollout(dataclasses.replace(mod.SMOKE, engine="thread", publish_pause=pause), stack)
         assert layout.publish.pause_mode == pause
+
+
+def test_tiny_cpu_bad_model_dir_and_unwritable_log_dir_are_one_line_errors(tmp_path):
+    """A newcomer's wrong ``--model-dir`` or read-only ``runs/`` gets a message naming the flag and the fix, not a
+    traceback from transformers or pathlib; an unwritable log dir fails before any engine process starts."""
+    import subprocess
+
+    script = str(ROOT / "experiments" / "tiny_cpu.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, script, "--model-dir", str(tmp_path / "nope")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "model_dir" in r.stderr and "config.json" in r.stderr and "--model-dir" in " ".join(r.stderr.split())
+
+    blocker = tmp_path / "runs"
+    blocker.write_text("a file where the log directory should go")  # unwritable even for root
+    r = subprocess.run([sys.executable, script, "--minutes", "0.01", "--no-progress"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --log-dir 'runs/tiny_cpu/")
+
+    mod = _load("tiny_cpu")
+    from rlcore.training import metrics
+
+    mod.open_rollout = lambda *a, **k: pytest.fail("no process may start before the log dir is checked")
+    with pytest.raises(metrics.LogDirError, match="pass --log-dir"):
+        mod.main(dataclasses.replace(mod.SMOKE, log_dir=str(blocker / "sub")))

@@ -34,7 +34,7 @@ GSM8K_DIR = _default_dir()
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
 
 HOW_TO_GET = (
-    "drop --data-dir (and unset RLCORE_GSM8K_DIR) to use the copy bundled with rlcore (rlcore/data/gsm8k/; "
+    "drop --data-dir / --data (and unset RLCORE_GSM8K_DIR) to use the copy bundled with rlcore (rlcore/data/gsm8k/; "
     "reinstall rlcore if it is missing), or download it: python -c \"from datasets import load_dataset; "
     "[load_dataset('openai/gsm8k', 'main', split=s).to_json(f'DIR/{s}.jsonl') for s in ('train', 'test')]\" "
     "and pass --data-dir DIR"
@@ -84,7 +84,7 @@ def load(path: str | Path, *, limit: int | None = None, instruction: str = INSTR
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"GSM8K file {path} does not exist (from --data-dir / RLCORE_GSM8K_DIR / path=); expected a jsonl "
+            f"GSM8K file {path} does not exist (from --data-dir / --data / RLCORE_GSM8K_DIR / path=); expected a jsonl "
             f"with 'question'/'answer' rows. To get the data: {HOW_TO_GET}"
         )
     rows = []

@@ -12,7 +12,7 @@ to its device and dtype): nothing changes for other models in the process, the t
   elementwise kernels per layer) while one of this model's attention modules is running on this thread. That last
   part is the only module-level change: the family's function is wrapped once by a dispatcher that calls the
   original unless such a scope is active, so every other caller gets the original function. liger-kernel imports
-  triton, so it is an optional extra (``pip install 'rlcore[gpu]'``); without it, or on CPU, or for another family,
+  triton, so it is an optional extra (``pip install -e '.[gpu]'``); without it, or on CPU, or for another family,
   the model runs HF's own modules and ``apply`` says why in ``Fusions.note``.
 - ``EngineConfig.compile_decode_layers`` (default off): ``torch.compile(dynamic=True)`` of every decoder layer
   with its attention module left eager (``torch.compiler.disable``: the KV cache's Python bookkeeping stays out
@@ -115,7 +115,7 @@ def apply(
         ops = liger_ops()
         if ops is None:
             notes.append(
-                "liger-kernel is not installed (pip install 'rlcore[gpu]'); HF's RMSNorm/SwiGLU/RoPE run"
+                "liger-kernel is not installed (pip install -e '.[gpu]'); HF's RMSNorm/SwiGLU/RoPE run"
             )
         else:
             got = apply_liger(model, ops, rms_norm=not compile_layers, swiglu=not compile_layers)

@@ -8,7 +8,7 @@ with a private ``TRITON_CACHE_PATH``; ``/health`` is polled every ``health_poll_
 process group is terminated (then killed).
 
 Only the command line and the process handling are tested in this repository (with a fake executable);
-the path through a real SGLang install needs a GPU machine with ``pip install rlcore[sglang]``.
+the path through a real SGLang install needs a GPU machine with ``pip install -e '.[sglang]'``.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ def _import_ray() -> Any:
     try:
         import ray
     except ImportError as e:
-        raise ImportError("--ray needs Ray: pip install 'rlcore[ray]' (or pip install ray)") from e
+        raise ImportError("--ray needs Ray: pip install -e '.[ray]' in the rlcore checkout (or pip install ray)") from e
     return ray
 
 

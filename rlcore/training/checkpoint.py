@@ -39,6 +39,7 @@ Invariants (what may happen while saving; a SIGKILL may land between any two fil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -47,6 +48,7 @@ import random
 import shutil
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,6 +81,16 @@ class CheckpointConfig:
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """torch's DCP warns on every save/load without a process group ("torch.distributed is disabled, ...,
+    assuming the intent is to save in a single process") even when called with ``no_dist=True``; that intent is
+    exactly ours, and a run with ``--checkpoint-every 1`` would print it at every step."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _rank() -> int:
@@ -372,7 +384,8 @@ def save(
     sd = _sharded_state(modules, optims)
     writer = dcp.FileSystemWriter(tmp / _DCP, single_file_per_rank=True, sync_files=True)
     if not cfg.async_save:
-        dcp.save(sd, storage_writer=writer, no_dist=not _dist())
+        with _single_process_quiet():
+            dcp.save(sd, storage_writer=writer, no_dist=not _dist())
         _barrier()
         if rank == 0:
             _commit(root, name, keep)
@@ -380,7 +393,8 @@ def save(
         return root / name
 
     global _pending
-    out = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(), no_dist=not _dist())
+    with _single_process_quiet():
+        out = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(), no_dist=not _dist())
     future = out.upload_completion if hasattr(out, "upload_completion") else out
     pending = _Pending(future, str(root / name))
     if rank == 0:
@@ -458,7 +472,8 @@ def _restore_dcp(path: Path, meta: dict, modules: dict, optims: dict, scheds: di
         if not opt.state:  # let get_optimizer_state_dict allocate the moments to load into (it skips if grads exist)
             opt.zero_grad(set_to_none=True)
     sd = _sharded_state(modules, optims)
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path / _DCP), no_dist=not _dist())
+    with _single_process_quiet():
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(path / _DCP), no_dist=not _dist())
     opts = StateDictOptions(full_state_dict=False, cpu_offload=False)
     for k, m in modules.items():
         set_model_state_dict(m, sd["modules"][k], options=opts)
@@ -531,5 +546,6 @@ def load_module_state_dict(path: str | os.PathLike, name: str = "model") -> dict
     if not out:
         saved = sorted({k.split(".")[1] for k in md if k.startswith("modules.")})
         raise KeyError(f"checkpoint {path} holds modules {saved}, not '{name}'")
-    dcp.load({"modules": {name: out}}, storage_reader=reader, no_dist=True)
+    with _single_process_quiet():
+        dcp.load({"modules": {name: out}}, storage_reader=reader, no_dist=True)
     return out

@@ -1,7 +1,7 @@
 """Fused RMSNorm / SwiGLU / RoPE kernels for the trainer's decoders, from liger-kernel (optional, CUDA).
 
 liger-kernel (https://github.com/linkedin/Liger-Kernel) is the field's library of Triton kernels for these ops;
-it needs triton, so it is the optional ``gpu`` extra (``pip install 'rlcore[gpu]'``). :func:`apply_fused_kernels`
+it needs triton, so it is the optional ``gpu`` extra (``pip install -e '.[gpu]'``). :func:`apply_fused_kernels`
 is called once per model by ``train_state.init_train_state`` (``ModelConfig.fused_kernels``):
 
 * RMSNorm: every ``*RMSNorm`` module of the decoder runs ``LigerRMSNormFunction`` (float32 statistics, the
@@ -68,7 +68,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         return f"hidden_act {cfg.hidden_act!r} is not SiLU"
     if liger_ops() is None:
-        return "liger-kernel is not installed (pip install 'rlcore[gpu]', which needs triton)"
+        return "liger-kernel is not installed (pip install -e '.[gpu]', which needs triton)"
     return None
 
 

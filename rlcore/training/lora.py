@@ -36,7 +36,7 @@ ADAPTER = "default"
 """PEFT's adapter name inside the module (``lora_A.default``); the published files drop it."""
 
 PEFT_MISSING = (
-    "LoRA needs peft (the field's LoRA library): pip install 'rlcore[lora]' (or pip install 'peft>=0.13'); "
+    "LoRA needs peft (the field's LoRA library): pip install -e '.[lora]' in the rlcore checkout (or pip install 'peft>=0.13'); "
     "or train without --lora / lora=None"
 )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -123,8 +124,14 @@ class LoggerConfig:
     """Keys shown on the console line (all if empty)."""
 
 
+class LogDirError(OSError):
+    """The TensorBoard directory cannot be created or written to; the message names ``--log-dir`` and the fix."""
+
+
 class MetricsLogger:
-    """TensorBoard writer (rank 0 only) with an optional console line. Use as a context manager."""
+    """TensorBoard writer (rank 0 only) with an optional console line. Use as a context manager.
+
+    Raises :class:`LogDirError` when ``cfg.log_dir`` cannot be created or written to (a read-only ``runs/``)."""
 
     def __init__(self, cfg: LoggerConfig, rank: int = 0) -> None:
         self.cfg = cfg
@@ -133,7 +140,15 @@ class MetricsLogger:
         if rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+                if not os.access(cfg.log_dir, os.W_OK | os.X_OK):
+                    raise PermissionError(f"no write permission on {cfg.log_dir}")
+            except OSError as e:
+                raise LogDirError(
+                    f"--log-dir {cfg.log_dir!r} cannot be written to ({e.strerror or e}); run from a directory where "
+                    "runs/ is writable or pass --log-dir with a writable directory"
+                ) from None
             self._writer = SummaryWriter(cfg.log_dir)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:

@@ -64,7 +64,7 @@ def test_missing_file_and_split_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist") as e:
         gsm8k.load(tmp_path / "nope.jsonl")
     msg = str(e.value)  # names the flag and both ways to get the data
-    assert "--data-dir" in msg and "bundled" in msg and "load_dataset('openai/gsm8k'" in msg
+    assert "--data-dir" in msg and "--data " in msg and "bundled" in msg and "load_dataset('openai/gsm8k'" in msg  # eval.py: --data
     with pytest.raises(ValueError, match="split"):
         gsm8k.load_split("dev")
 

@@ -597,3 +597,16 @@ def test_cuda_fsdp_nccl_async_save_restores_on_cpu(tmp_path):
     saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
     assert saved["sharded"] and saved["device"].startswith("cuda") and not loaded["sharded"]
     _assert_resharded(saved, loaded, loss_tol=1e-5)
+
+
+def test_single_process_save_and_restore_print_no_dcp_warning(tmp_path):
+    """Without a process group torch's DCP warns on every call ("assuming the intent is to save in a single
+    process"), which ``--checkpoint-every 1`` would print at every step; save/restore keep it quiet."""
+    import warnings
+
+    state = _fresh(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.save(tmp_path, state)
+        checkpoint.restore(tmp_path, _fresh(1))
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)], [str(w.message) for w in caught]
