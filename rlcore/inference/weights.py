@@ -257,8 +257,8 @@ def fp32_tensors(model: nn.Module, dtype: torch.dtype) -> set[int]:
             plan += getattr(mod, "_keep_in_fp32_modules", None) or ()
         if plan:  # HF's matching: each glob ("*" -> ".*") searched in the tensor's name
             pattern = re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in plan))
-            for name, t in [*mod.named_parameters(), *mod.named_buffers()]:
-                if t.is_floating_point() and pattern.search(name):
+            for name, t in [*mod.named_parameters(), *mod.named_buffers()]:  # a LoRA-wrapped layer: its base name
+                if t.is_floating_point() and pattern.search(name.replace(".base_layer.", ".")):
                     keep.add(id(t))
     return keep
 
