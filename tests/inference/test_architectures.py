@@ -259,3 +259,44 @@ def test_bf16_engine_log_probs_at_long_positions_equal_hf(tmp_path):
         out = eng.submit(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=1)).result(120)
     want = _hf_logprobs(hf, out.input_ids + out.output_ids, len(out.output_ids))
     torch.testing.assert_close(torch.tensor(out.output_logprobs), torch.tensor(want), atol=2e-2, rtol=0)
+
+
+# ---- disk weight updates take the checkpoints from_pretrained takes ----------------------------------------------
+
+OLD_KEYS = {
+    # an older Llama-style conversion: one rotary inv_freq per layer
+    "qwen2": ["model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.1.self_attn.rotary_emb.inv_freq"],
+    # DeepSeek-V3's multi-token-prediction layer (_keys_to_ignore_on_load_unexpected: model\.layers\.61.*)
+    "deepseek-v3": ["model.layers.61.eh_proj.weight", "model.layers.61.enorm.weight"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_KEYS))
+def test_disk_update_skips_the_keys_from_pretrained_ignores(name, tmp_path):
+    from safetensors.torch import save_file
+
+    from rlcore.inference.engine import EngineError
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(HALF[name]()).save_pretrained(tmp_path / "a")
+    torch.manual_seed(1)
+    b = AutoModelForCausalLM.from_config(HALF[name]())
+    b.save_pretrained(tmp_path / "b")
+    # the model's own names (transformers 5 writes MoE experts one by one, which the engine's loader cannot merge)
+    sd = {k: t.contiguous() for k, t in b.state_dict().items() if k != "lm_head.weight" or not b.config.tie_word_embeddings}
+    extra = {k: torch.randn(8, 4) for k in OLD_KEYS[name]}
+    save_file({**sd, **extra}, str(tmp_path / "b" / "model.safetensors"), metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)  # HF loads it
+    with Engine(str(tmp_path / "a"), EngineConfig(max_batch=2, max_seq_len=32, device="cpu", dtype="float32")) as eng:
+        eng.update_weights_from_disk(str(tmp_path / "b"), version=1)
+        assert eng.version == 1
+        got = {k: t.clone() for k, t in eng.model.state_dict().items()}
+        for k, t in hf.state_dict().items():
+            assert torch.equal(got[k], t), k
+        # a genuinely unknown name is still refused, naming it, and changes nothing
+        save_file({k: -t for k, t in sd.items()} | {"model.layers.0.mystery.weight": torch.zeros(2)},
+                  str(tmp_path / "b" / "model.safetensors"))
+        with pytest.raises(EngineError, match=r"unknown parameter names \['model.layers.0.mystery.weight'\]"):
+            eng.update_weights_from_disk(str(tmp_path / "b"), version=2)
+        assert eng.version == 1
+        assert all(torch.equal(t, got[k]) for k, t in eng.model.state_dict().items())
