@@ -46,6 +46,19 @@ def adapt(model: nn.Module) -> dict[str, int]:
     return {"longrope_rows": _per_row_longrope(model), "alibi_4d": _alibi_accepts_4d_masks(model)}
 
 
+def context_length(cfg: Any, max_seq_len: int) -> tuple[int, str]:
+    """``(context, limit)``: the tokens of context (prompt + output) the engine serves, ``max_seq_len`` clipped to the
+    model config ``cfg``'s positions (``max_position_embeddings``, GPT-2's ``n_positions``), and the setting that
+    bounds it: ``"max_seq_len"`` (``EngineConfig``'s) or the name of the config field that clipped it."""
+    for name in ("max_position_embeddings", "n_positions"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            if n >= max_seq_len:
+                break
+            return n, (getattr(cfg, "attribute_map", None) or {}).get(name, name)  # GPT-2: n_positions
+    return max_seq_len, "max_seq_len"
+
+
 def uses_row_positions(model: nn.Module) -> bool:
     """True when the model reads the largest position of each row (per-row LongRoPE), so right-padded prefill must
     not give padding tokens positions past their row's end."""

@@ -300,3 +300,29 @@ def test_disk_update_skips_the_keys_from_pretrained_ignores(name, tmp_path):
             eng.update_weights_from_disk(str(tmp_path / "b"), version=2)
         assert eng.version == 1
         assert all(torch.equal(t, got[k]) for k, t in eng.model.state_dict().items())
+
+
+# ---- a prompt too long for the context names the limit that set it ------------------------------------------------
+
+def test_prompt_too_long_names_the_limit_that_bounds_the_context():
+    from rlcore.inference.engine import EngineError
+    from rlcore.inference.openai_api import OpenAIError, completion_plan
+
+    gpt2 = AutoModelForCausalLM.from_config(transformers.GPT2Config(
+        vocab_size=V, n_layer=1, n_embd=16, n_head=2, n_positions=40, **NO_IDS)).eval()
+    qwen2 = AutoModelForCausalLM.from_config(transformers.Qwen2Config(**COMMON)).eval()  # 96 positions
+    for model, field, n in ((gpt2, "n_positions", 40), (qwen2, "max_position_embeddings", 96)):
+        eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=2048, device="cpu"))
+        assert (eng.max_seq_len, eng.context_limit) == (n, field)
+        with pytest.raises(EngineError, match=rf"context is {n} tokens.*config.json {field} bounds") as e:
+            eng.check([1] * n, SamplingParams())
+        assert "raise EngineConfig.max_seq_len" not in str(e.value)
+        with pytest.raises(OpenAIError, match=rf"context is {n} tokens.*config.json {field} bounds") as e:
+            completion_plan(eng, {"prompt": [1] * n})
+        assert "larger --max-seq-len)" not in str(e.value)
+    eng = Engine(qwen2, EngineConfig(max_batch=2, max_seq_len=32, device="cpu"))  # the engine's own limit
+    assert (eng.max_seq_len, eng.context_limit) == (32, "max_seq_len")
+    with pytest.raises(EngineError, match=r"context is 32 tokens; shorten the prompt or raise EngineConfig.max_seq_len"):
+        eng.check([1] * 32, SamplingParams())
+    with pytest.raises(OpenAIError, match=r"restart the server with a larger --max-seq-len"):
+        completion_plan(eng, {"prompt": [1] * 32})
