@@ -72,6 +72,32 @@ def load_causal_lm(
     return load(AutoModelForCausalLM.from_pretrained, str(path), **kw)
 
 
+def refuse_stateful(model_or_path: nn.Module | str | os.PathLike | object) -> None:
+    """Raise ``ValueError`` naming the architecture when the causal LM (a module, a local HF directory or a
+    ``PretrainedConfig``) has layers that carry state from token to token outside attention (Mamba, Qwen3-Next,
+    LFM2, RecurrentGemma: ``architectures.stateful_layers``). The packed forward keeps sequences apart with
+    attention masks only, so that state would flow from one packed sequence into the next."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from rlcore.inference.architectures import architecture_name, stateful_layers
+
+    src = model_or_path
+    if not isinstance(src, (nn.Module, PretrainedConfig)):
+        try:
+            src = AutoConfig.from_pretrained(str(src))
+        except Exception:  # noqa: BLE001 — not a model directory: load_causal_lm names the problem
+            return
+    what = stateful_layers(src)
+    if what:
+        raise ValueError(
+            f"{architecture_name(src)} has {what} that carry state from token to token outside attention; "
+            "rlcore's trainer packs several sequences into one stream and keeps them apart with attention masks "
+            "only, so that state would flow from one sequence into the next (the embedded engine cannot serve it "
+            "either). Train an attention-only model (Llama, Qwen3, Gemma 3, ...), or this one with a trainer that "
+            "runs its sequences unpacked."
+        )
+
+
 def _backbone(hf: nn.Module) -> nn.Module:
     base = getattr(hf, "base_model", None)
     if base is None or base is hf:

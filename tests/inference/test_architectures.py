@@ -326,3 +326,36 @@ def test_prompt_too_long_names_the_limit_that_bounds_the_context():
         eng.check([1] * 32, SamplingParams())
     with pytest.raises(OpenAIError, match=r"restart the server with a larger --max-seq-len"):
         completion_plan(eng, {"prompt": [1] * 32})
+
+
+# ---- the trainer refuses recurrent / hybrid models in init_train_state, naming them ---------------------------------
+
+STATEFUL = {
+    "MambaForCausalLM": lambda: transformers.MambaConfig(
+        vocab_size=V, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4, **NO_IDS),
+    "Qwen3NextForCausalLM": lambda: transformers.Qwen3NextConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"], **NO_IDS),
+    "Lfm2ForCausalLM": lambda: transformers.Lfm2Config(
+        vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"], **NO_IDS),
+    "RecurrentGemmaForCausalLM": lambda: transformers.RecurrentGemmaConfig(
+        vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        lru_width=32, attention_window_size=16, block_types=["recurrent", "attention"], **NO_IDS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_trainer_refuses_recurrent_models_at_init_naming_them(name, tmp_path):
+    from rlcore.training import train_state as ts
+
+    cfg = STATEFUL[name]()
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    msg = rf"{name} \(model_type .*(recurrent layers|layers of type).*packs several sequences.*attention-only"
+    for src in (cfg, str(tmp_path), AutoModelForCausalLM.from_config(cfg)):
+        with pytest.raises(ValueError, match=msg):
+            ts.init_train_state(src, ts.OptimConfig())
+    with pytest.raises(ValueError, match=msg):  # a recurrent reference model too
+        ts.init_train_state(transformers.Qwen3Config(**COMMON, head_dim=8), ts.OptimConfig(), ref=str(tmp_path))
