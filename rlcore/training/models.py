@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,53 @@ def refuse_stateful(model_or_path: nn.Module | str | os.PathLike | object) -> No
             "only, so that state would flow from one sequence into the next (the embedded engine cannot serve it "
             "either). Train an attention-only model (Llama, Qwen3, Gemma 3, ...), or this one with a trainer that "
             "runs its sequences unpacked."
+        )
+
+
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+"""Names of learned absolute-position tables (GPT-2 / GPT-Neo / GPTBigCode ``wpe``, OPT / BioGPT ``embed_positions``)."""
+_POSITION_LIMITS: weakref.WeakKeyDictionary[nn.Module, tuple[int, str] | None] = weakref.WeakKeyDictionary()
+
+
+def learned_position_limit(hf: nn.Module) -> tuple[int, str] | None:
+    """``(positions, config field)`` of a model whose absolute positions index a learned embedding table (GPT-2's
+    ``wpe``: ``n_positions``; OPT's ``embed_positions``: ``max_position_embeddings``): a sequence longer than
+    ``positions`` indexes past the table. None for other models (RoPE, ALiBi: longer sequences still run)."""
+    if hf in _POSITION_LIMITS:
+        return _POSITION_LIMITS[hf]
+    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    limit = None
+    for field in ("n_positions", "max_position_embeddings"):
+        n = getattr(cfg, field, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            learned = any(isinstance(m, nn.Embedding) and name.rpartition(".")[2] in _POSITION_TABLES
+                          for name, m in hf.named_modules())
+            limit = (n, field) if learned else None
+            break
+    _POSITION_LIMITS[hf] = limit
+    return limit
+
+
+def check_positions(hf: nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                    max_seqlen: int | None) -> None:
+    """Raise ``ValueError`` when the longest packed sequence (``max_seqlen``; else from ``cu_seqlens (n+1,)``, or
+    ``input_ids (T,)`` as one sequence) is longer than the learned position table of ``hf``
+    (``learned_position_limit``), instead of an index error (a device-side assert on CUDA) in the embedding."""
+    limit = learned_position_limit(hf)
+    if limit is None:
+        return
+    if max_seqlen is not None:
+        longest = int(max_seqlen)
+    elif cu_seqlens is not None and cu_seqlens.numel() > 1:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    else:
+        longest = input_ids.numel()
+    n, field = limit
+    if longest > n:
+        raise ValueError(
+            f"a packed sequence has {longest} tokens but {type(hf).__name__} learns absolute positions for {n} only "
+            f"(config.{field}={n}); keep prompt + response at most {n} tokens (the engine clips its context to "
+            "it: lower max_new_tokens or filter longer prompts)"
         )
 
 
@@ -630,6 +678,7 @@ def backbone_hidden(
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if attention_kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {attention_kernel!r}")
+    check_positions(hf, input_ids, cu_seqlens, max_seqlen)
     if _use_varlen(hf, attention, input_ids, cu_seqlens):
         assert cu_seqlens is not None
         if max_seqlen is None:

@@ -359,3 +359,35 @@ def test_trainer_refuses_recurrent_models_at_init_naming_them(name, tmp_path):
             ts.init_train_state(src, ts.OptimConfig())
     with pytest.raises(ValueError, match=msg):  # a recurrent reference model too
         ts.init_train_state(transformers.Qwen3Config(**COMMON, head_dim=8), ts.OptimConfig(), ref=str(tmp_path))
+
+
+# ---- the trainer checks packed lengths against a learned position table up front ------------------------------------
+
+LEARNED_POSITIONS = {
+    "gpt2": (lambda: transformers.GPT2Config(vocab_size=V, n_layer=1, n_embd=16, n_head=2, n_positions=16, **NO_IDS),
+             "n_positions"),
+    "opt": (lambda: transformers.OPTConfig(vocab_size=V, num_hidden_layers=1, hidden_size=16, ffn_dim=32,
+                                           num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=16,
+                                           **NO_IDS), "max_position_embeddings"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEARNED_POSITIONS))
+def test_packed_sequence_past_learned_positions_is_a_value_error_naming_the_limit(name):
+    from rlcore.training import train_state as ts
+
+    make, field = LEARNED_POSITIONS[name]
+    state = ts.init_train_state(make(), ts.OptimConfig())
+    for lengths in ((10, 16), (10, 20)):
+        ids = torch.randint(1, V, (sum(lengths),))
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        for max_seqlen in (max(lengths), None):
+            if max(lengths) <= 16:
+                logp, _ = state.model(ids, pos, ids, cu_seqlens=cu, max_seqlen=max_seqlen)
+                assert logp.shape == ids.shape
+                continue
+            with pytest.raises(ValueError, match=rf"has 20 tokens but .* positions for 16 only \(config.{field}=16\)"):
+                state.model(ids, pos, ids, cu_seqlens=cu, max_seqlen=max_seqlen)
+    assert models.learned_position_limit(state.model.hf) == (16, field)
+    assert models.learned_position_limit(build("Qwen3Config")) is None  # RoPE: no table to index past
