@@ -33,17 +33,58 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 
 def adapt(model: nn.Module) -> dict[str, int]:
     """Refuse unsupported architectures and install the adapters ``model`` needs; returns what was installed."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    name = f"{type(model).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
-    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
-    if other or getattr(model, "_is_stateful", False):
-        what = f"layers of type {other}" if other else "recurrent layers"
+    what = stateful_layers(model)
+    if what:
         raise EngineError(
-            f"{name} has {what} that keep per-sequence state outside the attention KV cache; the embedded "
-            "engine's paged KV cache cannot hold it, so it is not supported. Serve this model with SGLang or vLLM "
-            "(rlcore.inference.sglang) instead."
+            f"{architecture_name(model)} has {what} that keep per-sequence state outside the attention KV cache; "
+            "the embedded engine's paged KV cache cannot hold it, so it is not supported. Serve this model with "
+            "SGLang or vLLM (rlcore.inference.sglang) instead."
         )
     return {"longrope_rows": _per_row_longrope(model), "alibi_4d": _alibi_accepts_4d_masks(model)}
+
+
+def stateful_layers(model: Any) -> str | None:
+    """What of ``model`` (a causal LM or its ``PretrainedConfig``) keeps per-sequence state outside attention:
+    ``"layers of type [...]"`` (``config.layer_types`` beyond attention: LFM2's ``conv``, Qwen3-Next's and
+    RecurrentGemma's ``linear_attention``), ``"recurrent layers"`` (a model class HF marks ``_is_stateful``: Mamba,
+    Jamba, ...), or None for an attention-only model."""
+    cfg = model.config if isinstance(model, nn.Module) else model
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
+    if other:
+        return f"layers of type {other}"
+    cls = type(model) if isinstance(model, nn.Module) else _causal_lm_class(cfg)
+    return "recurrent layers" if getattr(cls, "_is_stateful", False) else None
+
+
+def architecture_name(model: Any) -> str:
+    """``"Qwen3ForCausalLM (model_type 'qwen3')"`` of a causal LM or its config (for error messages)."""
+    cfg = model.config if isinstance(model, nn.Module) else model
+    cls = type(model) if isinstance(model, nn.Module) else _causal_lm_class(cfg)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return f"{getattr(cls, '__name__', type(cfg).__name__)} (model_type {getattr(text, 'model_type', '?')!r})"
+
+
+def _causal_lm_class(cfg: Any) -> type | None:
+    try:
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except Exception:  # noqa: BLE001 — a config transformers does not map: no class to ask
+        return None
+
+
+def context_length(cfg: Any, max_seq_len: int) -> tuple[int, str]:
+    """``(context, limit)``: the tokens of context (prompt + output) the engine serves, ``max_seq_len`` clipped to the
+    model config ``cfg``'s positions (``max_position_embeddings``, GPT-2's ``n_positions``), and the setting that
+    bounds it: ``"max_seq_len"`` (``EngineConfig``'s) or the name of the config field that clipped it."""
+    for name in ("max_position_embeddings", "n_positions"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            if n >= max_seq_len:
+                break
+            return n, (getattr(cfg, "attribute_map", None) or {}).get(name, name)  # GPT-2: n_positions
+    return max_seq_len, "max_seq_len"
 
 
 def uses_row_positions(model: nn.Module) -> bool:

@@ -249,8 +249,8 @@ class Engine(WeightUpdates):
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or (model_path if tokenizer is not None else None)
         mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        max_pos = getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
-        self.max_seq_len = min(cfg.max_seq_len, int(max_pos)) if max_pos else cfg.max_seq_len
+        self.max_seq_len, self.context_limit = architectures.context_length(mcfg, cfg.max_seq_len)
+        """``context_limit``: what bounds ``max_seq_len``, ``"max_seq_len"`` or the model config field that clipped it."""
         # eos ids of the generation config, the model config and the tokenizer together, as SGLang stops on them:
         # instruct models often list their end-of-turn token in one config and the end-of-text token in the
         # other, and a fine-tuned chat model's tokenizer often ends turns with a token neither config names
@@ -516,6 +516,7 @@ class Engine(WeightUpdates):
             vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len,
             has_tokenizer=self.tokenizer is not None,
+            context_limit=self.context_limit,
         )
 
     # -- control (each runs on the loop thread between two forward passes) ---------------------------------------

@@ -41,6 +41,7 @@ from rlcore.inference.chat import (
 from rlcore.inference.detok import StreamDecoder
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
 from rlcore.inference.protocol import SamplingParams, parallel_sampling
+from rlcore.inference.sampling import context_advice
 from rlcore.inference.tool_parsers import HERMES, ParseFn, ToolParser, resolve
 
 Endpoint = Literal["completions", "chat"]
@@ -128,7 +129,7 @@ def _sampling(
         param = "messages" if endpoint == "chat" else "prompt"
         raise OpenAIError(
             f"{param} has {max(prompt_lens)} tokens but the server's context is {engine.max_seq_len} tokens; "
-            "shorten it (or restart the server with a larger --max-seq-len)",
+            f"shorten it{_context_advice(engine)}",
             param,
             code="context_length_exceeded",
         )
@@ -194,9 +195,17 @@ def _early_length_check(engine: Engine, body: Any) -> None:
     longest = max(len(r) if isinstance(r, list) else 0 for r in rows)
     if longest >= engine.max_seq_len:
         raise OpenAIError(
-            f"prompt has {longest} tokens but the server's context is {engine.max_seq_len} tokens; shorten it (or "
-            "restart the server with a larger --max-seq-len)", "prompt", code="context_length_exceeded",
+            f"prompt has {longest} tokens but the server's context is {engine.max_seq_len} tokens; shorten it"
+            f"{_context_advice(engine)}", "prompt", code="context_length_exceeded",
         )
+
+
+def _context_advice(engine: Engine) -> str:
+    """How to fit a longer prompt: a larger ``--max-seq-len``, unless the model's positions clipped the context."""
+    limit = getattr(engine, "context_limit", "max_seq_len")
+    if limit == "max_seq_len":
+        return " (or restart the server with a larger --max-seq-len)"
+    return context_advice(limit, "--max-seq-len")
 
 
 def completion_plan(engine: Engine, body: Any) -> Plan:

@@ -583,6 +583,14 @@ REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 INT64_MAX = (1 << 63) - 1
 
 
+def context_advice(context_limit: str, setting: str) -> str:
+    """The end of a "prompt too long" message: raise ``setting`` (``EngineConfig.max_seq_len``, ``--max-seq-len``)
+    when it bounds the context (``context_limit == "max_seq_len"``), else name the model config field that does."""
+    if context_limit == "max_seq_len":
+        return f" or raise {setting}"
+    return f" (the model's config.json {context_limit} bounds the context: a larger {setting} is clipped to it)"
+
+
 def check_request(
     prompt: Sequence[int],
     sp: SamplingParams,
@@ -590,9 +598,11 @@ def check_request(
     vocab_size: int,
     max_seq_len: int,
     has_tokenizer: bool,
+    context_limit: str = "max_seq_len",
 ) -> SamplingParams:
     """Validate one request against the model; returns the settings the engine runs (``max_new_tokens``
-    clamped to the room left in the context, ``prompt + output <= max_seq_len``).
+    clamped to the room left in the context, ``prompt + output <= max_seq_len``). ``context_limit``: what bounds
+    ``max_seq_len``, ``EngineConfig``'s own or the model config field that clipped it (``Engine.context_limit``).
 
     Raises ``EngineError`` naming the field and the fix for anything the sampling step could not run safely:
     token ids outside the vocabulary, a prompt that leaves no room, temperatures that overflow, penalties
@@ -604,8 +614,8 @@ def check_request(
         raise EngineError(f"input_ids contains ids outside [0, {vocab_size}); check the tokenizer")
     if len(prompt) >= max_seq_len:
         raise EngineError(
-            f"input_ids has {len(prompt)} tokens but the engine's max_seq_len is {max_seq_len}; "
-            "shorten the prompt or raise EngineConfig.max_seq_len"
+            f"input_ids has {len(prompt)} tokens but the engine's context is {max_seq_len} tokens; shorten the "
+            f"prompt{context_advice(context_limit, 'EngineConfig.max_seq_len')}"
         )
     for name in ("max_new_tokens", "min_new_tokens", "top_k"):
         x = getattr(sp, name)

@@ -20,6 +20,7 @@ from rlcore.inference.protocol import EngineError
 from rlcore.inference.weights import (
     check_specs,
     commit_weights,
+    hf_ignored_keys,
     init_custom_process_group,
     parse_dtype,
     read_safetensors,
@@ -76,11 +77,12 @@ class WeightUpdates:
         """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``.
 
         The files are read and checked on the calling thread (generation continues meanwhile); the loop thread
-        only copies the staged tensors in. A failed load (bad path, unknown name, wrong shape) changes nothing.
-        Refused while a LoRA adapter is loaded.
+        only copies the staged tensors in. The names ``from_pretrained`` ignores are skipped (``hf_ignored_keys``:
+        an older conversion's per-layer ``rotary_emb.inv_freq``, DeepSeek-V3's MTP layer). A failed load (bad path,
+        unknown name, wrong shape) changes nothing. Refused while a LoRA adapter is loaded.
         """
         with self._lora.full_load():
-            staged = stage_weights(self.model, read_safetensors(path))
+            staged = stage_weights(self.model, read_safetensors(path, skip=hf_ignored_keys(self.model)))
             self._call(lambda: self._commit(staged, version))
 
     def update_weights_from_tensors(

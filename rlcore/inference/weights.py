@@ -13,7 +13,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -135,10 +135,13 @@ def safetensors_files(path: str | os.PathLike) -> list[str]:
     return [_regular_file(f, p) for f in files]
 
 
-def read_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+def read_safetensors(
+    path: str | os.PathLike, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of every tensor under ``path`` (an HF directory, sharded or not, or one file), on CPU.
 
-    A path that is not a safetensors model raises ``EngineError`` naming ``model_path`` (a 400, not a 500).
+    ``skip``: names for which it is true are not read (``hf_ignored_keys``). A path that is not a safetensors model
+    raises ``EngineError`` naming ``model_path`` (a 400, not a 500).
     """
     from safetensors import safe_open
 
@@ -146,7 +149,8 @@ def read_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
         try:
             with safe_open(f, framework="pt", device="cpu") as fh:
                 for k in fh.keys():
-                    yield k, fh.get_tensor(k)
+                    if skip is None or not skip(k):
+                        yield k, fh.get_tensor(k)
         except EngineError:
             raise
         except Exception as e:  # SafetensorError, OSError, ...: not a model file
@@ -154,6 +158,28 @@ def read_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
                 f"model_path {os.fspath(path)!r}: {f!r} is not a readable safetensors file "
                 f"({type(e).__name__}: {e}); pass an HF model directory saved with save_pretrained"
             ) from None
+
+
+def hf_ignored_keys(model: nn.Module) -> Callable[[str], bool]:
+    """The checkpoint names ``from_pretrained`` drops without a word for ``model`` (transformers'
+    ``_adjust_missing_and_unexpected_keys``): a name that is not in ``model.state_dict()`` and matches a pattern of
+    some module's ``_keys_to_ignore_on_load_unexpected`` (DeepSeek-V3's multi-token-prediction layer
+    ``model.layers.61.*``, GPT-2's ``attn.bias``), a per-layer ``rotary_emb.inv_freq`` of an older conversion (when
+    the model has rotary ``inv_freq`` buffers) or a ``position_ids`` (when it has such buffers). Any other unknown
+    name is still refused by ``check_specs``."""
+    patterns: set[str] = set()
+    for mod in model.modules():
+        patterns.update(getattr(mod, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [n for n, _ in model.named_buffers()]
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    if not patterns:
+        return lambda name: False
+    regex = re.compile("|".join(f"({p})" for p in sorted(patterns)))
+    expected = set(model.state_dict().keys())
+    return lambda name: name not in expected and regex.search(name) is not None
 
 
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -257,8 +283,8 @@ def fp32_tensors(model: nn.Module, dtype: torch.dtype) -> set[int]:
             plan += getattr(mod, "_keep_in_fp32_modules", None) or ()
         if plan:  # HF's matching: each glob ("*" -> ".*") searched in the tensor's name
             pattern = re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in plan))
-            for name, t in [*mod.named_parameters(), *mod.named_buffers()]:
-                if t.is_floating_point() and pattern.search(name):
+            for name, t in [*mod.named_parameters(), *mod.named_buffers()]:  # a LoRA-wrapped layer: its base name
+                if t.is_floating_point() and pattern.search(name.replace(".base_layer.", ".")):
                     keep.add(id(t))
     return keep
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from rlcore.inference.lora import PEFT_PREFIX, merge_weight
+from rlcore.inference.weights import fp32_tensors
 from rlcore.training import fsdp, models
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -162,7 +163,8 @@ def adapter_config(model: nn.Module) -> dict[str, Any]:
 
 @torch.no_grad()
 def merged_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF-named weights of a LoRA policy: each adapted ``W`` as ``W + s · B @ A`` (float32, then ``dtype``).
+    """Full HF-named weights of a LoRA policy: each adapted ``W`` as ``W + s · B @ A`` (float32, then ``dtype``; what
+    HF keeps in float32 at ``dtype``, ``weights.fp32_tensors``, stays float32).
 
     The same names, order and values a plain HF model of the merged policy has (tied weights once); a collective on
     every rank when sharded. ``merge_weight`` is the engine's formula, so these equal what an engine serves with the
@@ -170,6 +172,7 @@ def merged_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterat
     """
     hf = models.hf_module(model)
     layers = dict(lora_layers(hf))
+    keep = fp32_tensors(hf, dtype) if dtype is not None else set()  # what the engine holds in float32
     known = dict(hf.named_parameters())
     known.update(dict(hf.named_buffers()))
     seen: set[int] = set()
@@ -185,7 +188,7 @@ def merged_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterat
             a, b, s = _pair(layers[path])
             full = merge_weight(full, fsdp.full_tensor(a.detach()), fsdp.full_tensor(b.detach()), s)
         if dtype is not None and full.is_floating_point():
-            full = full.to(dtype)
+            full = full.to(torch.float32 if id(t) in keep else dtype)
         yield hf_name, full
 
 

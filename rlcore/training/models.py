@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,79 @@ def load_causal_lm(
     if dtype is not None:
         kw["dtype"] = dtype
     return load(AutoModelForCausalLM.from_pretrained, str(path), **kw)
+
+
+def refuse_stateful(model_or_path: nn.Module | str | os.PathLike | object) -> None:
+    """Raise ``ValueError`` naming the architecture when the causal LM (a module, a local HF directory or a
+    ``PretrainedConfig``) has layers that carry state from token to token outside attention (Mamba, Qwen3-Next,
+    LFM2, RecurrentGemma: ``architectures.stateful_layers``). The packed forward keeps sequences apart with
+    attention masks only, so that state would flow from one packed sequence into the next."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from rlcore.inference.architectures import architecture_name, stateful_layers
+
+    src = model_or_path
+    if not isinstance(src, (nn.Module, PretrainedConfig)):
+        try:
+            src = AutoConfig.from_pretrained(str(src))
+        except Exception:  # noqa: BLE001 — not a model directory: load_causal_lm names the problem
+            return
+    what = stateful_layers(src)
+    if what:
+        raise ValueError(
+            f"{architecture_name(src)} has {what} that carry state from token to token outside attention; "
+            "rlcore's trainer packs several sequences into one stream and keeps them apart with attention masks "
+            "only, so that state would flow from one sequence into the next (the embedded engine cannot serve it "
+            "either). Train an attention-only model (Llama, Qwen3, Gemma 3, ...), or this one with a trainer that "
+            "runs its sequences unpacked."
+        )
+
+
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+"""Names of learned absolute-position tables (GPT-2 / GPT-Neo / GPTBigCode ``wpe``, OPT / BioGPT ``embed_positions``)."""
+_POSITION_LIMITS: weakref.WeakKeyDictionary[nn.Module, tuple[int, str] | None] = weakref.WeakKeyDictionary()
+
+
+def learned_position_limit(hf: nn.Module) -> tuple[int, str] | None:
+    """``(positions, config field)`` of a model whose absolute positions index a learned embedding table (GPT-2's
+    ``wpe``: ``n_positions``; OPT's ``embed_positions``: ``max_position_embeddings``): a sequence longer than
+    ``positions`` indexes past the table. None for other models (RoPE, ALiBi: longer sequences still run)."""
+    if hf in _POSITION_LIMITS:
+        return _POSITION_LIMITS[hf]
+    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    limit = None
+    for field in ("n_positions", "max_position_embeddings"):
+        n = getattr(cfg, field, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            learned = any(isinstance(m, nn.Embedding) and name.rpartition(".")[2] in _POSITION_TABLES
+                          for name, m in hf.named_modules())
+            limit = (n, field) if learned else None
+            break
+    _POSITION_LIMITS[hf] = limit
+    return limit
+
+
+def check_positions(hf: nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                    max_seqlen: int | None) -> None:
+    """Raise ``ValueError`` when the longest packed sequence (``max_seqlen``; else from ``cu_seqlens (n+1,)``, or
+    ``input_ids (T,)`` as one sequence) is longer than the learned position table of ``hf``
+    (``learned_position_limit``), instead of an index error (a device-side assert on CUDA) in the embedding."""
+    limit = learned_position_limit(hf)
+    if limit is None:
+        return
+    if max_seqlen is not None:
+        longest = int(max_seqlen)
+    elif cu_seqlens is not None and cu_seqlens.numel() > 1:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    else:
+        longest = input_ids.numel()
+    n, field = limit
+    if longest > n:
+        raise ValueError(
+            f"a packed sequence has {longest} tokens but {type(hf).__name__} learns absolute positions for {n} only "
+            f"(config.{field}={n}); keep prompt + response at most {n} tokens (the engine clips its context to "
+            "it: lower max_new_tokens or filter longer prompts)"
+        )
 
 
 def _backbone(hf: nn.Module) -> nn.Module:
@@ -604,6 +678,7 @@ def backbone_hidden(
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if attention_kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {attention_kernel!r}")
+    check_positions(hf, input_ids, cu_seqlens, max_seqlen)
     if _use_varlen(hf, attention, input_ids, cu_seqlens):
         assert cu_seqlens is not None
         if max_seqlen is None:

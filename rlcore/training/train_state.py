@@ -366,13 +366,18 @@ def init_train_state(
         ``critic=True`` copy the policy before the adapters are added. ``weight_sync.publish_weights`` then sends
         the adapter only (docs/lora.md).
 
-    Dropout is disabled (p = 0) so the training forward matches the proximal and behaviour ones.
+    Dropout is disabled (p = 0) so the training forward matches the proximal and behaviour ones. Recurrent and
+    hybrid models (Mamba, Qwen3-Next, LFM2, RecurrentGemma) raise ``ValueError`` before anything is loaded
+    (``models.refuse_stateful``): the packed forward would carry their state from one sequence into the next.
     """
     from rlcore.training import fusions
 
     if compile_layers is not None:
         model_cfg = dataclasses.replace(model_cfg, compile_layers="on" if compile_layers else "off")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for src in (model_or_path, ref, critic):
+        if not isinstance(src, bool):
+            models.refuse_stateful(src)  # before loading: recurrent / hybrid layers cannot be trained packed
     hf = models.disable_dropout(models.load_causal_lm(model_or_path, dtype=dtype, attn_implementation=attn_implementation))
     ref_mod = None
     if ref is True:

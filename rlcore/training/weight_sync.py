@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlcore.inference.weights import fp32_tensors
 from rlcore.training import fsdp, models
 from rlcore.training import lora as lora_lib
 from rlcore.training.train_state import TrainState
@@ -74,7 +75,8 @@ class PublishConfig:
     ``/update_weights_from_tensor`` (an engine process sharing this host, typically the trainer's GPU: only
     handles cross HTTP, the engine copies device-to-device), or torch.distributed broadcast."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Dtype of the published tensors (fp32 masters are cast on rank 0)."""
+    """Dtype of the published tensors (fp32 masters are cast on rank 0); what HF keeps in float32 at this dtype
+    (MoE routers, rotary buffers: ``weights.fp32_tensors``) is sent in float32, as the engine holds it."""
     disk_root: str = ""
     """Directory for ``weight_update_v<version>`` dirs in disk mode (empty: a temp dir)."""
     keep_disk_copy: bool = False
@@ -149,14 +151,19 @@ def hf_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)``; a collective on every rank when the model is FSDP2-sharded. A LoRA policy
-    yields its merged weights under the plain HF names (``lora.merged_tensors``)."""
+    yields its merged weights under the plain HF names (``lora.merged_tensors``).
+
+    Floating tensors are cast to ``dtype``, except those ``from_pretrained(dtype=dtype)`` keeps in float32
+    (``weights.fp32_tensors``: MoE routers, rotary buffers), which go out in float32: the engine holds them in
+    float32, and a bf16-rounded router would pick other experts than the trainer's."""
     if lora_lib.has_lora(model):
         yield from lora_lib.merged_tensors(model, dtype)
         return
+    keep = fp32_tensors(models.hf_module(model), dtype) if dtype is not None else set()
     for name, t in hf_named_tensors(model):
         full = fsdp.full_tensor(t.detach())
         if dtype is not None and full.is_floating_point():
-            full = full.to(dtype)
+            full = full.to(torch.float32 if id(t) in keep else dtype)
         yield name, full
 
 
@@ -168,12 +175,13 @@ def full_state_dict(model: nn.Module, dtype: torch.dtype | None = None, *, devic
 def export_hf(state: TrainState, path: str | os.PathLike, tokenizer: Any = None, *, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Save the policy as an HF directory loadable by ``from_pretrained`` and by SGLang.
 
-    Every rank must call it (gathering is collective); rank 0 writes, atomically (temp dir + rename).
+    Every rank must call it (gathering is collective); rank 0 writes, atomically (temp dir + rename). Floating
+    tensors are written in ``dtype`` but those HF keeps in float32 at that dtype (``iter_full_tensors``).
     """
-    sd = full_state_dict(state.model, dtype)
+    sd = full_state_dict(state.model, dtype)  # already cast: save_hf must not round the float32-kept tensors
     path = Path(path)
     if _rank() == 0:
-        _atomic_dir_write(path, lambda tmp: models.save_hf(sd, models.hf_module(state.model).config, tmp, tokenizer=tokenizer, dtype=dtype))
+        _atomic_dir_write(path, lambda tmp: models.save_hf(sd, models.hf_module(state.model).config, tmp, tokenizer=tokenizer, dtype=None))
     _barrier()
     return path
 

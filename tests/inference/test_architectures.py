@@ -259,3 +259,135 @@ def test_bf16_engine_log_probs_at_long_positions_equal_hf(tmp_path):
         out = eng.submit(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=1)).result(120)
     want = _hf_logprobs(hf, out.input_ids + out.output_ids, len(out.output_ids))
     torch.testing.assert_close(torch.tensor(out.output_logprobs), torch.tensor(want), atol=2e-2, rtol=0)
+
+
+# ---- disk weight updates take the checkpoints from_pretrained takes ----------------------------------------------
+
+OLD_KEYS = {
+    # an older Llama-style conversion: one rotary inv_freq per layer
+    "qwen2": ["model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.1.self_attn.rotary_emb.inv_freq"],
+    # DeepSeek-V3's multi-token-prediction layer (_keys_to_ignore_on_load_unexpected: model\.layers\.61.*)
+    "deepseek-v3": ["model.layers.61.eh_proj.weight", "model.layers.61.enorm.weight"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_KEYS))
+def test_disk_update_skips_the_keys_from_pretrained_ignores(name, tmp_path):
+    from safetensors.torch import save_file
+
+    from rlcore.inference.engine import EngineError
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(HALF[name]()).save_pretrained(tmp_path / "a")
+    torch.manual_seed(1)
+    b = AutoModelForCausalLM.from_config(HALF[name]())
+    b.save_pretrained(tmp_path / "b")
+    # the model's own names (transformers 5 writes MoE experts one by one, which the engine's loader cannot merge)
+    sd = {k: t.contiguous() for k, t in b.state_dict().items() if k != "lm_head.weight" or not b.config.tie_word_embeddings}
+    extra = {k: torch.randn(8, 4) for k in OLD_KEYS[name]}
+    save_file({**sd, **extra}, str(tmp_path / "b" / "model.safetensors"), metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)  # HF loads it
+    with Engine(str(tmp_path / "a"), EngineConfig(max_batch=2, max_seq_len=32, device="cpu", dtype="float32")) as eng:
+        eng.update_weights_from_disk(str(tmp_path / "b"), version=1)
+        assert eng.version == 1
+        got = {k: t.clone() for k, t in eng.model.state_dict().items()}
+        for k, t in hf.state_dict().items():
+            assert torch.equal(got[k], t), k
+        # a genuinely unknown name is still refused, naming it, and changes nothing
+        save_file({k: -t for k, t in sd.items()} | {"model.layers.0.mystery.weight": torch.zeros(2)},
+                  str(tmp_path / "b" / "model.safetensors"))
+        with pytest.raises(EngineError, match=r"unknown parameter names \['model.layers.0.mystery.weight'\]"):
+            eng.update_weights_from_disk(str(tmp_path / "b"), version=2)
+        assert eng.version == 1
+        assert all(torch.equal(t, got[k]) for k, t in eng.model.state_dict().items())
+
+
+# ---- a prompt too long for the context names the limit that set it ------------------------------------------------
+
+def test_prompt_too_long_names_the_limit_that_bounds_the_context():
+    from rlcore.inference.engine import EngineError
+    from rlcore.inference.openai_api import OpenAIError, completion_plan
+
+    gpt2 = AutoModelForCausalLM.from_config(transformers.GPT2Config(
+        vocab_size=V, n_layer=1, n_embd=16, n_head=2, n_positions=40, **NO_IDS)).eval()
+    qwen2 = AutoModelForCausalLM.from_config(transformers.Qwen2Config(**COMMON)).eval()  # 96 positions
+    for model, field, n in ((gpt2, "n_positions", 40), (qwen2, "max_position_embeddings", 96)):
+        eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=2048, device="cpu"))
+        assert (eng.max_seq_len, eng.context_limit) == (n, field)
+        with pytest.raises(EngineError, match=rf"context is {n} tokens.*config.json {field} bounds") as e:
+            eng.check([1] * n, SamplingParams())
+        assert "raise EngineConfig.max_seq_len" not in str(e.value)
+        with pytest.raises(OpenAIError, match=rf"context is {n} tokens.*config.json {field} bounds") as e:
+            completion_plan(eng, {"prompt": [1] * n})
+        assert "larger --max-seq-len)" not in str(e.value)
+    eng = Engine(qwen2, EngineConfig(max_batch=2, max_seq_len=32, device="cpu"))  # the engine's own limit
+    assert (eng.max_seq_len, eng.context_limit) == (32, "max_seq_len")
+    with pytest.raises(EngineError, match=r"context is 32 tokens; shorten the prompt or raise EngineConfig.max_seq_len"):
+        eng.check([1] * 32, SamplingParams())
+    with pytest.raises(OpenAIError, match=r"restart the server with a larger --max-seq-len"):
+        completion_plan(eng, {"prompt": [1] * 32})
+
+
+# ---- the trainer refuses recurrent / hybrid models in init_train_state, naming them ---------------------------------
+
+STATEFUL = {
+    "MambaForCausalLM": lambda: transformers.MambaConfig(
+        vocab_size=V, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4, **NO_IDS),
+    "Qwen3NextForCausalLM": lambda: transformers.Qwen3NextConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"], **NO_IDS),
+    "Lfm2ForCausalLM": lambda: transformers.Lfm2Config(
+        vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"], **NO_IDS),
+    "RecurrentGemmaForCausalLM": lambda: transformers.RecurrentGemmaConfig(
+        vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        lru_width=32, attention_window_size=16, block_types=["recurrent", "attention"], **NO_IDS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_trainer_refuses_recurrent_models_at_init_naming_them(name, tmp_path):
+    from rlcore.training import train_state as ts
+
+    cfg = STATEFUL[name]()
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    msg = rf"{name} \(model_type .*(recurrent layers|layers of type).*packs several sequences.*attention-only"
+    for src in (cfg, str(tmp_path), AutoModelForCausalLM.from_config(cfg)):
+        with pytest.raises(ValueError, match=msg):
+            ts.init_train_state(src, ts.OptimConfig())
+    with pytest.raises(ValueError, match=msg):  # a recurrent reference model too
+        ts.init_train_state(transformers.Qwen3Config(**COMMON, head_dim=8), ts.OptimConfig(), ref=str(tmp_path))
+
+
+# ---- the trainer checks packed lengths against a learned position table up front ------------------------------------
+
+LEARNED_POSITIONS = {
+    "gpt2": (lambda: transformers.GPT2Config(vocab_size=V, n_layer=1, n_embd=16, n_head=2, n_positions=16, **NO_IDS),
+             "n_positions"),
+    "opt": (lambda: transformers.OPTConfig(vocab_size=V, num_hidden_layers=1, hidden_size=16, ffn_dim=32,
+                                           num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=16,
+                                           **NO_IDS), "max_position_embeddings"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEARNED_POSITIONS))
+def test_packed_sequence_past_learned_positions_is_a_value_error_naming_the_limit(name):
+    from rlcore.training import train_state as ts
+
+    make, field = LEARNED_POSITIONS[name]
+    state = ts.init_train_state(make(), ts.OptimConfig())
+    for lengths in ((10, 16), (10, 20)):
+        ids = torch.randint(1, V, (sum(lengths),))
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        for max_seqlen in (max(lengths), None):
+            if max(lengths) <= 16:
+                logp, _ = state.model(ids, pos, ids, cu_seqlens=cu, max_seqlen=max_seqlen)
+                assert logp.shape == ids.shape
+                continue
+            with pytest.raises(ValueError, match=rf"has 20 tokens but .* positions for 16 only \(config.{field}=16\)"):
+                state.model(ids, pos, ids, cu_seqlens=cu, max_seqlen=max_seqlen)
+    assert models.learned_position_limit(state.model.hf) == (16, field)
+    assert models.learned_position_limit(build("Qwen3Config")) is None  # RoPE: no table to index past

@@ -235,3 +235,61 @@ def test_on_partial_failure_raise_names_the_server_that_missed_the_push(tmp_path
             with pytest.raises(weight_sync.WeightSyncError, match=re.escape(bad)):
                 weight_sync.publish_weights(st, [client], cfg=pub)
             assert ea.version == 1 and eb.version == 0  # a loaded it; the trainer's version was not bumped
+
+
+ROUTERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+"""DeepSeek-V3's ``_keep_in_fp32_modules_strict``: the engine holds them in float32 at any dtype."""
+
+
+def _deepseek_v3_dir(path: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, num_hidden_layers=2, max_position_embeddings=64, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["state_dict", "disk", "shm", "tensor"])
+def test_bf16_publish_sends_the_float32_kept_routers_unrounded(mode, tmp_path):
+    """A bf16 publish of a float32 DeepSeek-V3-like trainer: the bf16 engine's routers equal the trainer's exactly
+    (they were rounded to bf16, so the engine picked other experts), every other weight is the bf16 rounding."""
+    from rlcore.training import train_state as ts
+
+    init = _deepseek_v3_dir(tmp_path / "init")
+    st = ts.init_train_state(str(init), ts.OptimConfig(), dtype=torch.float32,
+                             model_cfg=ts.ModelConfig(param_dtype="float32"))
+    trainer = dict(weight_sync.hf_named_tensors(st.model))
+    with torch.no_grad():  # trained values, not representable in bf16
+        for k, v in trainer.items():
+            if k.endswith(ROUTERS):
+                v.copy_(torch.randn_like(v) * 0.3)
+    routers = [k for k in trainer if k.endswith(ROUTERS)]
+    assert len(routers) == 2
+    sent = dict(weight_sync.iter_full_tensors(st.model, torch.bfloat16))  # what every transport sends
+    assert {k for k, v in sent.items() if v.dtype == torch.float32} == set(routers)
+    pub = weight_sync.PublishConfig(mode=mode, dtype="bfloat16", disk_root=str(tmp_path / "w"),
+                                    shm_root=str(tmp_path / "shm"))
+    with Engine(str(init), EngineConfig(device="cpu", dtype="bfloat16", max_batch=2, max_seq_len=32)) as eng:
+        weight_sync.publish_weights(st, [eng], cfg=pub)
+        got = dict(eng.model.named_parameters()) | dict(eng.model.named_buffers())
+        for k in routers:
+            assert got[k].dtype == torch.float32 and torch.equal(got[k], trainer[k].detach()), k
+        for k, v in trainer.items():
+            assert torch.equal(got[k].float(), v.detach().to(got[k].dtype).float()), k
+
+
+def test_lora_merged_publish_sends_the_float32_kept_routers_unrounded(tmp_path):
+    pytest.importorskip("peft")
+    from rlcore.training import lora as lora_lib
+    from rlcore.training import train_state as ts
+
+    st = ts.init_train_state(str(_deepseek_v3_dir(tmp_path)), ts.OptimConfig(), dtype=torch.float32,
+                             model_cfg=ts.ModelConfig(param_dtype="float32"), lora=lora_lib.LoraConfig(rank=2))
+    sent = dict(weight_sync.iter_full_tensors(st.model, torch.bfloat16))  # lora="merged"
+    assert {k for k, v in sent.items() if v.dtype == torch.float32} == {k for k in sent if k.endswith(ROUTERS)}
+    assert len([k for k in sent if k.endswith(ROUTERS)]) == 2
