@@ -152,7 +152,7 @@ def test_lora_config_errors_name_the_field_and_missing_peft_names_the_fix(monkey
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_peft)
-    with pytest.raises(ImportError, match=r"pip install 'rlcore\[lora\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[lora\]'"):
         lora_state()
 
 
