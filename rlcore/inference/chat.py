@@ -211,6 +211,8 @@ class _Sampling(_Model):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    lora_path: str | list[str | None] | None = None
+    """A loaded LoRA adapter's name (or one per prompt); ``model="<base>:<adapter>"`` wins over it."""
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -13,6 +13,11 @@ Differences from OpenAI (docs/engine.md, "OpenAI-compatible API"): the engine re
 log-prob only, so alternatives (chat ``top_logprobs > 0``, completions ``logprobs > 0``) answer 400; ``echo``
 works without ``logprobs`` only; ``logit_bias``, ``suffix``, ``best_of != n``, forced ``tool_choice`` and
 non-text message parts answer 400. Text is decoded with special tokens skipped (SGLang's OpenAI default).
+
+LoRA adapters (docs/lora.md), resolved as SGLang's ``OpenAIServingBase`` does: ``model="<base>:<adapter>"`` names
+a loaded adapter (the text after the served model's name and ``:``, else after the first ``:``; the base part is not
+checked), and wins over the ``lora_path`` extra field (a name, or one per prompt); a ``model`` without ``:`` is
+echoed and otherwise ignored. A name that is not loaded is a 400 naming it and the loaded adapters.
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class Plan:
     """Return the sampled tokens' log-probs (completions ``logprobs=0``, chat ``logprobs: true``)."""
     tool_parser: ToolParser | None
     """Chat with ``tools`` (and ``tool_choice`` not ``"none"``): the parser of tool calls in the reply."""
+    lora_path: list[str | None] = dataclasses.field(default_factory=list)
+    """The adapter each prompt names (``resolve_lora``), checked to be loaded; the embedded engine serves every
+    request with its applied adapter (docs/lora.md), as for ``/generate``'s ``lora_path``."""
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -117,7 +125,52 @@ def _require_tokenizer(engine: Engine, endpoint: Endpoint) -> Any:
 
 
 def _model_name(engine: Engine, req: ChatRequest | CompletionRequest) -> str:
-    return req.model if req.model is not None else engine.model_path or "rlcore-engine"
+    return req.model if req.model is not None else served_model_name(engine)
+
+
+def served_model_name(engine: Engine) -> str:
+    """The id ``/v1/models`` lists for the base model (SGLang's ``served_model_name``)."""
+    return engine.model_path or "rlcore-engine"
+
+
+def split_model(model: str, served: str) -> tuple[str, str | None]:
+    """``model`` -> ``(base, adapter or None)``, SGLang's ``base:adapter`` rule: no ``:``, or exactly the served
+    name (which may hold ``:``, e.g. ``s3://...``), is the base model; ``<served>:<adapter>`` splits after the
+    served name, anything else at the first ``:``. The base part is not checked; an empty adapter is none."""
+    if ":" not in model or model == served:
+        return model, None
+    if model.startswith(served + ":"):
+        base, adapter = served, model[len(served) + 1 :]
+    else:
+        base, adapter = model.split(":", 1)
+    return base.strip(), adapter.strip() or None
+
+
+def resolve_lora(engine: Engine, req: ChatRequest | CompletionRequest, n_prompts: int) -> list[str | None]:
+    """The adapter of each prompt: the one ``model`` names (``split_model``), else the ``lora_path`` extra field
+    (a name for all prompts, or a list with one per prompt), else none. Every name must be loaded
+    (``Engine.lora_adapters``): an unknown one is a 400 naming it and the loaded ones, never the base weights."""
+    from_model = split_model(req.model, served_model_name(engine))[1] if req.model is not None else None
+    raw = from_model if from_model is not None else req.lora_path
+    param = "model" if from_model is not None else "lora_path"
+    if raw is None:
+        return [None] * n_prompts
+    if isinstance(raw, list):
+        if len(raw) != n_prompts:
+            raise OpenAIError(f"lora_path: a list needs one entry per prompt ({n_prompts}), got {len(raw)}", param)
+        names = raw
+    else:
+        names = [raw] * n_prompts
+    loaded = engine.lora_adapters
+    for x in names:
+        if x is not None and x not in loaded:
+            how = f'model "<base>:{x}"' if param == "model" else f"lora_path {x!r}"
+            raise OpenAIError(
+                f"LoRA adapter {x!r} (from {how}) is not loaded; loaded adapters: {list(loaded)}. Load it with "
+                "/load_lora_adapter, or name one of these",
+                param,
+            )
+    return names
 
 
 def _sampling(
@@ -250,6 +303,7 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
         )
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options is only allowed with stream: true", "stream_options")
+    adapters = resolve_lora(engine, req, len(prompts))
     samples = _sampling(engine, req, "completions", [len(p) for p in prompts])
     if req.best_of is not None and req.best_of != len(samples):
         raise OpenAIError(
@@ -270,6 +324,7 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
         req.include_usage,
         req.logprobs is not None,
         None,
+        adapters,
     )
 
 
@@ -296,6 +351,7 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
         ) from None
     prompt = list(tok.encode(text, add_special_tokens=False))
     _check_prompt_ids(engine, prompt, "messages")
+    adapters = resolve_lora(engine, req, 1)
     samples = _sampling(engine, req, "chat", [len(prompt)])
     return Plan(
         "chat",
@@ -307,6 +363,7 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
         req.include_usage,
         req.logprobs,
         resolve(tool_parser) if req.parse_tools else None,
+        adapters,
     )
 
 
@@ -694,6 +751,9 @@ __all__ = [
     "handle",
     "held_back",
     "make_view",
+    "resolve_lora",
     "response_body",
+    "served_model_name",
+    "split_model",
     "stream",
 ]

@@ -594,11 +594,12 @@ class _TooLarge(BadRequest):
 
 
 async def _retrieve_model(request: web.Request) -> web.Response:
-    """OpenAI's ``GET /v1/models/{model}`` (SGLang's ``retrieve_model``): the served model's card, else a 404."""
+    """OpenAI's ``GET /v1/models/{model}`` (SGLang's ``retrieve_model``): the served model's card, else a 404 (as
+    SGLang's, adapters listed by ``/v1/models`` are not retrieved)."""
     name = request.match_info["model"]
     _, models = await control._models(request.app[ENGINE_KEY], {})
-    card = next((m for m in models["data"] if m["id"] == name), None)
-    if card is not None:
+    card = models["data"][0]
+    if card["id"] == name:
         return web.json_response(card)
     msg = f"The model {name!r} does not exist; this server serves {models['data'][0]['id']!r}"
     err = {"message": msg, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}

@@ -157,8 +157,9 @@ class _Session:
 
 
 # ----------------------------------------------------------------------------------------- message helpers
-_IGNORED = ("ignore_eos", "stop_token_ids", "user")
-"""Validated request fields the proxy does not act on (stop ids are always {eos, pad}); warned about once."""
+_IGNORED = ("ignore_eos", "stop_token_ids", "user", "lora_path")
+"""Validated request fields the proxy does not act on (stop ids are always {eos, pad}; the adapter is the one the
+trainer pins to the weight version, ``EngineClient.set_lora``, never the agent's); warned about once."""
 
 
 def _first_difference(rendered: list[int], sampled: list[int]) -> int | None:
