@@ -140,9 +140,14 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 def shard_model(model: nn.Module, cfg: FSDPConfig = FSDPConfig(), *, mesh: object | None = None) -> nn.Module:
     """Apply FSDP2 per decoder layer and at the root (in place); returns ``model``.
 
-    Activation checkpointing (if enabled) wraps each layer's forward before sharding.
+    Activation checkpointing (if enabled) wraps each layer's forward before sharding. A module holding a parameter
+    that HF keeps in float32 at the compute dtype (``weights.fp32_tensors``: DeepSeek-V3 / GLM-4-MoE routers, GPT-OSS
+    norms under fp16) is sharded on its own with a float32 policy, so it computes in float32 as the engine and
+    ``from_pretrained`` do (the layer's bf16 policy would round the router and change which experts are picked).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from rlcore.inference.weights import fp32_tensors
 
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs a process group; call setup_distributed() under torchrun first")
@@ -159,6 +164,12 @@ def shard_model(model: nn.Module, cfg: FSDPConfig = FSDPConfig(), *, mesh: objec
         kw["offload_policy"] = CPUOffloadPolicy()
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
+    keep = fp32_tensors(model, pdt)
+    # inputs not cast, as from_pretrained: HF's float32-kept modules upcast what they need themselves
+    fp32 = kw | {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=False)}
+    for mod in [m for m in model.modules() if any(id(p) in keep for p in m.parameters(recurse=False))]:
+        fully_shard(mod, **fp32)  # inside its layer's unit: its own all-gather, in float32
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

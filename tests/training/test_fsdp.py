@@ -167,3 +167,40 @@ def test_compiled_layers_step_matches_eager():
     assert abs(out[True][0] - out[False][0]) < 1e-5
     for k, d in out[False][1].items():
         torch.testing.assert_close(out[True][1][k], d, atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_sharded_bf16_policy_keeps_the_float32_routers_in_float32(tmp_path, monkeypatch):
+    """FSDP2 with a bf16 param policy: DeepSeek-V3's routers (``_keep_in_fp32_modules_strict``) compute in float32,
+    as in the engine and ``from_pretrained(dtype=bf16)``; the experts compute in bf16 (before: every parameter was
+    all-gathered in bf16, so the trainer's router picked other experts than the engine's)."""
+    from rlcore.training import models
+    from rlcore.training import train_state as ts
+    from tests.training.test_weight_sync import _deepseek_v3_dir
+
+    path = _deepseek_v3_dir(tmp_path / "ds")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        st = ts.init_train_state(str(path), ts.OptimConfig(), dtype=torch.float32,
+                                 fsdp_cfg=fsdp.FSDPConfig(param_dtype="bfloat16"))
+        hf = models.hf_module(st.model)
+        seen: dict[str, torch.dtype] = {}
+        for name, mod in hf.named_modules():
+            if name.endswith("mlp.gate") or name.endswith("mlp.experts"):
+                mod.register_forward_pre_hook(
+                    lambda m, args, name=name: seen.update({name: next(m.parameters()).dtype}))
+        ids = torch.randint(0, 64, (12,))
+        logp, _ = st.model(ids, torch.arange(12), ids.roll(-1), cu_seqlens=torch.tensor([0, 12]), max_seqlen=12)
+        assert torch.isfinite(logp).all()
+        logp.sum().backward()  # the float32 unit reduces its own gradients
+        grads = [p.grad for n, p in hf.named_parameters() if n.endswith("mlp.gate.weight")]
+        assert grads and all(g is not None and g.dtype == torch.float32 and torch.isfinite(g.full_tensor()).all()
+                             for g in grads)
+        routers = {k: v for k, v in seen.items() if k.endswith("gate")}
+        experts = {k: v for k, v in seen.items() if k.endswith("experts")}
+        assert routers and experts
+        assert set(routers.values()) == {torch.float32}, routers
+        assert set(experts.values()) == {torch.bfloat16}, experts
+    finally:
+        dist.destroy_process_group()
