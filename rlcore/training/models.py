@@ -26,6 +26,7 @@ import copy
 import inspect
 import math
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -108,18 +109,15 @@ def learned_position_limit(hf: nn.Module) -> tuple[int, str] | None:
     """``(positions, config field)`` of a model whose absolute positions index a learned embedding table (GPT-2's
     ``wpe``: ``n_positions``; OPT's ``embed_positions``: ``max_position_embeddings``): a sequence longer than
     ``positions`` indexes past the table. None for other models (RoPE, ALiBi: longer sequences still run)."""
+    from rlcore.inference.architectures import context_length
+
     if hf in _POSITION_LIMITS:
         return _POSITION_LIMITS[hf]
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    limit = None
-    for field in ("n_positions", "max_position_embeddings"):
-        n = getattr(cfg, field, None)
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            learned = any(isinstance(m, nn.Embedding) and name.rpartition(".")[2] in _POSITION_TABLES
-                          for name, m in hf.named_modules())
-            limit = (n, field) if learned else None
-            break
-    _POSITION_LIMITS[hf] = limit
+    n, field = context_length(cfg, sys.maxsize)  # the config's own position count, as the engine reads it
+    learned = field != "max_seq_len" and any(
+        isinstance(m, nn.Embedding) and name.rpartition(".")[2] in _POSITION_TABLES for name, m in hf.named_modules())
+    _POSITION_LIMITS[hf] = limit = (n, field) if learned else None
     return limit
 
 
