@@ -147,6 +147,10 @@ class Config:
     off-policy warning fire); None: the sampling temperature."""
     tokens_per_microbatch: int = 32768
     """Packed tokens per micro-batch of the train step."""
+    batches_in_flight: int = 0
+    """Batches of B groups the rollout keeps in flight at once (the controller's ``max_concurrent`` / B);
+    0: every batch the staleness gate admits, eta + 1, as in the CPU main job and bench_trl (at eta = 0 that is
+    one). 1 at eta = 4 keeps one batch generating beside the trainer (the default before session 14)."""
     eval_prompts: int = 1000
     """Held-out prompts for the greedy success curve."""
     eval_every_s: float = 15.0
@@ -155,6 +159,13 @@ class Config:
     """TensorBoard directory (default: ``out_dir/tb``)."""
     offpolicy: offpolicy.OffPolicyConfig = offpolicy.OffPolicyConfig()
     """Train-vs-engine mismatch diagnostics of every step and the staleness-0 warning threshold."""
+    kv_after_update: Literal["recompute", "keep"] = "recompute"
+    """What a publish does to requests in flight (``EngineConfig.kv_after_update``): re-prefill them under the new
+    weights, or keep their KV and decode on (every token still carries the version that sampled it, and the
+    behaviour log-probs are the engine's own, so the decoupled objective stays exact about what was sampled)."""
+    train_stream: Literal["high_priority", "current"] = "high_priority"
+    """Where the update's CUDA work runs (``step.device_stream``): a high-priority stream of its own, so an engine
+    thread's kernels fill its gaps, or the caller's stream. Nothing changes on CPU."""
     engine: Literal["thread", "process"] = "thread"
     """thread: the engine in a thread of the run's process (in-process transport, bf16 state-dict publish).
     process: the engine in its own OS process on the same device (rlcore.serve over HTTP on 127.0.0.1, the
@@ -230,6 +241,15 @@ def make_loss_fn(cfg: Config, *, decoupled: bool) -> step.LossFn:
     return loss_fn
 
 
+def rollout_config(cfg: Config, eta: int) -> rollout.RolloutConfig:
+    """B groups of G per step, staleness ``eta``, ``batches_in_flight`` (0: eta + 1) batches generating at once."""
+    if cfg.batches_in_flight < 0:
+        raise ValueError(f"Config.batches_in_flight must be >= 0 (0: eta + 1), got {cfg.batches_in_flight}")
+    k = cfg.batches_in_flight or eta + 1
+    return rollout.RolloutConfig(batch_size=cfg.prompts_per_step, group_size=cfg.group_size, max_staleness=eta,
+                                 max_concurrent=k * cfg.prompts_per_step)
+
+
 def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None = None) -> dict:
     """Train from ``out_dir/sft`` with one objective and staleness bound; returns (and writes) the curve.
 
@@ -257,7 +277,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
             model=str(sft_dir), device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed,
             max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1, threads=4 if cuda else 1,
-            startup_timeout_s=300.0,
+            startup_timeout_s=300.0, kv_after_update=cfg.kv_after_update,
         )))
         engine = stack.enter_context(engine_client.connect(ep.address))  # control: pause / publish / continue
         gen_client = engine_client.EngineClient(coalesce.CoalescingHTTP(ep.address))
@@ -267,6 +287,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
             copy.deepcopy(policy),
             engine_lib.EngineConfig(max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1,
                                     device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed,
+                                    kv_after_update=cfg.kv_after_update,
                                     capture_at_start=True),  # the trainer shares this GPU and this process
         ))
         gen_client = engine_client.EngineClient(engine)
@@ -288,7 +309,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         tok, countdown_reward.boxed_reward_fn,
         workflows.WorkflowConfig(max_new_tokens=budget, temperature=cfg.temperature),
     )
-    rollout_cfg = rollout.RolloutConfig(batch_size=B, group_size=G, max_staleness=eta)
+    rollout_cfg = rollout_config(cfg, eta)
     loader = PromptLoader(countdown.CountdownDataset(1_000_000, seed=cfg.seed, cfg=cfg.task), seed=cfg.seed)
     log_dir = Path(cfg.log_dir or Path(cfg.out_dir) / "tb") / f"{name}_eta{eta}"
     monitor = offpolicy.Monitor(cfg.offpolicy, log=lambda text: print(f"[{spec}] {text}", flush=True))
@@ -308,36 +329,47 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         print(f"[{spec}] start greedy {curve[-1]['greedy']:.3f}", flush=True)
         train_s, t_mark, next_eval = 0.0, time.perf_counter(), cfg.eval_every_s
         rewards: list[float] = []
+        phase_s = {"wait": 0.0, "update": 0.0, "publish": 0.0}  # where each iteration's wall time goes
+        iters = 0
         while train_s < cfg.minutes * 60:
             # --- rollout: B groups of G, every token tagged with the weight version that sampled it ---
+            t_phase = time.perf_counter()
             groups = ctl.prepare_batch()
+            phase_s["wait"] += time.perf_counter() - t_phase
+            t_phase = time.perf_counter()
             roll = dict(ctl.last_metrics)
             rewards.append(float(roll.get("rollout/reward", math.nan)))
             kept = [g for g in groups if informative(g)]
             m: dict = {}
             if kept:
-                batch = TokenBatch.from_rollout(trajectory.concat(kept))  # the single predictive shift
-                version = state.version
-                # dppo: the proximal log-probs, a no-grad forward before the update (also the diagnostics' forward)
-                if decoupled:
-                    batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
-                # --- rewards: the verifier's {0, 1} -> GRPO z-score within each group of G ---
-                mask = batch.loss_mask
-                reward = shaping_lib.shape_rewards(batch.rewards, cfg=shaping_lib.ShapingConfig(),
-                                                   reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
-                # --- advantages: gamma = lambda = 1, no critic: every token of a row gets its group-normalised reward
-                adv = gae_lib.compute_advantages(reward, mask, batch.attention_mask.sum(1),
-                                                 torch.zeros_like(mask[:, 0]), cfg=gae_lib.GAEConfig())
-                batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
-                # --- loss_fn -> train_step (one optimizer step); grpo reads its first forward back for diagnostics
-                step_loss = make_loss_fn(cfg, decoupled=decoupled) if loss_fn is None else loss_fn
-                seen = None if decoupled else offpolicy.first_forward(step_loss)
-                state, m = step.train_step(state, batch, seen or step_loss, cfg=step_cfg)
-                first_logp, first_batch = (batch.logp_prox, batch) if seen is None else seen.logp_and_batch()
-                m = {k.replace("train/", "ppo_actor/"): v for k, v in m.items()}
-                m |= monitor(state.step, first_logp, first_batch, version=version)
+                # the update on its own high-priority CUDA stream: an engine thread's kernels fill its gaps
+                with step.device_stream(torch.device(device), cfg.train_stream):
+                    batch = TokenBatch.from_rollout(trajectory.concat(kept))  # the single predictive shift
+                    version = state.version
+                    # dppo: the proximal log-probs, a no-grad forward before the update (also the diagnostics' forward)
+                    if decoupled:
+                        batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
+                    # --- rewards: the verifier's {0, 1} -> GRPO z-score within each group of G ---
+                    mask = batch.loss_mask
+                    reward = shaping_lib.shape_rewards(batch.rewards, cfg=shaping_lib.ShapingConfig(),
+                                                       reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
+                    # --- advantages: gamma = lambda = 1, no critic: every token of a row gets its group-normalised reward
+                    adv = gae_lib.compute_advantages(reward, mask, batch.attention_mask.sum(1),
+                                                     torch.zeros_like(mask[:, 0]), cfg=gae_lib.GAEConfig())
+                    batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
+                    # --- loss_fn -> train_step (one optimizer step); grpo reads its first forward back for diagnostics
+                    step_loss = make_loss_fn(cfg, decoupled=decoupled) if loss_fn is None else loss_fn
+                    seen = None if decoupled else offpolicy.first_forward(step_loss)
+                    state, m = step.train_step(state, batch, seen or step_loss, cfg=step_cfg)
+                    first_logp, first_batch = (batch.logp_prox, batch) if seen is None else seen.logp_and_batch()
+                    m = {k.replace("train/", "ppo_actor/"): v for k, v in m.items()}
+                    m |= monitor(state.step, first_logp, first_batch, version=version)
+            phase_s["update"] += time.perf_counter() - t_phase
             # --- publish: the engine serves version + 1 (also after a step with nothing to learn) ---
+            t_phase = time.perf_counter()
             state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
+            phase_s["publish"] += time.perf_counter() - t_phase
+            iters += 1
             samples += B * G
             gen_tokens += sum(int(g["loss_mask"].sum()) for g in groups)
             now = time.perf_counter()
@@ -371,6 +403,8 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "steps": state.step, "samples": samples, "train_seconds": train_s,
         "samples_per_s": samples / max(train_s, 1e-9), "gen_tokens_per_s": gen_tokens / max(train_s, 1e-9),
+        "seconds_per_iteration": {k: v / max(iters, 1) for k, v in phase_s.items()},
+        "max_concurrent_groups": rollout_cfg.concurrency,
         "greedy_start": curve[0]["greedy"], "greedy_end": sum(tail) / len(tail),
         "greedy_best": max(c["greedy"] for c in curve), "curve": curve,
         "offpolicy_warnings": monitor.fired,
@@ -381,7 +415,8 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     run_file(cfg.out_dir, spec).with_suffix(".partial.json").unlink(missing_ok=True)
     print(f"[{spec}] done: {result['greedy_start']:.3f} -> {result['greedy_end']:.3f} "
           f"({result['greedy_gain']:+.3f}) in {train_s:.0f}s, {state.step} steps, "
-          f"{result['samples_per_s']:.0f} samples/s", flush=True)
+          f"{result['samples_per_s']:.0f} samples/s; per iteration wait / update / publish "
+          f"{' / '.join(f'{v * 1e3:.0f}' for v in result['seconds_per_iteration'].values())} ms", flush=True)
     return result
 
 

@@ -261,6 +261,18 @@ def test_gpu_learning_run_smoke_pipeline(tmp_path, monkeypatch):
     assert mod.rl_run(hot, "grpo:0", "cpu")["offpolicy_warnings"] >= 1
 
 
+def test_gpu_learning_run_keeps_every_batch_the_gate_admits_in_flight():
+    """batches_in_flight 0 (default): (eta + 1) * B groups generating at once, so at eta = 4 the engine decodes
+    five batches side by side; k: k * B; negative: an error naming the field."""
+    mod = _load("gpu_learning_run")
+    cfg = mod.Config(prompts_per_step=8)
+    assert mod.rollout_config(cfg, 0).concurrency == 8
+    assert mod.rollout_config(cfg, 4).concurrency == 40 and mod.rollout_config(cfg, 4).max_staleness == 4
+    assert mod.rollout_config(dataclasses.replace(cfg, batches_in_flight=1), 4).concurrency == 8
+    with pytest.raises(ValueError, match="batches_in_flight"):
+        mod.rollout_config(dataclasses.replace(cfg, batches_in_flight=-1), 4)
+
+
 def _tb_tags(log_dir: Path) -> set[str]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
