@@ -68,24 +68,34 @@ class OffPolicyConfig:
             raise ValueError(f"OffPolicyConfig.warn_every must be >= 1 step, got {self.warn_every}")
 
 
-def staleness(batch: TokenBatch, version: int) -> Tensor:
-    """``(b t)`` int: ``version − batch.versions`` on sampled tokens (0 where a token has no version)."""
+def staleness(batch: TokenBatch, version: int, *, kv_kept: bool = False) -> Tensor:
+    """``(b t)`` int: ``version − batch.versions`` on sampled tokens (0 where a token has no version).
+
+    ``kv_kept``: the engine kept the KV of requests in flight across weight loads (``kv_after_update="keep"``),
+    so a token's log-prob also depends on the older weights that computed its prefix's KV. Its staleness is then
+    counted from the oldest version among the row's sampled tokens up to it (a running minimum along ``t``), so
+    staleness 0 still means "computed by the current weights alone". With the default re-prefill the tag is exact.
+    """
     if batch.versions is None:
         return torch.zeros_like(batch.loss_mask, dtype=torch.long)
     v = batch.versions.long()
+    if kv_kept:
+        oldest = torch.cummin(torch.where(v >= 0, v, torch.full_like(v, torch.iinfo(v.dtype).max)), dim=1).values
+        v = torch.where(v >= 0, oldest, v)
     return torch.where(v >= 0, version - v, torch.zeros_like(v)).clamp(min=0)
 
 
 def step_metrics(
-    logp: Tensor, batch: TokenBatch, *, version: int, cfg: DiagnosticsConfig = DiagnosticsConfig()
+    logp: Tensor, batch: TokenBatch, *, version: int, cfg: DiagnosticsConfig = DiagnosticsConfig(),
+    kv_kept: bool = False,
 ) -> dict[str, Tensor]:
     """``offpolicy_metrics`` of the trainer's ``logp`` ``(b t)`` against ``batch.logp_behav`` on ``batch.loss_mask``,
-    bucketed by the staleness of each token at trainer weight ``version``."""
+    bucketed by the staleness of each token at trainer weight ``version`` (``kv_kept``: see :func:`staleness`)."""
     if batch.logp_behav is None:
         raise ValueError("off-policy diagnostics need TokenBatch.logp_behav (the engine's log-probs of the samples)")
     dev = logp.device
     return offpolicy_metrics(logp, batch.logp_behav.to(dev), batch.loss_mask.to(dev),
-                             staleness=staleness(batch, version).to(dev), cfg=cfg)
+                             staleness=staleness(batch, version, kv_kept=kv_kept).to(dev), cfg=cfg)
 
 
 class FirstForward:
@@ -144,10 +154,14 @@ class Monitor:
     """Every ``(step, text)`` printed so far."""
     fired: int = 0
     """Steps whose staleness-0 mismatch exceeded the threshold (printed or not)."""
+    kv_kept: bool = False
+    """The engine keeps KV across weight loads (``kv_after_update="keep"``): staleness counts from the oldest
+    weights that shaped a token (:func:`staleness`), so kept-KV tokens do not trip the staleness-0 warning."""
 
     def __call__(self, step: int, logp: Tensor, batch: TokenBatch, *, version: int) -> dict[str, float]:
         """Metrics of this step's first forward ``logp`` ``(b t)`` on ``batch`` at trainer weight ``version``."""
-        return self.check(step, step_metrics(logp, batch, version=version, cfg=self.cfg.diagnostics))
+        return self.check(step, step_metrics(logp, batch, version=version, cfg=self.cfg.diagnostics,
+                                             kv_kept=self.kv_kept))
 
     def check(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """The warning part alone, on metrics a step already computed with :func:`step_metrics` (a pure train

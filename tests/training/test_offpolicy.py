@@ -56,6 +56,24 @@ def test_staleness_buckets_follow_the_token_versions():
     assert float(m["offpolicy/abs_diff_max"]) < 1e-5  # the same weights: only numerics differ
 
 
+def test_kept_kv_counts_staleness_from_the_oldest_weights_that_shaped_the_token():
+    """kv_after_update="keep": a token sampled by version 4 on KV computed by version 3 is 1 stale, not 0; a row
+    sampled by one version throughout is unchanged; unversioned positions stay 0."""
+    versions = torch.tensor([[-1, -1, 3, 3, 4, 4], [-1, 4, 4, 4, -1, -1], [-1, 2, 4, 3, 4, -1]])
+    z = torch.zeros(3, 6, dtype=torch.long)
+    tb = TokenBatch(input_ids=z, targets=z, attention_mask=torch.ones(3, 6, dtype=torch.bool), loss_mask=versions >= 0,
+                    versions=versions)
+    assert offpolicy.staleness(tb, 4).tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 2, 0, 1, 0, 0]]
+    assert offpolicy.staleness(tb, 4, kv_kept=True).tolist() == [[0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0],
+                                                                  [0, 2, 2, 2, 2, 0]]
+    logp = torch.zeros(3, 6)
+    behav = torch.where(offpolicy.staleness(tb, 4) == 0, 0.0, -1.0)  # only the tag-0 tokens of row 0 disagree
+    behav[0, 4:] = -1.0
+    tb = dataclasses.replace(tb, logp_behav=behav)
+    assert offpolicy.Monitor()(1, logp, tb, version=4)["offpolicy/warning"] == 1.0
+    assert offpolicy.Monitor(kv_kept=True)(1, logp, tb, version=4)["offpolicy/warning"] == 0.0
+
+
 @pytest.mark.parametrize("train_temperature,warns", [(1.0, False), (0.5, True)])
 def test_temperature_mismatch_warns_once_per_n_steps(train_temperature, warns):
     """Engine samples at T=1; a trainer at T=0.5 disagrees (random tiny model: ~0.11 nats) on staleness-0 tokens -> the warning names the cause."""
