@@ -8,10 +8,12 @@ Stage 1 (SFT, experiments/sft_warmstart.py with ``answer_format="worked"``): a 1
 
 and stopped on purpose once greedy success on a dev set reaches ``sft_stop_at``, so RL has room to climb.
 
-Stage 2 (RL, one run per entry of ``runs``, each on its own GPU when there are several): the whole library in
-one process per run, as in the CPU main job (experiments/tiny_cpu.py) but on a GPU:
+Stage 2 (RL, one run per entry of ``runs``, each on its own GPU when there are several): the trainer and the
+rollout controller in the run's process, the engine in its own process on the same GPU (``--engine thread``: a
+thread of the run's process), as in the CPU main job (experiments/tiny_cpu.py) but on a GPU:
 
-    rollout (RolloutController, staleness eta -> EngineClient -> Engine: bf16, CUDA graphs, own thread)
+    rollout (RolloutController, staleness eta, (eta + 1) batches in flight -> EngineClient -> rlcore.serve:
+             bf16, CUDA graphs, KV kept across publishes)
       -> rewards (boxed countdown reward, GRPO group z-score) -> advantages (gae.compute_advantages, gamma = 1)
       -> loss_fn (ppo.loss, built by make_loss_fn) -> step.train_step -> publish_weights (bf16 copy) -> ...
 
@@ -28,6 +30,8 @@ the float32 trainer shows here; a warning names the likely cause if staleness-0 
 ``--offpolicy.warn-threshold`` nats.
 
 Run (2 x H200, ~9 min):  python experiments/gpu_learning_run.py --out-dir $OUT/learn
+Issue 16's one-GPU check (~5 min): python experiments/gpu_learning_run.py --runs dppo:0 dppo:4 --minutes 0.75 \
+                                     --eval-every-s 20 --eval-prompts 300 --out-dir $OUT/learn
 Smoke (CPU, ~30 s):      python experiments/gpu_learning_run.py --smoke
 Writes: OUT_DIR/sft/ (model), OUT_DIR/rl_<run>.json (curves), OUT_DIR/summary.json, OUT_DIR/curves.png.
 Results: docs/results.md#gpu-learning-run.
@@ -159,17 +163,19 @@ class Config:
     """TensorBoard directory (default: ``out_dir/tb``)."""
     offpolicy: offpolicy.OffPolicyConfig = offpolicy.OffPolicyConfig()
     """Train-vs-engine mismatch diagnostics of every step and the staleness-0 warning threshold."""
-    kv_after_update: Literal["recompute", "keep"] = "recompute"
+    kv_after_update: Literal["recompute", "keep"] = "keep"
     """What a publish does to requests in flight (``EngineConfig.kv_after_update``): re-prefill them under the new
     weights, or keep their KV and decode on (every token still carries the version that sampled it, and the
     behaviour log-probs are the engine's own, so the decoupled objective stays exact about what was sampled)."""
     train_stream: Literal["high_priority", "current"] = "high_priority"
     """Where the update's CUDA work runs (``step.device_stream``): a high-priority stream of its own, so an engine
     thread's kernels fill its gaps, or the caller's stream. Nothing changes on CPU."""
-    engine: Literal["thread", "process"] = "thread"
+    engine: Literal["thread", "process"] = "process"
     """thread: the engine in a thread of the run's process (in-process transport, bf16 state-dict publish).
-    process: the engine in its own OS process on the same device (rlcore.serve over HTTP on 127.0.0.1, the
-    same client as for SGLang; weights by CUDA IPC on GPU, /dev/shm on CPU), so it shares no GIL with the trainer."""
+    process (default): the engine in its own OS process on the same device (rlcore.serve over HTTP on 127.0.0.1,
+    the same client as for SGLang; weights by CUDA IPC on GPU, /dev/shm on CPU), so it shares no GIL with the
+    trainer. On one H200 (session 14, docs/benchmarks.md) this layout with every batch in flight and the KV kept
+    consumed 1.35-1.43x the samples/s at eta = 4 as at eta = 0; the thread layout 0.99x."""
 
 
 SMOKE = dict(
@@ -312,7 +318,8 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     rollout_cfg = rollout_config(cfg, eta)
     loader = PromptLoader(countdown.CountdownDataset(1_000_000, seed=cfg.seed, cfg=cfg.task), seed=cfg.seed)
     log_dir = Path(cfg.log_dir or Path(cfg.out_dir) / "tb") / f"{name}_eta{eta}"
-    monitor = offpolicy.Monitor(cfg.offpolicy, log=lambda text: print(f"[{spec}] {text}", flush=True))
+    monitor = offpolicy.Monitor(cfg.offpolicy, log=lambda text: print(f"[{spec}] {text}", flush=True),
+                                kv_kept=cfg.kv_after_update == "keep")
 
     def evaluate() -> float:
         return mod.greedy_success(models.hf_module(state.model), tok, heldout, cfg.task, "worked")
