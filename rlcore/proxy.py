@@ -51,6 +51,14 @@ class Args:
     """Weight version to tag tokens with until /rl/set_version changes it."""
     max_body_bytes: int = 32 * 2**20
     """Largest request body accepted (a larger one is a JSON 413)."""
+    header_timeout_s: float = 60.0
+    """A connection that has not sent a complete request head this many seconds after it opened (or after the
+    first byte of a later request's head) is answered 408 and closed (slow-header clients; docs/agents.md)."""
+
+    def __post_init__(self) -> None:
+        from rlcore.inference.connection import check_header_timeout
+
+        check_header_timeout(self.header_timeout_s, "--header-timeout-s")
 
 
 async def serve(args: Args) -> None:
@@ -66,7 +74,7 @@ async def serve(args: Args) -> None:
     cfg = ProxyConfig(
         host=args.host, port=args.port, admin_key=args.admin_key, template_mode=args.template_mode,
         engine_max_tokens=args.engine_max_tokens, capacity_gating=args.capacity_gating,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
     )
     async with client, AgentProxy(client, tokenizer, cfg) as proxy:
         print(f"rlcore proxy: serving {proxy.base_url} for {client.live_servers()}", flush=True)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Literal
 import tyro
 
 if TYPE_CHECKING:
+    import socket
+
     from aiohttp import web
 
     from rlcore.inference.engine import Engine, EngineConfig
@@ -80,6 +82,9 @@ class ServeConfig:
     """Also ask Linux for SIGTERM when the parent's spawning thread exits (with ``--parent-pid``)."""
     shm_root: str = ""
     """Where the parent publishes weight files; the dead parent's files are deleted (empty: /dev/shm)."""
+    header_timeout_s: float = 60.0
+    """A connection that has not sent a complete request head this many seconds after it opened (or after the
+    first byte of a later request's head) is answered 408 and closed (slow-header clients; docs/engine.md)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -91,6 +96,9 @@ class ServeConfig:
 
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {self.threads}")
+        from rlcore.inference.connection import check_header_timeout
+
+        check_header_timeout(self.header_timeout_s, "--header-timeout-s")
 
 
 def build_app(engine: Engine, cfg: ServeConfig) -> web.Application:
@@ -138,8 +146,6 @@ def main(cfg: ServeConfig) -> None:
 
         process.set_child_threads(cfg.threads or torch.get_num_threads(), cfg.cpus)
 
-    from aiohttp import web
-
     from rlcore.inference.engine import Engine
 
     tokenizer = None
@@ -159,19 +165,21 @@ def main(cfg: ServeConfig) -> None:
         print(f"[rlcore.serve] WARNING: bound to {cfg.host} without --api-key: anyone who reaches this port can "
               "generate, load weights from this host's files and pause the engine", flush=True)
     with engine:
-        asyncio.run(_serve(web, build_app(engine, cfg), sock))
+        asyncio.run(serve_app(build_app(engine, cfg), sock, cfg.header_timeout_s))
 
 
-async def _serve(web, app, sock) -> None:
+async def serve_app(app: web.Application, sock: socket.socket, header_timeout_s: float = 60.0) -> None:
+    """Serve ``app`` on the bound ``sock`` until cancelled: ``rlcore.inference.connection.start_server`` (half-closed
+    clients answered, clients that left found, request heads timed out after ``header_timeout_s``)."""
     import asyncio
 
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
+    from rlcore.inference.connection import start_server
+
+    server = await start_server(app, sock=sock, header_timeout_s=header_timeout_s, access_log=None)
     try:
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await server.close()
 
 
 def input_problem(cfg: ServeConfig) -> str:

@@ -612,7 +612,7 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
             elif plan.echo[k // plan.n]:
                 await out.send(_chunk(engine, plan, k, plan.echo[k // plan.n], [], [], [], None))
         while open_reqs:
-            items = await sse.next_stream_items(queue, request)
+            items = await sse.next_stream_items(queue, request, out.resp)
             if items is None:  # the client went away
                 break
             touched: dict[int, bool] = {}

@@ -404,7 +404,7 @@ async def stream_generate(engine: Engine, p: dict, request: web.Request) -> web.
     try:
         await resp.prepare(request)
         while open_reqs:
-            items = await next_stream_items(queue, request)
+            items = await next_stream_items(queue, request, resp)
             if items is None:  # the client went away
                 break
             changed: dict[int, bool] = {}

@@ -10,7 +10,8 @@ make this simpler or keep the wire format, and it narrows the supported Pythons.
   tests read byte for byte, so every call site would pass ``sep="\n"``.
 - It starts a ping task per stream (``: ping`` comments every 15 s) and sets ``TCP_USER_TIMEOUT``; our streams
   end when generation does, and a client that left is found by ``next_stream_items`` (the engine request is
-  aborted then), which aiohttp-sse does not replace.
+  aborted then; a half-closed client is probed with ``: ping`` while nothing else is written:
+  ``rlcore.inference.connection``), which aiohttp-sse does not replace.
 - What remains ours either way: JSON with ``allow_nan=False``, the ``[DONE]`` sentinel and an idempotent end.
   ``EventWriter`` is those three plus two headers, about 25 lines.
 """
@@ -24,6 +25,8 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from aiohttp import web
+
+from rlcore.inference import connection
 
 T = TypeVar("T")
 
@@ -55,15 +58,19 @@ class EventWriter:
             await self.resp.write_eof()
 
 
-async def next_stream_items(queue: asyncio.Queue, request: web.Request) -> list | None:
+async def next_stream_items(
+    queue: asyncio.Queue, request: web.BaseRequest, stream: web.StreamResponse | None = None
+) -> list | None:
     """The next items a streaming handler must send: waits for one, then takes whatever else arrived meanwhile
-    (one event per request per wake-up). None once the client has disconnected (checked every second)."""
+    (one event per request per wake-up). None once the client has gone: while nothing arrives it is checked every
+    ``connection.CHECK_INTERVAL_S`` (``connection.still_connected``; ``stream``, the event stream whose headers are
+    sent, is where a half-closed client is probed with ``: ping``)."""
     while True:
         try:
-            first = await asyncio.wait_for(queue.get(), timeout=1.0)
+            first = await asyncio.wait_for(queue.get(), timeout=connection.CHECK_INTERVAL_S)
             break
         except asyncio.TimeoutError:
-            if client_gone(request):
+            if not await connection.still_connected(request, stream):
                 return None
     items = [first]
     while not queue.empty():
@@ -71,23 +78,23 @@ async def next_stream_items(queue: asyncio.Queue, request: web.Request) -> list 
     return items
 
 
-def client_gone(request: web.Request) -> bool:
-    """Whether the client of ``request`` has closed its connection."""
-    return request.transport is None or request.transport.is_closing()
+client_gone = connection.client_gone
 
 
-async def while_connected(aw: Awaitable[T], request: web.Request) -> T:
-    """Await ``aw`` while the client stays connected (checked every second). A client that goes away gets ``aw``
-    cancelled (its ``finally`` aborts the engine requests it submitted) and ``ConnectionResetError`` raised: a
-    non-streaming request is abandoned as SGLang abandons one (``TokenizerManager._wait_one_response``) instead of
-    holding its slot until it finishes. aiohttp's default (``handler_cancellation=False``) never cancels it."""
+async def while_connected(aw: Awaitable[T], request: web.BaseRequest) -> T:
+    """Await ``aw`` while the client stays connected (``connection.still_connected`` every
+    ``connection.CHECK_INTERVAL_S``; a half-closed client is probed with an interim ``100 Continue``). A client
+    that goes away gets ``aw`` cancelled (its ``finally`` aborts the engine requests it submitted) and
+    ``ConnectionResetError`` raised: a non-streaming request is abandoned as SGLang abandons one
+    (``TokenizerManager._wait_one_response``) instead of holding its slot until it finishes. aiohttp's default
+    (``handler_cancellation=False``) never cancels it."""
     task: asyncio.Future[Any] = asyncio.ensure_future(aw)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=1.0)
+            done, _ = await asyncio.wait({task}, timeout=connection.CHECK_INTERVAL_S)
             if done:
                 return task.result()
-            if client_gone(request):
+            if not await connection.still_connected(request):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

@@ -73,6 +73,7 @@ from rlcore.inference.chat import (
     validate,
 )
 from rlcore.inference.client import EngineClient, EngineError, EngineRejected
+from rlcore.inference.connection import DEFAULT_HEADER_TIMEOUT_S, check_header_timeout, start_server
 from rlcore.inference.protocol import ModelRequest, ModelResponse, SamplingParams
 from rlcore.inference.tool_parsers import ParseFn, ToolParser, resolve
 
@@ -114,6 +115,9 @@ class ProxyConfig:
     max_body_bytes: int = 32 * 2**20
     """Largest request body accepted (long agent conversations grow past aiohttp's 1 MiB default); a larger one is
     a JSON 413 naming this field."""
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    """A connection that has not sent a complete request head this many seconds after it opened (or after the
+    first byte of a later request's head) is answered 408 and closed (``rlcore.inference.connection``)."""
 
     def __post_init__(self):
         if self.template_mode not in ("hf", "concat"):
@@ -125,6 +129,7 @@ class ProxyConfig:
             raise ValueError("ProxyConfig.admin_key is empty: set a secret key")
         if self.max_body_bytes < 1024:
             raise ValueError(f"ProxyConfig.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        check_header_timeout(self.header_timeout_s, "ProxyConfig.header_timeout_s")
 
 
 @dataclass
@@ -406,12 +411,13 @@ class AgentProxy:
         return app
 
     async def start(self) -> AgentProxy:
-        """Serve on the running loop; ``self.port`` holds the bound port afterwards."""
-        self._runner = web.AppRunner(self.make_app())
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        """Serve on the running loop; ``self.port`` holds the bound port afterwards. Connections are handled by
+        ``rlcore.inference.connection.start_server``, as ``rlcore.serve``'s: half-closed clients are answered,
+        a client that left has its generation cancelled, request heads are timed out (``header_timeout_s``)."""
+        server = await start_server(self.make_app(), host=self.cfg.host, port=self.cfg.port,
+                                    header_timeout_s=self.cfg.header_timeout_s)
+        self._runner = server.runner
+        self.port = server.port
         return self
 
     async def stop(self) -> None:
@@ -765,7 +771,10 @@ class AgentProxy:
     async def _h_chat(self, request: web.Request) -> web.StreamResponse:
         sid = self._session_of(request)
         body = await self._json(request)
-        result = await self.chat(sid, body)
+        try:  # a client that leaves mid-generation has it cancelled (the engine request is aborted), unrecorded
+            result = await sse.while_connected(self.chat(sid, body), request)
+        except ConnectionResetError:
+            return web.Response(status=499)
         if not body.get("stream"):
             return web.json_response(result, dumps=lambda x: json.dumps(x, allow_nan=False))
         # the completion is finished: it goes out as role, content (with its log-probs), tool calls, finish
