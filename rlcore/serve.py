@@ -135,7 +135,6 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
 def main(cfg: ServeConfig) -> None:
     """Load the model, bind ``cfg.host:cfg.port`` and serve until interrupted."""
     import asyncio
-    import socket
 
     from rlcore.inference import process
 
@@ -157,15 +156,26 @@ def main(cfg: ServeConfig) -> None:
     engine = Engine(
         cfg.model, ecfg, tokenizer=tokenizer, tokenizer_path=cfg.tokenizer, version=cfg.weight_version
     )
-    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.port))
+    sock = listening_socket(cfg.host, cfg.port)
     print(f"[rlcore.serve] {cfg.model} on http://{cfg.host}:{sock.getsockname()[1]}", flush=True)
     if not cfg.api_key and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[rlcore.serve] WARNING: bound to {cfg.host} without --api-key: anyone who reaches this port can "
               "generate, load weights from this host's files and pause the engine", flush=True)
     with engine:
         asyncio.run(serve_app(build_app(engine, cfg), sock, cfg.header_timeout_s))
+
+
+def listening_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` (0: a free port) and already listening, so the address printed at
+    start-up accepts connections at once: a client that connects the moment it reads the line is queued in the
+    backlog until the server's loop accepts it, never refused."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
 
 
 async def serve_app(app: web.Application, sock: socket.socket, header_timeout_s: float = 60.0) -> None:

@@ -399,3 +399,37 @@ def test_an_aiohttp_without_the_internals_is_served_as_aiohttp_serves(monkeypatc
         kind, status = asyncio.run(run())
     assert kind is web.Server and status == 200
     assert "lacks _messages" in caplog.text and "half-closed clients will get no answer" in caplog.text
+
+
+def test_the_address_rlcore_serve_prints_accepts_a_connection_at_once():
+    """A launcher that connects the moment it reads ``[rlcore.serve] ... on http://host:port`` is not refused: the
+    socket listens before the line is printed (it used to be bound only, and listened once the app had started)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import rlcore
+
+    model = Path(rlcore.__file__).parent / "assets" / "countdown-tiny"
+    proc = subprocess.Popen([sys.executable, "-m", "rlcore.serve", "--model", str(model), "--port", "0",
+                             "--max-batch", "4", "--max-seq-len", "32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        for line in proc.stdout:
+            m = re.search(r"\[rlcore\.serve\] .* on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port is not None, "rlcore.serve exited without printing its address"
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # refused on the old code
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            s.settimeout(30)
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
