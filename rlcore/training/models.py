@@ -44,7 +44,11 @@ def load_causal_lm(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = "sdpa",
 ) -> nn.Module:
-    """A Hugging Face causal LM from a module (returned as is), a local directory, or a ``PretrainedConfig``."""
+    """A Hugging Face causal LM from a module (returned as is), a local directory, or a ``PretrainedConfig`` (random
+    init; the model gets a copy of the config, the caller's is left as it was).
+
+    ``attn_implementation="sdpa"`` falls back to the architecture's default when it refuses sdpa (Gemma 2 with
+    attention soft-capping: eager)."""
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
     from rlcore.inference.weights import cast_model
@@ -64,7 +68,9 @@ def load_causal_lm(
             return fn(*args, **kw)
 
     if isinstance(model_or_path, PretrainedConfig):
-        model = load(AutoModelForCausalLM.from_config, model_or_path, **kw)
+        # from_config writes attn_implementation and dtype into the config it is given: a copy per attempt, so the
+        # caller's config stays as it was and the fallback does not retry the sdpa it was just refused
+        model = load(lambda **kw: AutoModelForCausalLM.from_config(copy.deepcopy(model_or_path), **kw), **kw)
         return cast_model(model, dtype=dtype) if dtype is not None else model
     path = Path(model_or_path)
     if not path.is_dir():
