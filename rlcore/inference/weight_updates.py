@@ -23,7 +23,7 @@ from rlcore.inference.weights import (
     hf_ignored_keys,
     init_custom_process_group,
     parse_dtype,
-    read_safetensors,
+    read_hf_checkpoint,
     stage_weights,
 )
 
@@ -77,12 +77,15 @@ class WeightUpdates:
         """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``.
 
         The files are read and checked on the calling thread (generation continues meanwhile); the loop thread
-        only copies the staged tensors in. The names ``from_pretrained`` ignores are skipped (``hf_ignored_keys``:
-        an older conversion's per-layer ``rotary_emb.inv_freq``, DeepSeek-V3's MTP layer). A failed load (bad path,
-        unknown name, wrong shape) changes nothing. Refused while a LoRA adapter is loaded.
+        only copies the staged tensors in. The checkpoint's keys go through transformers' own conversions, as in
+        ``from_pretrained`` (``weights.read_hf_checkpoint``): a hub MoE checkpoint's per-expert tensors load into
+        transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``. The names ``from_pretrained`` ignores
+        are skipped (``hf_ignored_keys``: an older conversion's per-layer ``rotary_emb.inv_freq``, DeepSeek-V3's MTP
+        layer). A failed load (bad path, unknown name, wrong shape, two keys for one parameter) changes nothing.
+        Refused while a LoRA adapter is loaded.
         """
         with self._lora.full_load():
-            staged = stage_weights(self.model, read_safetensors(path, skip=hf_ignored_keys(self.model)))
+            staged = stage_weights(self.model, read_hf_checkpoint(self.model, path, skip=hf_ignored_keys(self.model)))
             self._call(lambda: self._commit(staged, version))
 
     def update_weights_from_tensors(

@@ -8,12 +8,16 @@ nothing: the weights and the version stay as they were.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import inspect
 import json
 import os
 import re
 import stat
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -158,6 +162,168 @@ def read_safetensors(
                 f"model_path {os.fspath(path)!r}: {f!r} is not a readable safetensors file "
                 f"({type(e).__name__}: {e}); pass an HF model directory saved with save_pretrained"
             ) from None
+
+
+def _natural_key(name: str) -> list[tuple[int, int | str]]:
+    """Sort key of a checkpoint name: numeric parts as numbers (``experts.2`` before ``experts.10``), as
+    transformers orders a checkpoint before merging per-expert tensors into one."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
+
+
+class _Plan:
+    """One parameter's sources in a checkpoint: one key renamed (``converter`` None) or the keys one transformers
+    ``WeightConverter`` merges (per-expert tensors into a fused one)."""
+
+    __slots__ = ("converter", "proto", "keys", "patterns")
+
+    def __init__(self, key: str, converter: Any = None, proto: Any = None, pattern: str | None = None) -> None:
+        self.converter, self.proto = converter, proto
+        self.keys: list[str] = [key]
+        self.patterns: list[str | None] = [pattern]
+
+
+def _two_keys(target: str, first: str, second: str) -> EngineError:
+    return EngineError(
+        f"checkpoint keys {first!r} and {second!r} both load the model's {target!r} (a fused tensor next to its "
+        "per-expert keys, or a name next to its legacy alias); keep one of them"
+    )
+
+
+def hf_checkpoint_conversions(
+    model: nn.Module, known: dict[str, torch.Tensor] | None = None
+) -> tuple[Callable[[str], tuple[str, str | None]], dict[str, Any]]:
+    """``(rename, converters)``: transformers' own checkpoint conversions for ``model`` (``conversion_mapping``,
+    transformers >= 5), as ``from_pretrained`` applies them.
+
+    ``rename(key)`` is ``(name, pattern)``: the model name a checkpoint key loads (every ``WeightRenaming``, then at
+    most one ``WeightConverter``, then the base-model prefix added or dropped) and the converter's source pattern it
+    matched (None: a plain rename). ``converters`` maps each source pattern to its ``WeightConverter`` (e.g.
+    ``MergeModulelist`` + ``Concatenate``: ``mlp.experts.*.gate_proj.weight`` and ``...up_proj.weight`` into
+    ``mlp.experts.gate_up_proj``). Without that machinery (an older transformers, a module that is no
+    ``PreTrainedModel``) every key keeps its name. ``known``: ``named_tensors(model)`` when the caller has it."""
+    known = named_tensors(model) if known is None else known
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return (lambda key: (key, None)), {}
+    if not isinstance(model, PreTrainedModel):
+        return (lambda key: (key, None)), {}
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, str | None]:
+        name, pattern = rename_source_key(key, renamings, converters, prefix, known)
+        if name not in known and key in known:  # transformers' rule: a model name loads as itself
+            return key, None
+        return name, pattern
+
+    return rename, by_pattern
+
+
+def read_hf_checkpoint(
+    model: nn.Module, path: str | os.PathLike, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every model tensor the safetensors checkpoint at ``path`` holds (an HF directory,
+    sharded or not, or one file), named and shaped as ``model`` names its tensors, on CPU, in the file's dtypes.
+
+    The checkpoint's keys go through transformers' own conversions (:func:`hf_checkpoint_conversions`), as in
+    ``from_pretrained``: a hub MoE checkpoint's per-expert ``mlp.experts.E.gate_proj.weight`` / ``up_proj`` /
+    ``down_proj`` (``(inter, hidden)`` each) become transformers 5's fused ``mlp.experts.gate_up_proj``
+    ``(experts, 2 inter, hidden)`` and ``mlp.experts.down_proj`` ``(experts, hidden, inter)``; Mixtral's
+    ``block_sparse_moe`` keys are renamed to ``mlp``. A checkpoint in the model's own names (the trainer's publish)
+    reads as is. A key that loads nothing keeps its name (``check_specs`` refuses it).
+
+    ``skip``: checkpoint keys for which it is true are not read (``hf_ignored_keys``). Two keys that load one
+    parameter (a fused tensor next to its per-expert keys, a name next to its legacy alias: ``from_pretrained``
+    keeps one of them silently) and a key in two files raise ``EngineError`` naming both, from the keys alone
+    (before any tensor is read) unless one converter's several outputs collide with another key's; so does a path
+    that is not a safetensors model. Tensors are read one parameter at a time (the per-expert tensors of one fused
+    parameter together), so a consumer that stages them holds one copy of the checkpoint, as before.
+    """
+    from safetensors import safe_open
+
+    def unreadable(f: str, e: Exception) -> EngineError:
+        return EngineError(
+            f"model_path {os.fspath(path)!r}: {f!r} is not a readable safetensors file "
+            f"({type(e).__name__}: {e}); pass an HF model directory saved with save_pretrained"
+        )
+
+    files = safetensors_files(path)
+    where: dict[str, str] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt", device="cpu") as fh:
+                keys = list(fh.keys())
+        except Exception as e:  # SafetensorError, OSError, ...: not a model file
+            raise unreadable(f, e) from None
+        for k in keys:
+            if skip is not None and skip(k):
+                continue
+            if k in where:
+                raise EngineError(f"model_path {os.fspath(path)!r}: key {k!r} is in both {where[k]!r} and {f!r}")
+            where[k] = f
+
+    known = named_tensors(model)
+    rename, converters = hf_checkpoint_conversions(model, known)
+    plan: dict[str, _Plan] = {}  # first model name a group loads -> its checkpoint keys
+    for key in sorted(where, key=_natural_key):  # experts in index order, as transformers merges them
+        name, pattern = rename(key)
+        if name not in known:
+            name, pattern = key, None  # loads nothing: check_specs names it
+        group = plan.get(name)
+        if pattern is None:
+            if group is not None:
+                raise _two_keys(name, group.keys[0], key)
+            plan[name] = _Plan(key)
+        elif group is None:
+            proto = converters[pattern]
+            plan[name] = _Plan(key, copy.deepcopy(proto), proto, pattern)
+        elif group.proto is not converters[pattern]:
+            raise _two_keys(name, group.keys[0], key)
+        else:
+            group.keys.append(key)
+            group.patterns.append(pattern)
+
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def read(key: str) -> torch.Tensor:
+            f = where[key]
+            try:
+                if f not in handles:
+                    handles[f] = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+                return handles[f].get_tensor(key)
+            except Exception as e:  # noqa: BLE001 — a truncated or corrupt file
+                raise unreadable(f, e) from None
+
+        loaded: dict[str, str] = {}  # model name -> the first checkpoint key that loaded it
+        for name, group in plan.items():
+            if group.converter is None:
+                out: dict[str, Any] = {name: read(group.keys[0])}
+            else:
+                conv = group.converter
+                for key, pattern in zip(group.keys, group.patterns):
+                    conv.add_tensor(name, key, pattern, functools.partial(read, key))
+                try:
+                    out = conv.convert(name, model=model, config=getattr(model, "config", None))
+                except EngineError:
+                    raise
+                except Exception as e:  # noqa: BLE001 — e.g. a missing expert: shapes that do not merge
+                    raise EngineError(
+                        f"checkpoint keys {group.keys[:4]}{'...' if len(group.keys) > 4 else ''} "
+                        f"({len(group.keys)}) do not convert into the model's {name!r}: {type(e).__name__}: {e}"
+                    ) from None
+            for target, t in out.items():
+                t = t[0] if isinstance(t, list) and len(t) == 1 else t
+                if target in loaded:
+                    raise _two_keys(target, loaded[target], group.keys[0])
+                loaded[target] = group.keys[0]
+                yield target, t
 
 
 def hf_ignored_keys(model: nn.Module) -> Callable[[str], bool]:

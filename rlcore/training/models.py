@@ -23,6 +23,7 @@ is issued once and a per-sequence SDPA loop (:func:`varlen_attention_reference`)
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import os
@@ -44,7 +45,11 @@ def load_causal_lm(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = "sdpa",
 ) -> nn.Module:
-    """A Hugging Face causal LM from a module (returned as is), a local directory, or a ``PretrainedConfig``."""
+    """A Hugging Face causal LM from a module (returned as is), a local directory, or a ``PretrainedConfig`` (random
+    init; the model gets a copy of the config, the caller's is left as it was).
+
+    ``attn_implementation="sdpa"`` falls back to the architecture's default when it refuses sdpa (Gemma 2 with
+    attention soft-capping: eager)."""
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
     from rlcore.inference.weights import cast_model
@@ -64,7 +69,9 @@ def load_causal_lm(
             return fn(*args, **kw)
 
     if isinstance(model_or_path, PretrainedConfig):
-        model = load(AutoModelForCausalLM.from_config, model_or_path, **kw)
+        # from_config writes attn_implementation and dtype into the config it is given: a copy per attempt, so the
+        # caller's config stays as it was and the fallback does not retry the sdpa it was just refused
+        model = load(lambda **kw: AutoModelForCausalLM.from_config(copy.deepcopy(model_or_path), **kw), **kw)
         return cast_model(model, dtype=dtype) if dtype is not None else model
     path = Path(model_or_path)
     if not path.is_dir():
@@ -72,6 +79,55 @@ def load_causal_lm(
     if dtype is not None:
         kw["dtype"] = dtype
     return load(AutoModelForCausalLM.from_pretrained, str(path), **kw)
+
+
+def keep_fp32_under_autocast(model: nn.Module) -> int:
+    """Run the modules HF keeps in float32 in float32 under ``torch.autocast`` too; returns how many were wrapped.
+
+    ``from_pretrained(dtype=bf16)`` keeps some parameters in float32 (``weights.fp32_tensors``: the model's
+    ``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3 / GLM-4-MoE routers, and under fp16 also
+    ``_keep_in_fp32_modules``, e.g. GPT-OSS norms), and the engine serves them so. A trainer that autocasts float32
+    masters (``TrainState`` ``compute_dtype``) ran their matmuls in the autocast dtype anyway: a router's
+    ``F.linear(x.float(), w.float())`` came out bf16, so it could pick other experts than the engine. Each module
+    that directly holds such a float32 parameter gets a forward that, while autocast is on for its device with a
+    dtype under which HF keeps it (bf16: the strict list; fp16: both), casts its floating inputs to float32 and runs
+    with autocast off; its outputs are float32 (e.g. router logits ``(tokens, experts)``). Without autocast, or
+    under a dtype HF does not keep it for, the module runs as before. Parameters that are not float32 at install
+    time are left alone (their module would get float32 inputs it cannot multiply). Idempotent; survives
+    ``copy.deepcopy`` (the copy's forward runs the copy). FSDP2 runs get a float32 policy instead
+    (``fsdp.shard_model``)."""
+    from rlcore.inference.weights import fp32_tensors
+
+    strict, half = fp32_tensors(model, torch.bfloat16), fp32_tensors(model, torch.float16)
+    n = 0
+    for mod in model.modules():
+        if getattr(mod, "_rlcore_fp32_under_autocast", None) is not None:
+            continue
+        own = [p for p in mod.parameters(recurse=False) if p.dtype == torch.float32]
+        if any(id(p) in strict for p in own):
+            dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+        elif any(id(p) in half for p in own):
+            dtypes = (torch.float16,)
+        else:
+            continue
+        mod._rlcore_fp32_under_autocast = dtypes
+        mod.forward = functools.partial(_fp32_forward, mod, mod.forward)
+        n += 1
+    return n
+
+
+def _fp32_forward(mod: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)``; with floating inputs cast to float32 and autocast off while autocast is on for
+    the module's device in one of its ``_rlcore_fp32_under_autocast`` dtypes (see :func:`keep_fp32_under_autocast`)."""
+    device = next(mod.parameters(recurse=False)).device.type
+    if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) not in mod._rlcore_fp32_under_autocast:
+        return forward(*args, **kwargs)
+
+    def fp32(x: Any) -> Any:
+        return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    with torch.autocast(device, enabled=False):
+        return forward(*[fp32(a) for a in args], **{k: fp32(v) for k, v in kwargs.items()})
 
 
 def refuse_stateful(model_or_path: nn.Module | str | os.PathLike | object) -> None:

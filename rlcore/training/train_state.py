@@ -404,8 +404,11 @@ def init_train_state(
         # fused kernels go in before sharding/checkpointing/compilation wrap the layers
         m.fused_kernels = fusions.apply_fused_kernels(m, model_cfg.fused_kernels, compiled=use_compile)
         if sharded:
-            fsdp.shard_model(m, fsdp_cfg or fsdp.FSDPConfig())
-        elif m is not ref_mod and (
+            fsdp.shard_model(m, fsdp_cfg or fsdp.FSDPConfig())  # float32-kept modules: their own float32 unit
+            continue
+        # the compute_dtype autocast would run the float32-kept modules (MoE routers) in bf16: they stay float32
+        models.keep_fp32_under_autocast(m)
+        if m is not ref_mod and (
             model_cfg.activation_checkpointing or (fsdp_cfg is not None and fsdp_cfg.activation_checkpointing)
         ):
             fsdp.enable_activation_checkpointing(m)

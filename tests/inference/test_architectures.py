@@ -273,7 +273,7 @@ OLD_KEYS = {
 
 @pytest.mark.parametrize("name", sorted(OLD_KEYS))
 def test_disk_update_skips_the_keys_from_pretrained_ignores(name, tmp_path):
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     from rlcore.inference.engine import EngineError
 
@@ -282,8 +282,7 @@ def test_disk_update_skips_the_keys_from_pretrained_ignores(name, tmp_path):
     torch.manual_seed(1)
     b = AutoModelForCausalLM.from_config(HALF[name]())
     b.save_pretrained(tmp_path / "b")
-    # the model's own names (transformers 5 writes MoE experts one by one, which the engine's loader cannot merge)
-    sd = {k: t.contiguous() for k, t in b.state_dict().items() if k != "lm_head.weight" or not b.config.tie_word_embeddings}
+    sd = load_file(str(tmp_path / "b" / "model.safetensors"))  # hub names: DeepSeek-V3's experts one by one
     extra = {k: torch.randn(8, 4) for k in OLD_KEYS[name]}
     save_file({**sd, **extra}, str(tmp_path / "b" / "model.safetensors"), metadata={"format": "pt"})
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)  # HF loads it
@@ -300,6 +299,122 @@ def test_disk_update_skips_the_keys_from_pretrained_ignores(name, tmp_path):
             eng.update_weights_from_disk(str(tmp_path / "b"), version=2)
         assert eng.version == 1
         assert all(torch.equal(t, got[k]) for k, t in eng.model.state_dict().items())
+
+
+# ---- disk updates of MoE checkpoints: hub per-expert keys onto transformers 5's fused experts -------------------
+
+MOE = {
+    # hub keys model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight -> mlp.experts.{gate_up_proj, down_proj}
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1),
+    # hub keys block_sparse_moe.experts.E.w{1,2,3}.weight (a rename and a merge) -> mlp.experts.*
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def _moe_dirs(name: str, tmp_path, **save) -> tuple[str, str]:
+    """``a`` and ``b``: two random inits of ``MOE[name]`` saved by ``save_pretrained`` (hub format: per-expert)."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(MOE[name]()).save_pretrained(tmp_path / "a")
+    torch.manual_seed(1)
+    b = AutoModelForCausalLM.from_config(MOE[name]())
+    with torch.no_grad():  # sharper logits, so greedy tokens depend on every weight
+        b.get_output_embeddings().weight.mul_(8.0)
+    b.save_pretrained(tmp_path / "b", **save)
+    return str(tmp_path / "a"), str(tmp_path / "b")
+
+
+def _expert_keys(path: str) -> list[str]:
+    from safetensors import safe_open
+
+    from rlcore.inference.weights import safetensors_files
+
+    keys = []
+    for f in safetensors_files(path):
+        with safe_open(f, framework="pt") as fh:
+            keys += [k for k in fh.keys() if ".experts." in k]
+    return keys
+
+
+@pytest.mark.parametrize("shards", [None, "20KB"])
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_disk_update_of_a_moe_checkpoint_equals_from_pretrained(name, shards, tmp_path):
+    """A hub-format MoE checkpoint (one tensor per expert, sharded or not) loads into the engine's fused experts as
+    ``from_pretrained`` loads it: the same tensors, the same greedy tokens and log-probs as an engine started from
+    that directory."""
+    a, b = _moe_dirs(name, tmp_path, **({} if shards is None else {"max_shard_size": shards}))
+    assert any(k.split(".experts.")[1][0].isdigit() for k in _expert_keys(b))  # per-expert on disk
+    hf = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in hf.named_parameters())  # fused in the model
+    cfg = EngineConfig(max_batch=2, max_seq_len=48, device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    with Engine(b, cfg) as fresh:
+        want = fresh.submit([1, 2, 3, 4, 5], params).result(60)
+    with Engine(a, cfg) as eng:
+        eng.update_weights_from_disk(b, version=1)
+        assert eng.version == 1
+        got = eng.model.state_dict()
+        for k, t in hf.state_dict().items():
+            assert torch.equal(got[k], t), k
+        out = eng.submit([1, 2, 3, 4, 5], params).result(60)
+    assert out.output_ids == want.output_ids
+    assert out.output_logprobs == want.output_logprobs
+
+
+def test_read_hf_checkpoint_yields_the_model_names(tmp_path):
+    from rlcore.inference.weights import named_tensors, read_hf_checkpoint
+
+    a, b = _moe_dirs("qwen3-moe", tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)
+    got = dict(read_hf_checkpoint(model, b))
+    known = named_tensors(model)
+    assert set(got) <= set(known)
+    assert {k for k in got if ".experts." in k} == {k for k in known if ".experts." in k}
+    want = hf.state_dict()
+    for k, t in got.items():
+        assert torch.equal(t, want[k]), k
+
+
+def test_disk_update_refuses_two_keys_for_one_parameter_naming_both(tmp_path):
+    """A checkpoint holding a parameter twice (the fused tensor and its per-expert keys; a key and its legacy
+    alias) is refused naming both keys, and changes nothing: it was last-wins, silently."""
+    from safetensors.torch import load_file, save_file
+
+    from rlcore.inference.engine import EngineError
+
+    a, b = _moe_dirs("qwen3-moe", tmp_path)
+    file = str(tmp_path / "b" / "model.safetensors")
+    sd = load_file(file)
+    fused = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32).state_dict()
+    with Engine(a, EngineConfig(max_batch=2, max_seq_len=32, device="cpu", dtype="float32")) as eng:
+        before = {k: t.clone() for k, t in eng.model.state_dict().items()}
+        key = "model.layers.1.mlp.experts.gate_up_proj"
+        save_file(sd | {key: fused[key] + 1}, file)  # the fused tensor and its per-expert keys
+        with pytest.raises(EngineError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj.*"
+                                              r"model\.layers\.1\.mlp\.experts\.\d\.(gate|up)_proj\.weight"
+                                              r"|model\.layers\.1\.mlp\.experts\.\d\.(gate|up)_proj\.weight.*"
+                                              r"model\.layers\.1\.mlp\.experts\.gate_up_proj"):
+            eng.update_weights_from_disk(b, version=1)
+        assert eng.version == 0
+        assert all(torch.equal(t, before[k]) for k, t in eng.model.state_dict().items())
+
+    # Mixtral: the hub name block_sparse_moe.gate.weight is transformers' alias of mlp.gate.weight
+    a, b = _moe_dirs("mixtral", tmp_path / "mixtral")
+    file = str(tmp_path / "mixtral" / "b" / "model.safetensors")
+    sd = load_file(file)
+    old = "model.layers.0.block_sparse_moe.gate.weight"
+    assert old in sd
+    with Engine(a, EngineConfig(max_batch=2, max_seq_len=32, device="cpu", dtype="float32")) as eng:
+        before = {k: t.clone() for k, t in eng.model.state_dict().items()}
+        save_file(sd | {"model.layers.0.mlp.gate.weight": sd[old] + 1}, file)
+        with pytest.raises(EngineError, match=r"model\.layers\.0\.mlp\.gate\.weight.*"
+                                              r"model\.layers\.0\.block_sparse_moe\.gate\.weight"
+                                              r"|model\.layers\.0\.block_sparse_moe\.gate\.weight.*"
+                                              r"model\.layers\.0\.mlp\.gate\.weight"):
+            eng.update_weights_from_disk(b, version=1)
+        assert eng.version == 0
+        assert all(torch.equal(t, before[k]) for k, t in eng.model.state_dict().items())
 
 
 # ---- a prompt too long for the context names the limit that set it ------------------------------------------------
