@@ -153,3 +153,36 @@ def test_load_causal_lm_from_a_config_leaves_the_config_alone():
     model = models.load_causal_lm(qwen, attn_implementation="eager")
     assert model.config._attn_implementation == "eager"
     assert qwen._attn_implementation != "eager" and qwen.to_dict() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float32_kept_routers_on_cuda_under_the_trainers_autocast(tmp_path, routers_kept):
+    """On CUDA: float32 parameters under the trainer's bf16 autocast (``param_dtype="keep"``) give float32 router
+    logits equal to the float32 computation; compiled decoder layers (the CUDA default) run the wrapped routers
+    inside ``torch.compile`` under the same autocast and agree with the eager run of the same weights."""
+    path = _deepseek_v3_dir(tmp_path / "ds")
+    ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(0)).cuda()
+    pos, tgt = torch.arange(12, device="cuda"), ids.roll(-1)
+    cu = torch.tensor([0, 12], dtype=torch.int32, device="cuda")
+    st = ts.init_train_state(str(path), ts.OptimConfig(), dtype=torch.float32, device="cuda",
+                             model_cfg=ts.ModelConfig(param_dtype="keep", compile_layers="off"))
+    calls = _record_router_calls(models.hf_module(st.model))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        logp, _ = st.model(ids, pos, tgt, cu_seqlens=cu, max_seqlen=12)
+    assert torch.isfinite(logp).all() and calls
+    for mod, x, logits in calls:
+        assert logits.dtype == torch.float32
+        with torch.autocast("cuda", enabled=False):
+            want = F.linear(x.reshape(-1, x.shape[-1]).float(), mod.weight.float())
+        torch.testing.assert_close(logits, want)
+
+    outs = {}
+    for compile_layers in ("off", "on"):
+        st = ts.init_train_state(str(path), ts.OptimConfig(), dtype=torch.float32, device="cuda",
+                                 model_cfg=ts.ModelConfig(param_dtype="keep", compile_layers=compile_layers))
+        assert all(r.weight.dtype == torch.float32 for r in _routers(models.hf_module(st.model)).values())
+        with torch.no_grad():
+            outs[compile_layers] = st.model(ids, pos, tgt, cu_seqlens=cu, max_seqlen=12)[0].float()
+    assert torch.isfinite(outs["on"]).all()
+    torch.testing.assert_close(outs["on"], outs["off"], atol=2e-2, rtol=2e-2)
