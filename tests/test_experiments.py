@@ -117,6 +117,45 @@ def test_gsm8k_learning_signal(name, data_dir, monkeypatch):
     assert out["ppo_actor/loss"] != 0.0
 
 
+def test_gsm8k_mask_no_eos_with_zero_changes_the_advantages(data_dir, monkeypatch):
+    """``--gae.mask-no-eos-with-zero`` zeroes the reward of rows the engine cut at ``--max-new-tokens``. Regression:
+    the rlvr workflow never marked a row ``truncated`` (every row counted as ended by EOS), so the flag, and GAE's
+    bootstrap of truncated rows, did nothing in gsm8k_grpo."""
+    monkeypatch.setattr(GSM, "reward_fn", lambda text, item: 1.0)  # every row +5 after shaping
+    # no normalisation: the advantage is the shaped reward itself (0 for a zeroed row); a random tiny model almost
+    # never samples EOS within 8 tokens, so most rows are truncated
+    base = dataclasses.replace(GSM.SMOKE["grpo"], data_dir=str(data_dir), steps=1, reward_norm=None, adv_norm=None)
+    off = GSM.main(base)
+    on = GSM.main(dataclasses.replace(base, gae=dataclasses.replace(base.gae, mask_no_eos_with_zero=True)))
+    assert off["ppo_actor/advantages"] == pytest.approx(5.0)
+    assert on["ppo_actor/advantages"] < off["ppo_actor/advantages"] - 1.0, (on, off)
+
+
+def test_rlvr_rows_mark_length_stops_truncated(data_dir):
+    """A sample that stopped at the length limit is ``truncated`` in the row (both rlvr paths); one that met EOS
+    is not."""
+    import asyncio
+
+    from rlcore.inference.protocol import ModelResponse
+    from rlcore.rollout import workflows
+    from rlcore.training import harness
+
+    tok = harness.load_tokenizer(harness.TINY)
+    reasons = iter(["length", "stop", "length", "stop"])
+
+    class Client:
+        async def agenerate(self, req):
+            return ModelResponse(input_tokens=list(req.input_ids), output_tokens=[5, 6], output_logprobs=[-1.0, -1.0],
+                                 output_versions=[0, 0], stop_reason=next(reasons))
+
+    item = GSM.gsm8k.load(str(data_dir / "train.jsonl"))[0]
+    single = workflows.rlvr(tok, lambda text, it: 0.0, workflows.WorkflowConfig(max_new_tokens=2))
+    rows = [asyncio.run(single(Client(), item)) for _ in range(2)]
+    assert [bool(r["truncated"]) for r in rows] == [True, False]
+    grouped = workflows.rlvr(tok, lambda text, it: 0.0, workflows.WorkflowConfig(max_new_tokens=2), group_size=2)
+    assert asyncio.run(grouped(Client(), item))["truncated"].tolist() == [True, False]
+
+
 def test_gsm8k_checkpoint_resume_and_tensorboard(data_dir, tmp_path):
     run = dataclasses.replace(
         GSM.SMOKE["grpo"].run,
