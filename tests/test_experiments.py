@@ -364,6 +364,18 @@ def test_bad_inputs_name_the_field(data_dir, tmp_path):
         dataclasses.replace(GSM.PRESETS["dapo"][1], max_new_tokens=8)
 
 
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("kl_loss_coef", -0.1, "--kl-loss-coef"), ("entropy_coef", -0.01, "--entropy-coef"),
+    ("eval_every", -1, "--eval-every"), ("temperature", 0.0, "--temperature"),
+])
+def test_gsm8k_bad_values_name_the_flag_at_parse_time(field, value, flag):
+    """Regression: a negative --kl-loss-coef / --entropy-coef was accepted and silently switched its term off (the
+    loss adds it under ``> 0``), a negative --eval-every evaluated every step, and --temperature 0 passed the parse
+    and failed only after the model loaded, naming StepConfig.temperature instead of the flag."""
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        dataclasses.replace(GSM.SMOKE["grpo"], **{field: value})
+
+
 def test_every_cli_help_exits_zero(monkeypatch, capsys):
     """Each script's real ``__main__`` with --help (and two gsm8k presets), through runpy as ``python SCRIPT`` runs it.
 
