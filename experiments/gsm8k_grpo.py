@@ -141,6 +141,14 @@ class Config:
             raise ValueError("steps, prompts_per_step, group_size and ppo_n_minibatches must be >= 1")
         if self.eval_n < 1:
             raise ValueError(f"eval_n must be >= 1, got {self.eval_n}")
+        # Checked here: the loss adds these terms under `> 0`, so a negative value would silently switch them off.
+        for flag, v in (("--kl-loss-coef", self.kl_loss_coef), ("--entropy-coef", self.entropy_coef)):
+            if not v >= 0:
+                raise ValueError(f"{flag} must be >= 0 (0: off), got {v}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
         if isinstance(self.objective, sapo.SAPOConfig) and self.prox == "recompute":
             raise ValueError("objective=SAPO compares against the behaviour policy; set --prox behav")
         if self.rejection is not None and self.rejection.carries_weight and not self.weighted:

@@ -117,6 +117,45 @@ def test_gsm8k_learning_signal(name, data_dir, monkeypatch):
     assert out["ppo_actor/loss"] != 0.0
 
 
+def test_gsm8k_mask_no_eos_with_zero_changes_the_advantages(data_dir, monkeypatch):
+    """``--gae.mask-no-eos-with-zero`` zeroes the reward of rows the engine cut at ``--max-new-tokens``. Regression:
+    the rlvr workflow never marked a row ``truncated`` (every row counted as ended by EOS), so the flag, and GAE's
+    bootstrap of truncated rows, did nothing in gsm8k_grpo."""
+    monkeypatch.setattr(GSM, "reward_fn", lambda text, item: 1.0)  # every row +5 after shaping
+    # no normalisation: the advantage is the shaped reward itself (0 for a zeroed row); a random tiny model almost
+    # never samples EOS within 8 tokens, so most rows are truncated
+    base = dataclasses.replace(GSM.SMOKE["grpo"], data_dir=str(data_dir), steps=1, reward_norm=None, adv_norm=None)
+    off = GSM.main(base)
+    on = GSM.main(dataclasses.replace(base, gae=dataclasses.replace(base.gae, mask_no_eos_with_zero=True)))
+    assert off["ppo_actor/advantages"] == pytest.approx(5.0)
+    assert on["ppo_actor/advantages"] < off["ppo_actor/advantages"] - 1.0, (on, off)
+
+
+def test_rlvr_rows_mark_length_stops_truncated(data_dir):
+    """A sample that stopped at the length limit is ``truncated`` in the row (both rlvr paths); one that met EOS
+    is not."""
+    import asyncio
+
+    from rlcore.inference.protocol import ModelResponse
+    from rlcore.rollout import workflows
+    from rlcore.training import harness
+
+    tok = harness.load_tokenizer(harness.TINY)
+    reasons = iter(["length", "stop", "length", "stop"])
+
+    class Client:
+        async def agenerate(self, req):
+            return ModelResponse(input_tokens=list(req.input_ids), output_tokens=[5, 6], output_logprobs=[-1.0, -1.0],
+                                 output_versions=[0, 0], stop_reason=next(reasons))
+
+    item = GSM.gsm8k.load(str(data_dir / "train.jsonl"))[0]
+    single = workflows.rlvr(tok, lambda text, it: 0.0, workflows.WorkflowConfig(max_new_tokens=2))
+    rows = [asyncio.run(single(Client(), item)) for _ in range(2)]
+    assert [bool(r["truncated"]) for r in rows] == [True, False]
+    grouped = workflows.rlvr(tok, lambda text, it: 0.0, workflows.WorkflowConfig(max_new_tokens=2), group_size=2)
+    assert asyncio.run(grouped(Client(), item))["truncated"].tolist() == [True, False]
+
+
 def test_gsm8k_checkpoint_resume_and_tensorboard(data_dir, tmp_path):
     run = dataclasses.replace(
         GSM.SMOKE["grpo"].run,
@@ -323,6 +362,18 @@ def test_bad_inputs_name_the_field(data_dir, tmp_path):
     # after the model loads and the first batch is shaped
     with pytest.raises(ValueError, match=r"--shaping\.overlong-tokens 512 must be in \(0, --max-new-tokens 8\]"):
         dataclasses.replace(GSM.PRESETS["dapo"][1], max_new_tokens=8)
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("kl_loss_coef", -0.1, "--kl-loss-coef"), ("entropy_coef", -0.01, "--entropy-coef"),
+    ("eval_every", -1, "--eval-every"), ("temperature", 0.0, "--temperature"),
+])
+def test_gsm8k_bad_values_name_the_flag_at_parse_time(field, value, flag):
+    """Regression: a negative --kl-loss-coef / --entropy-coef was accepted and silently switched its term off (the
+    loss adds it under ``> 0``), a negative --eval-every evaluated every step, and --temperature 0 passed the parse
+    and failed only after the model loaded, naming StepConfig.temperature instead of the flag."""
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        dataclasses.replace(GSM.SMOKE["grpo"], **{field: value})
 
 
 def test_every_cli_help_exits_zero(monkeypatch, capsys):

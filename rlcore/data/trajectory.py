@@ -34,8 +34,12 @@ def make_row(
     output_versions: Sequence[int],
     reward: float,
     turn: int = 0,
+    truncated: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """One single-turn row ``(1, len(prompt)+len(output))``: prompt masked, output trainable.
+
+    ``truncated`` (the engine stopped at its length limit, no EOS) adds the ``(1,)`` bool ``truncated`` key that
+    GAE bootstraps and ``GAEConfig.mask_no_eos_with_zero`` zeroes; None leaves the key out.
 
     Each tensor is built from a NumPy array (``torch.from_numpy``): converting a Python list there is about three
     times cheaper than ``torch.tensor(list)``, and rollouts build one row per sample."""
@@ -49,7 +53,7 @@ def make_row(
     gen[0, p:] = True
     turns = np.full((1, p + o), -1, dtype=np.int64)
     turns[0, p:] = int(turn)
-    return {
+    row = {
         "input_ids": torch.from_numpy(np.array([[*prompt_ids, *output_ids]], dtype=np.int64)),
         "attention_mask": torch.ones((1, p + o), dtype=torch.bool),
         "loss_mask": torch.from_numpy(gen),
@@ -58,6 +62,9 @@ def make_row(
         "turn_ids": torch.from_numpy(turns),
         "rewards": torch.tensor([float(reward)], dtype=torch.float32),
     }
+    if truncated is not None:
+        row["truncated"] = torch.tensor([bool(truncated)])
+    return row
 
 
 def _is_token_key(k: str, v: torch.Tensor, width: int) -> bool:

@@ -295,7 +295,8 @@ def rlvr(tokenizer: Any, reward_fn: RewardFn, cfg: WorkflowConfig = WorkflowConf
             for e in rewards:
                 if isinstance(e, BaseException) and not isinstance(e, Exception):
                     raise e
-            rows = [trajectory.make_row(prompt, r.output_tokens, r.output_logprobs, r.output_versions, float(w))
+            rows = [trajectory.make_row(prompt, r.output_tokens, r.output_logprobs, r.output_versions, float(w),
+                                        truncated=r.stop_reason == "length")
                     for r, w in zip(resps, rewards) if not isinstance(w, BaseException)]
             failed = [w for w in rewards if isinstance(w, BaseException)]
             if failed and not rows:
@@ -312,7 +313,9 @@ def rlvr(tokenizer: Any, reward_fn: RewardFn, cfg: WorkflowConfig = WorkflowConf
         resp = await client.agenerate(ModelRequest(input_ids=prompt, sampling=sampling, max_tokens=cfg.max_tokens))
         text = tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         reward = await _score(reward_fn, text, item, reward_pool)
-        return trajectory.make_row(prompt, resp.output_tokens, resp.output_logprobs, resp.output_versions, reward)
+        # a length stop (no EOS) marks the row truncated: GAE bootstraps it, --gae.mask-no-eos-with-zero zeroes it
+        return trajectory.make_row(prompt, resp.output_tokens, resp.output_logprobs, resp.output_versions, reward,
+                                   truncated=resp.stop_reason == "length")
 
     return episode
 
