@@ -238,7 +238,23 @@ def test_on_partial_failure_raise_names_the_server_that_missed_the_push(tmp_path
 
 
 ROUTERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-"""DeepSeek-V3's ``_keep_in_fp32_modules_strict``: the engine holds them in float32 at any dtype."""
+"""DeepSeek-V3's router tensors. Its ``_keep_in_fp32_modules_strict`` names some of them (transformers 5.24: both;
+5.17: the bias only): those ``from_pretrained(dtype=bf16)`` and the engine hold in float32 (``fp32_plan``)."""
+
+
+def fp32_plan(path: Path) -> set[str]:
+    """The checkpoint tensors of ``path`` that the installed transformers keeps in float32 under
+    ``from_pretrained(dtype=torch.bfloat16)``: the model's own dtype plan (``_keep_in_fp32_modules_strict``), read
+    from transformers itself rather than from rlcore's ``weights.fp32_tensors`` (the code under test) or from one
+    transformers version's plan. Checked to be what the class's strict list names and to hold DeepSeek-V3's
+    ``e_score_correction_bias`` (every transformers 5 keeps it), so a test that uses it cannot pass vacuously."""
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    saved = set(hf.state_dict())
+    kept = {k for k, t in [*hf.named_parameters(), *hf.named_buffers()] if k in saved and t.dtype == torch.float32}
+    plan = [g for m in hf.modules() for g in (getattr(m, "_keep_in_fp32_modules_strict", None) or ())]
+    assert plan and all(re.search("|".join(g.replace("*", ".*") for g in plan), k) for k in kept), (plan, kept)
+    assert any(k.endswith("e_score_correction_bias") for k in kept), kept
+    return kept
 
 
 def _deepseek_v3_dir(path: Path) -> Path:
@@ -268,10 +284,10 @@ def test_bf16_publish_sends_the_float32_kept_routers_unrounded(mode, tmp_path):
         for k, v in trainer.items():
             if k.endswith(ROUTERS):
                 v.copy_(torch.randn_like(v) * 0.3)
-    routers = [k for k in trainer if k.endswith(ROUTERS)]
-    assert len(routers) == 2
+    routers = fp32_plan(init)  # what the installed transformers keeps in float32 of them
+    assert routers <= {k for k in trainer if k.endswith(ROUTERS)}
     sent = dict(weight_sync.iter_full_tensors(st.model, torch.bfloat16))  # what every transport sends
-    assert {k for k, v in sent.items() if v.dtype == torch.float32} == set(routers)
+    assert {k for k, v in sent.items() if v.dtype == torch.float32} == routers
     pub = weight_sync.PublishConfig(mode=mode, dtype="bfloat16", disk_root=str(tmp_path / "w"),
                                     shm_root=str(tmp_path / "shm"))
     with Engine(str(init), EngineConfig(device="cpu", dtype="bfloat16", max_batch=2, max_seq_len=32)) as eng:
@@ -288,11 +304,11 @@ def test_lora_merged_publish_sends_the_float32_kept_routers_unrounded(tmp_path):
     from rlcore.training import lora as lora_lib
     from rlcore.training import train_state as ts
 
-    st = ts.init_train_state(str(_deepseek_v3_dir(tmp_path)), ts.OptimConfig(), dtype=torch.float32,
+    path = _deepseek_v3_dir(tmp_path)
+    st = ts.init_train_state(str(path), ts.OptimConfig(), dtype=torch.float32,
                              model_cfg=ts.ModelConfig(param_dtype="float32"), lora=lora_lib.LoraConfig(rank=2))
     sent = dict(weight_sync.iter_full_tensors(st.model, torch.bfloat16))  # lora="merged"
-    assert {k for k, v in sent.items() if v.dtype == torch.float32} == {k for k in sent if k.endswith(ROUTERS)}
-    assert len([k for k in sent if k.endswith(ROUTERS)]) == 2
+    assert {k for k, v in sent.items() if v.dtype == torch.float32} == fp32_plan(path)
 
 
 # ---- MoE files in hub format: export_hf, save_hf and disk / shm publishes ---------------------------------------
