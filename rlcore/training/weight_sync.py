@@ -5,7 +5,8 @@
 1. ``rollout.pause()`` (if a rollout controller is given): no new generation segment starts;
 2. pause generation on every engine (``abort`` mode: in-flight requests return their partial output);
 3. barrier over train ranks; 4. push the weights (in-process state dict, HF directory on disk, one
-   safetensors file in ``/dev/shm`` for an engine process on this host, CUDA IPC handles of one flat buffer
+   safetensors file in ``/dev/shm`` for an engine process on this host (both files in hub format: MoE experts one
+   tensor per expert, ``PublishConfig.file_format``), CUDA IPC handles of one flat buffer
    for an engine process sharing the GPU, or torch.distributed broadcast
    in buckets of ``weight_chunked_mem_mb``); every push call returns only after the engine acknowledged
    the load;
