@@ -326,6 +326,45 @@ def read_hf_checkpoint(
                 yield target, t
 
 
+def hub_checkpoint(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (named as ``model`` names its tensors) renamed and reshaped into the hub checkpoint format of
+    ``model``'s architecture: the inverse of :func:`read_hf_checkpoint`, through transformers' own reverse
+    conversions (``core_model_loading.revert_weight_conversion``, what ``save_pretrained`` applies).
+
+    For a transformers-5 MoE, the fused ``mlp.experts.gate_up_proj`` ``(experts, 2 inter, hidden)`` and
+    ``mlp.experts.down_proj`` ``(experts, hidden, inter)`` become one ``mlp.experts.E.gate_proj.weight`` /
+    ``up_proj.weight`` ``(inter, hidden)`` and ``down_proj.weight`` ``(hidden, inter)`` per expert (Mixtral:
+    ``block_sparse_moe.experts.E.w1`` / ``w3`` / ``w2``), the keys SGLang, vLLM and transformers 4 load. Tensors
+    no conversion touches (every tensor of a dense model) are returned as they are, under their names.
+
+    The architecture's default conversions are reverted (those of a model built with ``from_config``), whatever
+    checkpoint ``model`` was loaded from: a model loaded from a fused (transformers-5-format) directory still
+    exports hub keys, and legacy names a checkpoint used are not reproduced. Split tensors are views of the fused
+    ones (no copy; non-overlapping, which ``safetensors`` writes as they are); dtypes are unchanged. Without that
+    machinery (an older transformers, a module that is no ``PreTrainedModel``) ``tensors`` is returned as is.
+    """
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return dict(tensors)
+    if not isinstance(model, PreTrainedModel):
+        return dict(tensors)
+    # revert_weight_conversion reverts the conversions from_pretrained used if the model records them
+    # (``_weight_conversions``), else the architecture's default ones: hide the record for the call
+    missing = object()
+    saved = model.__dict__.get("_weight_conversions", missing)
+    model.__dict__["_weight_conversions"] = None
+    try:
+        out = revert_weight_conversion(model, dict(tensors))
+    finally:
+        if saved is missing:
+            del model.__dict__["_weight_conversions"]
+        else:
+            model.__dict__["_weight_conversions"] = saved
+    return dict(out)
+
+
 def hf_ignored_keys(model: nn.Module) -> Callable[[str], bool]:
     """The checkpoint names ``from_pretrained`` drops without a word for ``model`` (transformers'
     ``_adjust_missing_and_unexpected_keys``): a name that is not in ``model.state_dict()`` and matches a pattern of

@@ -6,7 +6,7 @@
   materialised. Under FSDP2 this wrapper is the root module, so the LM head (and a tied embedding) is
   unsharded while its ``forward`` runs.
 * :class:`CriticModel` — backbone + scalar value head (PPO critic, Bradley–Terry reward model).
-* :func:`save_hf` — ``save_pretrained`` directory (safetensors + config [+ tokenizer]).
+* :func:`save_hf` — ``save_pretrained`` directory (safetensors + config [+ tokenizer]), MoE experts in hub format.
 
 Packed forward convention (spec system.md §7.2): batch dimension 1, ``position_ids`` restart per
 sequence, ``use_cache=False``. For RoPE decoders transformers >= 4.53 builds a block-causal mask from
@@ -983,25 +983,41 @@ def save_hf(
     config: object,
     path: str | os.PathLike,
     *,
+    model: nn.Module | None = None,
     tokenizer: object | None = None,
     dtype: torch.dtype | None = torch.bfloat16,
 ) -> Path:
     """Write an HF directory (``model.safetensors`` + ``config.json`` [+ tokenizer]) from a full state dict.
 
+    ``model``: the HF module ``state_dict`` is named after (its HF names, e.g. ``full_state_dict``). When given, the
+    tensors are written in the hub checkpoint format of its architecture (``weights.hub_checkpoint``, transformers'
+    own reverse conversions, as ``save_pretrained`` writes): a transformers-5 MoE's fused
+    ``mlp.experts.gate_up_proj`` ``(experts, 2 inter, hidden)`` / ``down_proj`` ``(experts, hidden, inter)`` as one
+    ``mlp.experts.E.{gate,up,down}_proj.weight`` per expert, which SGLang, vLLM and transformers 4 load (and
+    ``from_pretrained`` / rlcore's engine convert back); a dense model's names are unchanged. Without ``model`` the
+    names are written as they are.
+
     Tied weights are written once (safetensors refuses shared storage). Floating tensors are cast to ``dtype``.
     """
     from safetensors.torch import save_file
 
+    from rlcore.inference.weights import hub_checkpoint
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    seen: dict[int, str] = {}
-    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    untied: dict[str, torch.Tensor] = {}
     for k, v in state_dict.items():
         key = v.data_ptr() if v.numel() else id(v)
         if key in seen and v.numel():
             continue  # tied to an earlier tensor
-        seen[key] = k
-        t = v.detach().to("cpu")
+        seen.add(key)
+        untied[k] = v.detach()
+    if model is not None:
+        untied = hub_checkpoint(model, untied)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in untied.items():
+        t = v.to("cpu")
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         out[k] = t.contiguous().clone()

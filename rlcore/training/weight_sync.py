@@ -5,7 +5,8 @@
 1. ``rollout.pause()`` (if a rollout controller is given): no new generation segment starts;
 2. pause generation on every engine (``abort`` mode: in-flight requests return their partial output);
 3. barrier over train ranks; 4. push the weights (in-process state dict, HF directory on disk, one
-   safetensors file in ``/dev/shm`` for an engine process on this host, CUDA IPC handles of one flat buffer
+   safetensors file in ``/dev/shm`` for an engine process on this host (both files in hub format: MoE experts one
+   tensor per expert, ``PublishConfig.file_format``), CUDA IPC handles of one flat buffer
    for an engine process sharing the GPU, or torch.distributed broadcast
    in buckets of ``weight_chunked_mem_mb``); every push call returns only after the engine acknowledged
    the load;
@@ -59,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlcore.inference.weights import fp32_tensors
+from rlcore.inference.weights import fp32_tensors, hub_checkpoint
 from rlcore.training import fsdp, models
 from rlcore.training import lora as lora_lib
 from rlcore.training.train_state import TrainState
@@ -83,6 +84,14 @@ class PublishConfig:
     """Keep the published directory after every engine loaded it (default: delete it)."""
     shm_root: str = ""
     """Directory for shm mode's ``rlcore-weights-<pid>-v<version>.safetensors`` (empty: ``/dev/shm``)."""
+    file_format: Literal["hub", "model"] = "hub"
+    """Tensor names and shapes of the files ``disk`` and ``shm`` write. ``hub``: the architecture's hub checkpoint
+    format, as ``save_pretrained`` writes it (``weights.hub_checkpoint``: a transformers-5 MoE's fused experts as
+    one ``mlp.experts.E.{gate,up,down}_proj.weight`` per expert), which SGLang and vLLM servers load as well as
+    rlcore's engine. ``model``: the trainer's transformers names as they are (fused experts), which only an engine
+    built on transformers 5 loads (rlcore's); it skips the split on the trainer and the merge on the engine (an
+    expert-heavy MoE's engine load is several times faster, docs/runtime.md). A dense model's files are the same
+    either way."""
     weight_chunked_mem_mb: float = 1024.0
     """Bucket size of the distributed broadcast in MiB (one tensor larger than this is its own bucket)."""
     pause_mode: Literal["abort", "retract", "in_place", "none"] = "abort"
@@ -122,6 +131,8 @@ class PublishConfig:
             raise ValueError(f"PublishConfig.weight_chunked_mem_mb must be > 0, got {self.weight_chunked_mem_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"PublishConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if self.file_format not in ("hub", "model"):
+            raise ValueError(f"PublishConfig.file_format must be 'hub' or 'model', got {self.file_format!r}")
 
 
 class WeightSyncError(RuntimeError):
@@ -172,16 +183,29 @@ def full_state_dict(model: nn.Module, dtype: torch.dtype | None = None, *, devic
     return {k: v.to(device) for k, v in iter_full_tensors(model, dtype)}
 
 
-def export_hf(state: TrainState, path: str | os.PathLike, tokenizer: Any = None, *, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Save the policy as an HF directory loadable by ``from_pretrained`` and by SGLang.
+def export_hf(
+    state: TrainState,
+    path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    hub_format: bool = True,
+) -> Path:
+    """Save the policy as an HF directory loadable by ``from_pretrained`` and by SGLang / vLLM.
 
-    Every rank must call it (gathering is collective); rank 0 writes, atomically (temp dir + rename). Floating
-    tensors are written in ``dtype`` but those HF keeps in float32 at that dtype (``iter_full_tensors``).
+    The tensors are written in the hub checkpoint format of the model's architecture, as ``save_pretrained`` writes
+    them (``models.save_hf`` with the model: transformers' own reverse conversions): a transformers-5 MoE's fused
+    experts go out as one ``mlp.experts.E.{gate,up,down}_proj.weight`` per expert; a dense model's names are its
+    HF names. Every rank must call it (gathering is collective); rank 0 writes, atomically (temp dir + rename).
+    Floating tensors are written in ``dtype`` but those HF keeps in float32 at that dtype (``iter_full_tensors``).
+    ``hub_format=False`` writes the model's own names instead (``PublishConfig.file_format="model"``).
     """
     sd = full_state_dict(state.model, dtype)  # already cast: save_hf must not round the float32-kept tensors
     path = Path(path)
     if _rank() == 0:
-        _atomic_dir_write(path, lambda tmp: models.save_hf(sd, models.hf_module(state.model).config, tmp, tokenizer=tokenizer, dtype=None))
+        hf = models.hf_module(state.model)
+        conv = hf if hub_format else None
+        _atomic_dir_write(path, lambda tmp: models.save_hf(sd, hf.config, tmp, model=conv, tokenizer=tokenizer, dtype=None))
     _barrier()
     return path
 
@@ -427,6 +451,8 @@ def _publish_shm(state: TrainState, targets: Sequence[Any], version: int, dtype:
     sd = full_state_dict(state.model, dtype)  # a collective when sharded: every rank gathers
     if _rank() != 0:
         return
+    if cfg.file_format == "hub":  # per-expert MoE keys: an SGLang server on this host loads them too
+        sd = hub_checkpoint(models.hf_module(state.model), sd)
     root = Path(cfg.shm_root) if cfg.shm_root else process.default_shm_root()
     root.mkdir(parents=True, exist_ok=True)
     process.remove_orphan_shm_weights(root)
@@ -635,7 +661,7 @@ def publish_weights(
         elif cfg.mode == "disk":
             root = Path(cfg.disk_root) if cfg.disk_root else Path(tempfile.gettempdir()) / "rlcore_weights"
             path = root / f"weight_update_v{version}"
-            export_hf(state, path, dtype=dtype)
+            export_hf(state, path, dtype=dtype, hub_format=cfg.file_format == "hub")
             if main:
                 for t in targets:
                     _wait(t.update_weights_from_disk(str(path), version), cfg.timeout_s)

@@ -238,7 +238,23 @@ def test_on_partial_failure_raise_names_the_server_that_missed_the_push(tmp_path
 
 
 ROUTERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-"""DeepSeek-V3's ``_keep_in_fp32_modules_strict``: the engine holds them in float32 at any dtype."""
+"""DeepSeek-V3's router tensors. Its ``_keep_in_fp32_modules_strict`` names some of them (transformers 5.24: both;
+5.17: the bias only): those ``from_pretrained(dtype=bf16)`` and the engine hold in float32 (``fp32_plan``)."""
+
+
+def fp32_plan(path: Path) -> set[str]:
+    """The checkpoint tensors of ``path`` that the installed transformers keeps in float32 under
+    ``from_pretrained(dtype=torch.bfloat16)``: the model's own dtype plan (``_keep_in_fp32_modules_strict``), read
+    from transformers itself rather than from rlcore's ``weights.fp32_tensors`` (the code under test) or from one
+    transformers version's plan. Checked to be what the class's strict list names and to hold DeepSeek-V3's
+    ``e_score_correction_bias`` (every transformers 5 keeps it), so a test that uses it cannot pass vacuously."""
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    saved = set(hf.state_dict())
+    kept = {k for k, t in [*hf.named_parameters(), *hf.named_buffers()] if k in saved and t.dtype == torch.float32}
+    plan = [g for m in hf.modules() for g in (getattr(m, "_keep_in_fp32_modules_strict", None) or ())]
+    assert plan and all(re.search("|".join(g.replace("*", ".*") for g in plan), k) for k in kept), (plan, kept)
+    assert any(k.endswith("e_score_correction_bias") for k in kept), kept
+    return kept
 
 
 def _deepseek_v3_dir(path: Path) -> Path:
@@ -268,10 +284,10 @@ def test_bf16_publish_sends_the_float32_kept_routers_unrounded(mode, tmp_path):
         for k, v in trainer.items():
             if k.endswith(ROUTERS):
                 v.copy_(torch.randn_like(v) * 0.3)
-    routers = [k for k in trainer if k.endswith(ROUTERS)]
-    assert len(routers) == 2
+    routers = fp32_plan(init)  # what the installed transformers keeps in float32 of them
+    assert routers <= {k for k in trainer if k.endswith(ROUTERS)}
     sent = dict(weight_sync.iter_full_tensors(st.model, torch.bfloat16))  # what every transport sends
-    assert {k for k, v in sent.items() if v.dtype == torch.float32} == set(routers)
+    assert {k for k, v in sent.items() if v.dtype == torch.float32} == routers
     pub = weight_sync.PublishConfig(mode=mode, dtype="bfloat16", disk_root=str(tmp_path / "w"),
                                     shm_root=str(tmp_path / "shm"))
     with Engine(str(init), EngineConfig(device="cpu", dtype="bfloat16", max_batch=2, max_seq_len=32)) as eng:
@@ -288,8 +304,153 @@ def test_lora_merged_publish_sends_the_float32_kept_routers_unrounded(tmp_path):
     from rlcore.training import lora as lora_lib
     from rlcore.training import train_state as ts
 
-    st = ts.init_train_state(str(_deepseek_v3_dir(tmp_path)), ts.OptimConfig(), dtype=torch.float32,
+    path = _deepseek_v3_dir(tmp_path)
+    st = ts.init_train_state(str(path), ts.OptimConfig(), dtype=torch.float32,
                              model_cfg=ts.ModelConfig(param_dtype="float32"), lora=lora_lib.LoraConfig(rank=2))
     sent = dict(weight_sync.iter_full_tensors(st.model, torch.bfloat16))  # lora="merged"
-    assert {k for k, v in sent.items() if v.dtype == torch.float32} == {k for k in sent if k.endswith(ROUTERS)}
-    assert len([k for k in sent if k.endswith(ROUTERS)]) == 2
+    assert {k for k, v in sent.items() if v.dtype == torch.float32} == fp32_plan(path)
+
+
+# ---- MoE files in hub format: export_hf, save_hf and disk / shm publishes ---------------------------------------
+
+
+def _file_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from rlcore.inference.weights import safetensors_files
+
+    out: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(path):
+        out.update(load_file(f))
+    return out
+
+
+def _fused(keys) -> list[str]:
+    return [k for k in keys if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+
+
+def _per_expert(keys) -> list[str]:
+    return [k for k in keys if re.search(r"\.experts\.\d+\.", k)]
+
+
+def _moe_state(name: str, path: Path):
+    """A float32 train state of ``MOE[name]`` (loaded from a hub-format directory at ``path``, whose weights it no
+    longer equals: a load that misses a tensor is visible)."""
+    from rlcore.training import train_state as ts
+    from tests.inference.test_architectures import MOE
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(MOE[name]()).save_pretrained(path)
+    st = ts.init_train_state(str(path), ts.OptimConfig(), dtype=torch.float32, device="cpu",
+                             model_cfg=ts.ModelConfig(param_dtype="float32"))
+    with torch.no_grad():
+        for p in models.hf_module(st.model).parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return st
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_export_hf_of_a_moe_writes_the_hub_keys_save_pretrained_writes(name, tmp_path):
+    """transformers 5 holds the experts fused (``mlp.experts.gate_up_proj``); the export writes one tensor per expert,
+    the same keys and tensors as ``save_pretrained`` (SGLang, vLLM and transformers 4 load only those), and it loads
+    back to the same logits through ``from_pretrained``, into an engine started from it and through a disk update."""
+    st = _moe_state(name, tmp_path / "init")
+    hf = models.hf_module(st.model)
+    assert _fused(n for n, _ in hf.named_parameters())  # fused in the trainer
+    out = weight_sync.export_hf(st, tmp_path / "hf", dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "ref")
+    got, want = _file_tensors(out), _file_tensors(tmp_path / "ref")
+    assert _per_expert(got) and not _fused(got)
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert torch.equal(got[k], t), k
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, hf(ids).logits, atol=1e-6, rtol=1e-6)
+    trainer = dict(weight_sync.hf_named_tensors(st.model))
+    cfg = EngineConfig(device="cpu", dtype="float32", max_batch=2, max_seq_len=32)
+    with Engine(str(out), cfg) as fresh, Engine(str(tmp_path / "init"), cfg) as eng:
+        eng.update_weights_from_disk(str(out), version=1)
+        for e in (fresh, eng):
+            live = dict(e.model.named_parameters())
+            for k, v in trainer.items():
+                assert torch.equal(live[k], v.detach()), k
+
+
+def test_export_hf_of_a_moe_loaded_from_fused_files_writes_hub_keys(tmp_path):
+    """A trainer started from a transformers-5-format directory (fused experts, ``save_original_format=False``)
+    still exports hub keys: the architecture's conversions are reverted, not only those its load used."""
+    from rlcore.training import train_state as ts
+    from tests.inference.test_architectures import MOE
+
+    AutoModelForCausalLM.from_config(MOE["qwen3-moe"]()).save_pretrained(tmp_path / "fused",
+                                                                        save_original_format=False)
+    assert _fused(_file_tensors(tmp_path / "fused"))
+    st = ts.init_train_state(str(tmp_path / "fused"), ts.OptimConfig(), dtype=torch.float32, device="cpu")
+    got = _file_tensors(weight_sync.export_hf(st, tmp_path / "hf", dtype=torch.float32))
+    assert _per_expert(got) and not _fused(got)
+
+
+def test_save_hf_writes_hub_keys_given_the_model_and_dense_names_unchanged(tmp_path):
+    from tests.inference.test_architectures import MOE
+
+    moe = AutoModelForCausalLM.from_config(MOE["mixtral"]())
+    models.save_hf(moe.state_dict(), moe.config, tmp_path / "moe", model=moe, dtype=None)
+    moe.save_pretrained(tmp_path / "ref")
+    got, want = _file_tensors(tmp_path / "moe"), _file_tensors(tmp_path / "ref")
+    assert set(got) == set(want) and _per_expert(got)
+    assert all(torch.equal(got[k], t) for k, t in want.items())
+    models.save_hf(moe.state_dict(), moe.config, tmp_path / "raw", dtype=None)  # no model: the names as given
+    assert _fused(_file_tensors(tmp_path / "raw"))
+    dense = common.fresh_state()
+    hf = models.hf_module(dense.model)
+    models.save_hf(hf.state_dict(), hf.config, tmp_path / "dense", model=hf, dtype=None)
+    assert set(_file_tensors(tmp_path / "dense")) == {n for n, _ in weight_sync.hf_named_tensors(dense.model)}
+
+
+class _PeekDisk:
+    """An in-process engine whose disk loads record the keys of the files they read."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner, self.keys = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def update_weights_from_disk(self, path, version, **kw):
+        self.keys.append(set(_file_tensors(path)))
+        return self.inner.update_weights_from_disk(path, version, **kw)
+
+
+@pytest.mark.parametrize(("name", "mode", "file_format"), [
+    ("qwen3-moe", "disk", "hub"), ("qwen3-moe", "shm", "hub"), ("mixtral", "shm", "hub"),
+    ("qwen3-moe", "disk", "model"), ("qwen3-moe", "shm", "model")])
+def test_disk_and_shm_publish_of_a_moe_write_hub_keys_and_round_trip_exactly(name, mode, file_format, tmp_path):
+    """A bf16 disk / shm publish of a MoE writes per-expert hub keys (what an SGLang server loads; ``file_format=
+    "model"``: the trainer's fused names) and the engine ends up holding exactly the trainer's weights, cast as
+    ``iter_full_tensors`` casts them (float32-kept ones unrounded)."""
+    st = _moe_state(name, tmp_path / "init")
+    sent = dict(weight_sync.iter_full_tensors(st.model, torch.bfloat16))
+    pub = weight_sync.PublishConfig(mode=mode, dtype="bfloat16", disk_root=str(tmp_path / "w"),
+                                    shm_root=str(tmp_path / "shm"), file_format=file_format)
+    with Engine(str(tmp_path / "init"), EngineConfig(device="cpu", dtype="bfloat16", max_batch=2,
+                                                     max_seq_len=32)) as eng:
+        peek = _PeekDisk(eng)
+        st2 = weight_sync.publish_weights(st, [peek], cfg=pub)
+        assert st2.version == 1 == eng.version and len(peek.keys) == 1
+        keys = peek.keys[0]
+        if file_format == "hub":
+            assert _per_expert(keys) and not _fused(keys)
+        else:
+            assert set(keys) == set(sent) and _fused(keys)
+        live = dict(eng.model.named_parameters()) | dict(eng.model.named_buffers())
+        for k, v in sent.items():
+            assert live[k].dtype == v.dtype and torch.equal(live[k], v), k
+    left = tmp_path / ("shm" if mode == "shm" else "w")
+    assert not (left.exists() and list(left.iterdir()))  # deleted once the engine loaded it
+
+
+def test_file_format_is_validated():
+    with pytest.raises(ValueError, match="file_format"):
+        weight_sync.PublishConfig(file_format="fused")
