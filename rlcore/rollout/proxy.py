@@ -330,7 +330,8 @@ def export_rows(
 
 def rows_to_trajectory(rows: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Exported rows → one trajectory dict (rlcore.data.trajectory): right-padded ``(b l)`` tensors plus
-    ``rewards`` and ``original_rewards`` ``(b,)`` (unset original rewards are 0)."""
+    ``rewards``, ``original_rewards`` ``(b,)`` (unset original rewards are 0) and ``truncated`` ``(b,)`` bool (the
+    row's last call stopped at the length limit: GAE bootstraps it, ``mask_no_eos_with_zero`` zeroes it)."""
     if not rows:
         raise ValueError("rows_to_trajectory: no rows to convert (the session recorded no interaction)")
     out = []
@@ -345,6 +346,7 @@ def rows_to_trajectory(rows: dict[str, dict[str, Any]]) -> dict[str, torch.Tenso
             "turn_ids": torch.tensor(r["turn_ids"], dtype=torch.long)[None],
             "rewards": torch.tensor([float(r["reward"])], dtype=torch.float32),
             "original_rewards": torch.tensor([float(r["original_reward"] or 0.0)], dtype=torch.float32),
+            "truncated": torch.tensor([r.get("stop_reason") == "length"]),
         })
     return trajectory.concat(out)
 

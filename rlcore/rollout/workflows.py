@@ -231,9 +231,12 @@ class _Row:
         self.ver += [int(v) for v in ver]
         self.turn += [turn] * len(ids)
 
-    def to_traj(self, reward: float) -> Traj:
+    def to_traj(self, reward: float, truncated: bool | None = None) -> Traj:
+        """The row as a trajectory ``(1, l)``; ``truncated`` (its last sample was cut at the length limit, or the
+        episode ran out of budget before it ended) adds the ``(1,)`` bool key GAE bootstraps and
+        ``GAEConfig.mask_no_eos_with_zero`` zeroes (``trajectory.make_row``'s); None leaves it out."""
         ids = torch.tensor(self.ids, dtype=torch.long)[None]
-        return {
+        row = {
             "input_ids": ids,
             "attention_mask": torch.ones_like(ids, dtype=torch.bool),
             "loss_mask": torch.tensor(self.mask, dtype=torch.bool)[None],
@@ -242,6 +245,9 @@ class _Row:
             "turn_ids": torch.tensor(self.turn, dtype=torch.long)[None],
             "rewards": torch.tensor([float(reward)], dtype=torch.float32),
         }
+        if truncated is not None:
+            row["truncated"] = torch.tensor([bool(truncated)])
+        return row
 
 
 # ----------------------------------------------------------------------------- workflows
@@ -359,7 +365,8 @@ def multi_turn(
                 break
             inputs = nxt
             discount *= turns.turn_discount
-        return row.to_traj(reward * discount)
+        # the last attempt cut at the length limit (no EOS): GAE bootstraps the row, mask_no_eos_with_zero zeroes it
+        return row.to_traj(reward * discount, truncated=resp.stop_reason == "length")
 
     return episode
 
@@ -414,6 +421,7 @@ def tool_integrated(
         inputs = list(prompt)
         written: list[int] = []
         budget = cfg.max_new_tokens
+        truncated = False
         for seg in range(tools.max_tool_calls + 1):
             req = ModelRequest(input_ids=inputs, sampling=cfg.sampling(tokenizer, budget), max_tokens=cfg.max_tokens)
             resp = await client.agenerate(req)
@@ -424,6 +432,8 @@ def tool_integrated(
             row.add_sampled(out, lp, ver, seg)
             written += out
             budget -= len(out)
+            # truncated: the last segment hit the length limit, or a tool call was cut off by the budget or context
+            truncated = cut is not None or resp.stop_reason == "length"
             if cut is None or budget <= 0:
                 break
             code = _CODE.findall(tokenizer.decode(out, skip_special_tokens=True))[0]
@@ -435,7 +445,7 @@ def tool_integrated(
             row.add_fixed(obs)
         text = tokenizer.decode(written, skip_special_tokens=True)
         reward = await _score(reward_fn, text, item, reward_pool)
-        return row.to_traj(reward)
+        return row.to_traj(reward, truncated=truncated)
 
     return episode
 
@@ -478,7 +488,7 @@ def agent(run: Callable[[Any, Mapping], Awaitable[float | None]], *, turn_discou
         for i, resp in enumerate(rec.calls):
             row = _Row(resp.input_tokens)
             row.add_sampled(resp.output_tokens, resp.output_logprobs, resp.output_versions, i)
-            rows.append(row.to_traj(float(reward) * turn_discount ** (k - 1 - i)))
+            rows.append(row.to_traj(float(reward) * turn_discount ** (k - 1 - i), truncated=resp.stop_reason == "length"))
         return trajectory.concat(rows)
 
     return episode

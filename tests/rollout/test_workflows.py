@@ -261,3 +261,44 @@ def test_inline_reward_must_be_a_number():
         asyncio.run(episode(ScriptedClient(["abc"]), {"prompt": "q"}))
     episode = workflows.rlvr(TOK, lambda text, item: True, workflows.WorkflowConfig(max_new_tokens=4))
     assert float(asyncio.run(episode(ScriptedClient(["abc"]), {"prompt": "q"}))["rewards"][0]) == 1.0
+
+
+def test_multi_turn_tool_and_agent_rows_mark_length_stops_truncated():
+    """Every workflow marks a row whose last sample was cut at the length limit (no EOS) ``truncated``, as rlvr
+    does, so GAE bootstraps it and ``GAEConfig.mask_no_eos_with_zero`` zeroes it. Regression: only rlvr set the
+    key; multi-turn, tool-integrated, agent and agent-proxy rows counted as ended by EOS."""
+    from rlcore.rollout.proxy import rows_to_trajectory
+
+    one = workflows.MultiTurnConfig(max_turns=1)
+    for end, want in ((EOS, False), ("", True)):
+        traj = run(workflows.multi_turn(TOK, gsm8k_reward, turns=one)(ScriptedClient(["#### 5" + end]), ITEM))
+        assert traj["truncated"].tolist() == [want]
+
+    item, block = {"prompt": "x", "answer": "1"}, "```python\nprint(1)\n```"
+    traj = run(workflows.tool_integrated(TOK, gsm8k_reward)(ScriptedClient([block, "ok" + EOS]), item))
+    assert traj["truncated"].tolist() == [False]  # the answer after the tool call ended with EOS
+    tight = workflows.WorkflowConfig(max_new_tokens=len(enc(block)))  # the budget ends right after the tool call
+    traj = run(workflows.tool_integrated(TOK, gsm8k_reward, tight)(ScriptedClient([block, "ok" + EOS]), item))
+    assert traj["truncated"].tolist() == [True]
+    traj = run(workflows.tool_integrated(TOK, gsm8k_reward)(ScriptedClient(["no answer"]), item))
+    assert traj["truncated"].tolist() == [True]
+
+    class Stops:
+        def __init__(self):
+            self.reasons = iter(["length", "stop"])
+
+        async def agenerate(self, req):
+            return ModelResponse(list(req.input_ids), [5, 6], [-1.0, -1.0], [0, 0], next(self.reasons))
+
+    async def agent_fn(client, item):
+        a = await client.agenerate(ModelRequest(input_ids=enc("hi")))
+        await client.agenerate(ModelRequest(input_ids=enc("hi") + a.output_tokens + enc("more")))
+        return 1.0
+
+    traj = run(workflows.agent(agent_fn)(Stops(), {}))
+    assert traj["truncated"].tolist() == [True, False]
+
+    row = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0.0, -1.0, -1.0], "versions": [-1, 0, 0],
+           "turn_ids": [-1, 0, 0], "reward": 1.0, "original_reward": None}
+    traj = rows_to_trajectory({"a": {**row, "stop_reason": "length"}, "b": {**row, "stop_reason": "stop"}})
+    assert traj["truncated"].tolist() == [True, False]
