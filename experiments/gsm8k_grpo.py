@@ -158,12 +158,44 @@ class Config:
                 "weight (decoupled ppo/gspo/cispo); with SAPO or coupled PPO only a mask can act: use "
                 "--rejection.action mask --rejection.level token (or a KL --rejection.metric)"
             )
+        self._check_masks_compare_two_policies()
         sh = self.shaping
         if sh.overlong_penalty and not 0 < sh.overlong_tokens <= self.max_new_tokens:
             # Checked here, not when the first batch is shaped: the overlong ramp ends at --max-new-tokens.
             raise ValueError(
                 f"--shaping.overlong-tokens {sh.overlong_tokens} must be in (0, --max-new-tokens {self.max_new_tokens}] "
                 "for the overlong penalty; pass a smaller --shaping.overlong-tokens (or --shaping.no-overlong-penalty)"
+            )
+
+    @property
+    def masks(self) -> tuple[str, ...]:
+        """The flag groups of the off-policy masks turned on; each compares pi_prox with pi_behav (spec §8-9)."""
+        return tuple(f"--{f}.*" for f in ("m2po", "rejection", "icepop", "kpop") if getattr(self, f) is not None)
+
+    def _check_masks_compare_two_policies(self) -> None:
+        """Refuse a mask whose two inputs are the same tensor: it keeps every token and does nothing.
+
+        ``--prox behav`` makes pi_prox the behaviour log-probs, and a coupled objective on recomputed log-probs takes
+        pi_old = pi_prox (spec §4.1); either way the masks would compare a tensor with itself (ratio 1, KL 0).
+        """
+        masks = self.masks
+        if not masks:
+            return
+        on = ", ".join(masks)
+        if self.prox == "behav":
+            raise ValueError(
+                f"--prox behav makes pi_prox the behaviour log-probs, so the off-policy mask(s) {on} would compare "
+                "pi_behav with itself and keep every token (the mask does nothing); use --prox recompute (or "
+                "--prox interpolate), or a preset / Config without the mask (e.g. sapo, or rejection=None)"
+            )
+        if self.prox == "recompute" and self.coupled:
+            knob = ("--objective.ratio-against prox" if isinstance(self.objective, sapo.SAPOConfig)
+                    else "--objective.no-decoupled")
+            raise ValueError(
+                f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (spec §4.1), so the "
+                f"off-policy mask(s) {on} would compare that tensor with itself and keep every token (the mask does "
+                f"nothing); use a decoupled objective (drop {knob}), --prox interpolate, or a preset / Config "
+                "without the mask (rejection=None)"
             )
 
     @property

@@ -376,6 +376,31 @@ def test_gsm8k_bad_values_name_the_flag_at_parse_time(field, value, flag):
         dataclasses.replace(GSM.SMOKE["grpo"], **{field: value})
 
 
+@pytest.mark.parametrize(("preset", "change", "flags"), [
+    ("grpo", {"prox": "behav"}, ("--prox behav", "--rejection")),  # the baseline rejection mask
+    ("icepop", {"prox": "behav"}, ("--prox behav", "--icepop")),
+    ("kpop", {"prox": "behav"}, ("--prox behav", "--kpop")),
+    ("m2po", {"prox": "behav"}, ("--prox behav", "--m2po", "--rejection")),
+    ("grpo", {"objective": "coupled"}, ("--objective.no-decoupled with --prox recompute", "--rejection")),
+    ("icepop", {"objective": "coupled"}, ("--objective.no-decoupled with --prox recompute", "--icepop")),
+])
+def test_gsm8k_mask_of_a_tensor_with_itself_is_refused(preset, change, flags):
+    """Regression: with --prox behav (pi_prox := pi_behav), or a coupled objective on recomputed log-probs
+    (pi_old := pi_prox), the off-policy masks got the same tensor twice and kept every token: the default rejection
+    mask (and IcePop / KPop / M2PO) did nothing, silently. Refused at parse time, naming both flags and the fix."""
+    cfg = GSM.PRESETS[preset][1]
+    if change.get("objective") == "coupled":
+        change = {"objective": dataclasses.replace(cfg.objective, decoupled=False)}
+    with pytest.raises(ValueError, match="keep every token") as e:
+        dataclasses.replace(cfg, **change)
+    for flag in flags:
+        assert flag in str(e.value), (flag, str(e.value))
+    assert "--prox recompute" in str(e.value) or "--prox interpolate" in str(e.value)  # the fix
+    # the valid neighbours: the default proximal mode, interpolation, and SAPO's coupled recipe without masks
+    dataclasses.replace(cfg, **{**change, "prox": "interpolate"})
+    assert GSM.PRESETS["sapo"][1].prox == "behav" and not GSM.PRESETS["sapo"][1].masks
+
+
 def test_every_cli_help_exits_zero(monkeypatch, capsys):
     """Each script's real ``__main__`` with --help (and two gsm8k presets), through runpy as ``python SCRIPT`` runs it.
 

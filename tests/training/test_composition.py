@@ -14,10 +14,10 @@ are the pre-mask counts of the whole batch (also each row's own count in ``seq_m
 ``ℓ^old`` / ``ℓ^prox`` follow spec §4.1 / §5 from the objective and the proximal mode, and the log-probs come from
 the model's plain-torch log-softmax (the step uses its own kernel).
 
-Each cell also checks that it is not vacuous: the mask drops (or the clamp changes) some but not all tokens where
-π_prox ≠ π_behav can occur, and is exactly the identity where it cannot (coupled PPO on recomputed log-probs:
-π_prox = π_old). A weight-carrying rejection config with an objective that applies no behaviour weight (SAPO,
-coupled PPO) is an invalid cell: the experiment's config must refuse it with a clear error.
+Each cell also checks that it is not vacuous: the mask drops (or the clamp changes) some but not all tokens.
+Two kinds of cell are invalid, and the experiment's config must refuse them with a clear error: a weight-carrying
+rejection config with an objective that applies no behaviour weight (SAPO, coupled PPO), and any mask where
+π_prox = π_old (coupled PPO on recomputed log-probs), which would compare a tensor with itself and keep every token.
 """
 
 from __future__ import annotations
@@ -85,7 +85,14 @@ def _weighted(obj_cfg) -> bool:
 
 def _invalid(obj_name: str, mask_name: str) -> bool:
     carries = any(getattr(c, "carries_weight", False) for c in MASKS[mask_name].values())
-    return carries and not _weighted(OBJECTIVES[obj_name][0])
+    return (carries and not _weighted(OBJECTIVES[obj_name][0])) or _identity(obj_name, mask_name)
+
+
+def _identity(obj_name: str, mask_name: str) -> bool:
+    """The cell's masks would compare π_prox with itself: coupled PPO on recomputed log-probs (ℓ^old = ℓ^prox)."""
+    obj_cfg, prox, _ = OBJECTIVES[obj_name]
+    coupled = getattr(obj_cfg, "decoupled", True) is False
+    return mask_name != "none" and coupled and prox == "recompute"
 
 
 def _obj_cfg(obj_name: str, agg: str):
@@ -179,10 +186,7 @@ def _assert_not_vacuous(obj_name: str, mask_name: str, mask: torch.Tensor, seen:
     if mask_name == "none":
         assert torch.equal(keep, mask)
         return
-    if identity:
-        assert OBJECTIVES[obj_name][1] == "recompute" and obj_name.startswith("ppo_coupled")
-        assert torch.equal(keep, mask) and bool((factor[mask] == 1).all()), "an identity mask changed the loss"
-        return
+    assert not identity, "a mask of π_prox against itself keeps every token: the config must refuse the cell"
     clamps = any(getattr(c, "action", "mask") == "clamp" for c in MASKS[mask_name].values())
     dropped = int(mask.sum() - keep.sum())
     changed = int(((factor - 1).abs() > 1e-12)[keep].sum())
@@ -216,15 +220,22 @@ def test_m2po_through_several_micro_batches_equals_the_minibatch_statistic(monke
 
 @pytest.mark.parametrize("obj_name,mask_name,agg", INVALID)
 def test_weight_carrying_rejection_without_a_behaviour_weight_is_refused(obj_name, mask_name, agg):
-    """SAPO / coupled PPO have no behaviour weight to carry a TIS clamp or a sequence geometric mean: refused."""
-    with pytest.raises(ValueError, match=r"(?s)changes the behaviour weight.*use --rejection.action mask"):
+    """SAPO / coupled PPO have no behaviour weight to carry a TIS clamp or a sequence geometric mean: refused.
+    A mask of π_prox against itself (coupled PPO on recomputed log-probs) is refused too: it would keep every token."""
+    carries = any(getattr(c, "carries_weight", False) for c in MASKS[mask_name].values())
+    if carries:
+        match = r"(?s)changes the behaviour weight.*use --rejection.action mask"
+    else:
+        match = r"(?s)--objective.no-decoupled with --prox recompute.*keep every token"
+    with pytest.raises(ValueError, match=match):
         experiment_config(obj_name, mask_name, agg)
 
 
 def test_the_matrix_covers_every_objective_mask_and_agg():
     assert len(VALID) + len(INVALID) == len(OBJECTIVES) * len(MASKS) * len(AGGS)
     assert {c[0] for c in INVALID} == {"ppo_coupled", "ppo_coupled_interp", "sapo"}
-    assert {c[1] for c in INVALID} == {"token_clamp", "seq_mask", "seq_clamp", "stack"}
+    assert {c[1] for c in INVALID} == set(MASKS) - {"none"}  # ppo_coupled (recompute): every mask is an identity
+    assert {c[1] for c in INVALID if c[0] != "ppo_coupled"} == {"token_clamp", "seq_mask", "seq_clamp", "stack"}
 
 
 @pytest.mark.slow
