@@ -149,8 +149,22 @@ class Config:
             raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
-        if isinstance(self.objective, sapo.SAPOConfig) and self.prox == "recompute":
-            raise ValueError("objective=SAPO compares against the behaviour policy; set --prox behav")
+        if isinstance(self.objective, sapo.SAPOConfig):
+            # SAPO is coupled (spec §10.1): its ratio is against ℓ^old, the behaviour log-probs (--prox behav, AReaL's
+            # recipe) or the recomputed ones (--objective.ratio-against prox --prox recompute, spec §4.1).
+            against = self.objective.ratio_against
+            if against == "behav" and self.prox == "recompute":
+                raise ValueError(
+                    "objective=SAPO with --objective.ratio-against behav takes its ratio against the behaviour "
+                    "log-probs, so the --prox recompute forward would be wasted; set --prox behav (AReaL's recipe), "
+                    "or --objective.ratio-against prox for the recomputed variant"
+                )
+            if against == "prox" and self.prox == "behav":
+                raise ValueError(
+                    "objective=SAPO with --objective.ratio-against prox and --prox behav: pi_prox is the behaviour "
+                    "log-probs, so the knob would do nothing; use --prox recompute for the recomputed variant (or "
+                    "--prox interpolate), or --objective.ratio-against behav"
+                )
         if self.rejection is not None and self.rejection.carries_weight and not self.weighted:
             raise ValueError(
                 f"rejection (action={self.rejection.action!r}, level={self.rejection.level!r}) changes the behaviour "
