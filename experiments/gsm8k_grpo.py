@@ -149,6 +149,7 @@ class Config:
             raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
+        self._check_budgets()
         if isinstance(self.objective, sapo.SAPOConfig):
             # SAPO is coupled (spec §10.1): its ratio is against ℓ^old, the behaviour log-probs (--prox behav, AReaL's
             # recipe) or the recomputed ones (--objective.ratio-against prox --prox recompute, spec §4.1).
@@ -179,6 +180,31 @@ class Config:
             raise ValueError(
                 f"--shaping.overlong-tokens {sh.overlong_tokens} must be in (0, --max-new-tokens {self.max_new_tokens}] "
                 "for the overlong penalty; pass a smaller --shaping.overlong-tokens (or --shaping.no-overlong-penalty)"
+            )
+
+    def _check_budgets(self) -> None:
+        """Sizes, limits and budgets, refused here (naming the flag) rather than after the model loads, or never."""
+        at_least = (  # (flag, value, minimum, what the minimum means)
+            ("--max-staleness", self.max_staleness, 0, "0: synchronous"),
+            ("--max-tokens-per-mb", self.max_tokens_per_mb, 1, "a micro-batch's token budget"),
+            ("--max-new-tokens", self.max_new_tokens, 1, "the generation budget"),
+            ("--max-prompt-tokens", self.max_prompt_tokens, 1, "longer prompts are dropped"),
+            ("--eval-limit", self.eval_limit, 1, "test questions per evaluation; --eval-every 0 still evaluates "
+             "once at the end"),
+        )
+        for flag, v, lo, why in at_least:
+            if v < lo:
+                raise ValueError(f"{flag} must be >= {lo} ({why}), got {v}")
+        if self.train_limit is not None and self.train_limit < 1:
+            raise ValueError(f"--train-limit must be >= 1 or None (all questions), got {self.train_limit}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        need = self.max_prompt_tokens + self.max_new_tokens
+        if need > self.engine.max_seq_len and not engines.engine_addresses(self.engine):  # embedded engine
+            raise ValueError(
+                f"--max-prompt-tokens {self.max_prompt_tokens} + --max-new-tokens {self.max_new_tokens} = {need} "
+                f"exceeds the embedded engine's --engine.max-seq-len {self.engine.max_seq_len}; lower "
+                "--max-prompt-tokens or --max-new-tokens, or raise --engine.max-seq-len"
             )
 
     @property
@@ -298,7 +324,7 @@ def smoke(cfg: Config) -> Config:
     sh = dataclasses.replace(cfg.shaping, overlong_tokens=4) if cfg.shaping.overlong_penalty else cfg.shaping
     return dataclasses.replace(
         cfg, model=harness.TINY, train_limit=2, eval_limit=2, steps=2, prompts_per_step=2, group_size=2,
-        max_new_tokens=8, eval_n=2, eval_every=0, shaping=sh, max_tokens_per_mb=4096,
+        max_new_tokens=8, max_prompt_tokens=504, eval_n=2, eval_every=0, shaping=sh, max_tokens_per_mb=4096,
         optim=train_state.OptimConfig(lr=1e-3), engine=engines.EngineSetup(max_batch=8, max_seq_len=512),
         run=harness.RunConfig(progress=False, threads=1),
     )

@@ -367,13 +367,25 @@ def test_bad_inputs_name_the_field(data_dir, tmp_path):
 @pytest.mark.parametrize(("field", "value", "flag"), [
     ("kl_loss_coef", -0.1, "--kl-loss-coef"), ("entropy_coef", -0.01, "--entropy-coef"),
     ("eval_every", -1, "--eval-every"), ("temperature", 0.0, "--temperature"),
+    ("max_staleness", -1, "--max-staleness"), ("max_tokens_per_mb", 0, "--max-tokens-per-mb"),
+    ("max_new_tokens", 0, "--max-new-tokens"), ("max_grad_norm", -1.0, "--max-grad-norm"),
+    ("eval_limit", 0, "--eval-limit"), ("eval_limit", -1, "--eval-limit"), ("train_limit", 0, "--train-limit"),
+    ("max_prompt_tokens", 0, "--max-prompt-tokens"),
+    ("max_prompt_tokens", 505, "--engine.max-seq-len 512"),  # 505 + 8 new tokens > the smoke engine's 512
 ])
 def test_gsm8k_bad_values_name_the_flag_at_parse_time(field, value, flag):
     """Regression: a negative --kl-loss-coef / --entropy-coef was accepted and silently switched its term off (the
     loss adds it under ``> 0``), a negative --eval-every evaluated every step, and --temperature 0 passed the parse
-    and failed only after the model loaded, naming StepConfig.temperature instead of the flag."""
+    and failed only after the model loaded, naming StepConfig.temperature instead of the flag. Likewise a negative
+    --max-staleness / --max-grad-norm, a zero --max-tokens-per-mb / --max-new-tokens (refused after the model loaded,
+    naming RolloutConfig / StepConfig / WorkflowConfig fields), --eval-limit / --train-limit 0 or negative (the loader
+    then read ONE question), --max-prompt-tokens 0 (every prompt dropped after the load), and a prompt + generation
+    budget over the embedded engine's context."""
     with pytest.raises(ValueError, match=re.escape(flag)):
         dataclasses.replace(GSM.SMOKE["grpo"], **{field: value})
+    if field == "max_prompt_tokens" and value > 0:  # remote engines have their own context: not checked here
+        engine = dataclasses.replace(GSM.SMOKE["grpo"].engine, engine_addrs=("127.0.0.1:1",))
+        dataclasses.replace(GSM.SMOKE["grpo"], engine=engine, **{field: value})
 
 
 @pytest.mark.parametrize(("preset", "change", "flags"), [
