@@ -413,6 +413,36 @@ def test_gsm8k_mask_of_a_tensor_with_itself_is_refused(preset, change, flags):
     assert GSM.PRESETS["sapo"][1].prox == "behav" and not GSM.PRESETS["sapo"][1].masks
 
 
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_supervised_schedule_follows_steps_and_eval_every_is_checked(name):
+    """Regression: the default cosine's total_steps (sft 300, dpo 200) was fixed independently of --steps, so
+    ``--steps 100`` stopped mid-decay (lr still ~high at the last step); and a negative --eval-every evaluated every
+    step. The default schedule now follows --steps (the default run's math unchanged); an explicit
+    --optim.total-steps is kept; --eval-every < 0 is refused, naming the flag."""
+    from rlcore.training import train_state
+
+    mod = load(name)
+    base = mod.Config(model="tiny")
+    lo = base.optim.min_lr_ratio
+    assert base.optim == mod.OPTIM and base.optim.total_steps == base.steps  # the default run is unchanged
+    ends = {}
+    for steps in (100, 50):
+        cfg = mod.Config(model="tiny", steps=steps)
+        lr = train_state.lr_lambda(cfg.optim)
+        ends[steps] = lr(steps - 1)
+        assert lr(steps) == pytest.approx(lo) and ends[steps] < lo + 1e-2  # the decay ends at the last step
+    assert ends[50] != ends[100] or lo == 0  # --steps moves the last step's lr
+    mid = train_state.lr_lambda(dataclasses.replace(base.optim, total_steps=base.steps))(99)
+    assert mid > 0.5  # what the old fixed total gave at step 100 of a --steps 100 run
+    explicit = mod.Config(model="tiny", steps=100, optim=dataclasses.replace(mod.OPTIM, total_steps=150))
+    assert explicit.optim.total_steps == 150
+    short = mod.Config(model="tiny", steps=2)  # inside the warm-up: the documented smoke, the ramp as before
+    ramp = [(i + 1) / base.optim.warmup_steps for i in range(2)]
+    assert [train_state.lr_lambda(short.optim)(i) for i in range(2)] == pytest.approx(ramp)
+    with pytest.raises(ValueError, match="--eval-every"):
+        mod.Config(model="tiny", eval_every=-1)
+
+
 def test_every_cli_help_exits_zero(monkeypatch, capsys):
     """Each script's real ``__main__`` with --help (and two gsm8k presets), through runpy as ``python SCRIPT`` runs it.
 
