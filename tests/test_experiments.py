@@ -443,6 +443,37 @@ def test_supervised_schedule_follows_steps_and_eval_every_is_checked(name):
         mod.Config(model="tiny", eval_every=-1)
 
 
+@pytest.mark.parametrize("name", ["distill", "multi_turn"])
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("eval_every", -1, "--eval-every"), ("temperature", 0.0, "--temperature"), ("max_grad_norm", -1.0, "--max-grad-norm"),
+])
+def test_rl_experiments_bad_values_name_the_flag_at_parse_time(name, field, value, flag):
+    """Regression: distill / multi_turn took a negative --eval-every (evaluating every step) and --temperature 0
+    (failing after the model loaded, naming StepConfig); their gradient clip was StepConfig's silent 1.0, with no
+    --max-grad-norm to change it as the other experiments have."""
+    smoke = load(name).SMOKE
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        dataclasses.replace(smoke, **{field: value})
+
+
+@pytest.mark.parametrize("name", ["distill", "multi_turn"])
+def test_rl_experiments_max_grad_norm_reaches_the_step(name, data_dir, monkeypatch):
+    """--max-grad-norm is the StepConfig's clip (default 1.0: the old silent value)."""
+    mod = load(name)
+    assert mod.Config.max_grad_norm == 1.0
+    seen = []
+    real = mod.step.StepConfig
+
+    def spy(*a, **kw):
+        seen.append(kw.get("max_grad_norm"))
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(mod.step, "StepConfig", spy)
+    with pytest.raises(RuntimeError, match="stop"):
+        mod.main(dataclasses.replace(mod.SMOKE, max_grad_norm=0.25, data_dir=str(data_dir)))
+    assert seen == [0.25] and real is not spy
+
+
 def test_every_cli_help_exits_zero(monkeypatch, capsys):
     """Each script's real ``__main__`` with --help (and two gsm8k presets), through runpy as ``python SCRIPT`` runs it.
 
