@@ -72,6 +72,8 @@ class Config:
     """AdamW settings."""
     max_tokens_per_mb: int = 16384
     """Token budget of one micro-batch."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip (0: no clipping)."""
     eval_every: int = 10
     """Evaluate pass@k every N steps (and at the end); 0: only at the end."""
     eval_n: int = 4
@@ -90,6 +92,12 @@ class Config:
             )
         if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1 or self.eval_n < 1:
             raise ValueError("steps, prompts_per_step, group_size and eval_n must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
 
 
 SMOKE = Config(
@@ -151,7 +159,7 @@ def main(cfg: Config) -> dict[str, float]:
     state = train_state.init_train_state(student, cfg.optim, compile_layers=cfg.run.compile)
     teacher = models.PolicyModel(models.frozen_copy(teacher_hf)).to(next(state.model.parameters()).device)
     step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
-                               temperature=cfg.temperature)
+                               temperature=cfg.temperature, max_grad_norm=cfg.max_grad_norm)
     group_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
     wf = workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     episode = workflows.rlvr(tok, reward_fn, wf)

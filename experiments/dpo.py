@@ -26,6 +26,11 @@ from rlcore.rollout import workflows
 from rlcore.training import harness, recover, step, train_state
 from rlcore.types import TokenBatch
 
+OPTIM = train_state.OptimConfig(
+    lr=5e-6, weight_decay=0.01, schedule="cosine", warmup_steps=20, total_steps=200, min_lr_ratio=0.1
+)
+"""The default optimizer; its ``total_steps`` (200) is the default ``--steps`` and follows ``--steps``."""
+
 
 @dataclass(frozen=True)
 class Config:
@@ -51,10 +56,9 @@ class Config:
     """Token budget of one micro-batch (pairs are never split)."""
     dpo: dpo_lib.DPOConfig = dpo_lib.DPOConfig()
     """beta and loss type (sigmoid = DPO, ipo = IPO)."""
-    optim: train_state.OptimConfig = train_state.OptimConfig(
-        lr=5e-6, weight_decay=0.01, schedule="cosine", warmup_steps=20, total_steps=200, min_lr_ratio=0.1
-    )
-    """AdamW + schedule (keep total_steps = steps)."""
+    optim: train_state.OptimConfig = OPTIM
+    """AdamW + schedule. Left at its default, ``total_steps`` follows ``--steps`` (the cosine ends at the last step);
+    any other ``--optim.total-steps`` is kept as given."""
     max_grad_norm: float = 10.0
     """Gradient-norm clip."""
     eval_every: int = 25
@@ -67,6 +71,14 @@ class Config:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.pairs_per_step < 1:
             raise ValueError("steps and pairs_per_step must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
+        o = self.optim
+        if o.schedule != "constant" and o.total_steps == OPTIM.total_steps and self.steps != o.total_steps:
+            # The default schedule follows --steps, so a shorter (longer) run still ends its decay at the last step.
+            # A run no longer than the warm-up never reaches the decay: its lr is the warm-up ramp either way.
+            total = max(self.steps, o.warmup_steps + 1)
+            object.__setattr__(self, "optim", dataclasses.replace(o, total_steps=total))
 
 
 SMOKE = Config(

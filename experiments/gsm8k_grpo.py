@@ -149,8 +149,23 @@ class Config:
             raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
-        if isinstance(self.objective, sapo.SAPOConfig) and self.prox == "recompute":
-            raise ValueError("objective=SAPO compares against the behaviour policy; set --prox behav")
+        self._check_budgets()
+        if isinstance(self.objective, sapo.SAPOConfig):
+            # SAPO is coupled (spec §10.1): its ratio is against ℓ^old, the behaviour log-probs (--prox behav, AReaL's
+            # recipe) or the recomputed ones (--objective.ratio-against prox --prox recompute, spec §4.1).
+            against = self.objective.ratio_against
+            if against == "behav" and self.prox == "recompute":
+                raise ValueError(
+                    "objective=SAPO with --objective.ratio-against behav takes its ratio against the behaviour "
+                    "log-probs, so the --prox recompute forward would be wasted; set --prox behav (AReaL's recipe), "
+                    "or --objective.ratio-against prox for the recomputed variant"
+                )
+            if against == "prox" and self.prox == "behav":
+                raise ValueError(
+                    "objective=SAPO with --objective.ratio-against prox and --prox behav: pi_prox is the behaviour "
+                    "log-probs, so the knob would do nothing; use --prox recompute for the recomputed variant (or "
+                    "--prox interpolate), or --objective.ratio-against behav"
+                )
         if self.rejection is not None and self.rejection.carries_weight and not self.weighted:
             raise ValueError(
                 f"rejection (action={self.rejection.action!r}, level={self.rejection.level!r}) changes the behaviour "
@@ -158,12 +173,69 @@ class Config:
                 "weight (decoupled ppo/gspo/cispo); with SAPO or coupled PPO only a mask can act: use "
                 "--rejection.action mask --rejection.level token (or a KL --rejection.metric)"
             )
+        self._check_masks_compare_two_policies()
         sh = self.shaping
         if sh.overlong_penalty and not 0 < sh.overlong_tokens <= self.max_new_tokens:
             # Checked here, not when the first batch is shaped: the overlong ramp ends at --max-new-tokens.
             raise ValueError(
                 f"--shaping.overlong-tokens {sh.overlong_tokens} must be in (0, --max-new-tokens {self.max_new_tokens}] "
                 "for the overlong penalty; pass a smaller --shaping.overlong-tokens (or --shaping.no-overlong-penalty)"
+            )
+
+    def _check_budgets(self) -> None:
+        """Sizes, limits and budgets, refused here (naming the flag) rather than after the model loads, or never."""
+        at_least = (  # (flag, value, minimum, what the minimum means)
+            ("--max-staleness", self.max_staleness, 0, "0: synchronous"),
+            ("--max-tokens-per-mb", self.max_tokens_per_mb, 1, "a micro-batch's token budget"),
+            ("--max-new-tokens", self.max_new_tokens, 1, "the generation budget"),
+            ("--max-prompt-tokens", self.max_prompt_tokens, 1, "longer prompts are dropped"),
+            ("--eval-limit", self.eval_limit, 1, "test questions per evaluation; --eval-every 0 still evaluates "
+             "once at the end"),
+        )
+        for flag, v, lo, why in at_least:
+            if v < lo:
+                raise ValueError(f"{flag} must be >= {lo} ({why}), got {v}")
+        if self.train_limit is not None and self.train_limit < 1:
+            raise ValueError(f"--train-limit must be >= 1 or None (all questions), got {self.train_limit}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        need = self.max_prompt_tokens + self.max_new_tokens
+        if need > self.engine.max_seq_len and not engines.engine_addresses(self.engine):  # embedded engine
+            raise ValueError(
+                f"--max-prompt-tokens {self.max_prompt_tokens} + --max-new-tokens {self.max_new_tokens} = {need} "
+                f"exceeds the embedded engine's --engine.max-seq-len {self.engine.max_seq_len}; lower "
+                "--max-prompt-tokens or --max-new-tokens, or raise --engine.max-seq-len"
+            )
+
+    @property
+    def masks(self) -> tuple[str, ...]:
+        """The flag groups of the off-policy masks turned on; each compares pi_prox with pi_behav (spec §8-9)."""
+        return tuple(f"--{f}.*" for f in ("m2po", "rejection", "icepop", "kpop") if getattr(self, f) is not None)
+
+    def _check_masks_compare_two_policies(self) -> None:
+        """Refuse a mask whose two inputs are the same tensor: it keeps every token and does nothing.
+
+        ``--prox behav`` makes pi_prox the behaviour log-probs, and a coupled objective on recomputed log-probs takes
+        pi_old = pi_prox (spec §4.1); either way the masks would compare a tensor with itself (ratio 1, KL 0).
+        """
+        masks = self.masks
+        if not masks:
+            return
+        on = ", ".join(masks)
+        if self.prox == "behav":
+            raise ValueError(
+                f"--prox behav makes pi_prox the behaviour log-probs, so the off-policy mask(s) {on} would compare "
+                "pi_behav with itself and keep every token (the mask does nothing); use --prox recompute (or "
+                "--prox interpolate), or a preset / Config without the mask (e.g. sapo, or rejection=None)"
+            )
+        if self.prox == "recompute" and self.coupled:
+            knob = ("--objective.ratio-against prox" if isinstance(self.objective, sapo.SAPOConfig)
+                    else "--objective.no-decoupled")
+            raise ValueError(
+                f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (spec §4.1), so the "
+                f"off-policy mask(s) {on} would compare that tensor with itself and keep every token (the mask does "
+                f"nothing); use a decoupled objective (drop {knob}), --prox interpolate, or a preset / Config "
+                "without the mask (rejection=None)"
             )
 
     @property
@@ -252,7 +324,7 @@ def smoke(cfg: Config) -> Config:
     sh = dataclasses.replace(cfg.shaping, overlong_tokens=4) if cfg.shaping.overlong_penalty else cfg.shaping
     return dataclasses.replace(
         cfg, model=harness.TINY, train_limit=2, eval_limit=2, steps=2, prompts_per_step=2, group_size=2,
-        max_new_tokens=8, eval_n=2, eval_every=0, shaping=sh, max_tokens_per_mb=4096,
+        max_new_tokens=8, max_prompt_tokens=504, eval_n=2, eval_every=0, shaping=sh, max_tokens_per_mb=4096,
         optim=train_state.OptimConfig(lr=1e-3), engine=engines.EngineSetup(max_batch=8, max_seq_len=512),
         run=harness.RunConfig(progress=False, threads=1),
     )

@@ -11,6 +11,7 @@ Targets are rewritten so that they end the way the RL reward checks answers: cal
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -25,6 +26,11 @@ from rlcore.objectives import sft as sft_lib
 from rlcore.rollout import workflows
 from rlcore.training import harness, recover, step, train_state
 from rlcore.types import TokenBatch
+
+OPTIM = train_state.OptimConfig(
+    lr=2e-5, weight_decay=0.05, schedule="cosine", warmup_steps=3, total_steps=300
+)
+"""The default optimizer; its ``total_steps`` (300) is the default ``--steps`` and follows ``--steps``."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +55,9 @@ class Config:
     """Sequences per step."""
     max_tokens_per_mb: int = 16384
     """Token budget of one micro-batch."""
-    optim: train_state.OptimConfig = train_state.OptimConfig(
-        lr=2e-5, weight_decay=0.05, schedule="cosine", warmup_steps=3, total_steps=300
-    )
-    """AdamW + schedule (keep total_steps = steps for a full cosine)."""
+    optim: train_state.OptimConfig = OPTIM
+    """AdamW + schedule. Left at its default, ``total_steps`` follows ``--steps`` (the cosine ends at the last step);
+    any other ``--optim.total-steps`` is kept as given."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
     sft: sft_lib.SFTConfig = sft_lib.SFTConfig()
@@ -67,6 +72,14 @@ class Config:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
+        o = self.optim
+        if o.schedule != "constant" and o.total_steps == OPTIM.total_steps and self.steps != o.total_steps:
+            # The default schedule follows --steps, so a shorter (longer) run still ends its decay at the last step.
+            # A run no longer than the warm-up never reaches the decay: its lr is the warm-up ramp either way.
+            total = max(self.steps, o.warmup_steps + 1)
+            object.__setattr__(self, "optim", dataclasses.replace(o, total_steps=total))
 
 
 SMOKE = Config(

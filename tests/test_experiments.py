@@ -367,13 +367,111 @@ def test_bad_inputs_name_the_field(data_dir, tmp_path):
 @pytest.mark.parametrize(("field", "value", "flag"), [
     ("kl_loss_coef", -0.1, "--kl-loss-coef"), ("entropy_coef", -0.01, "--entropy-coef"),
     ("eval_every", -1, "--eval-every"), ("temperature", 0.0, "--temperature"),
+    ("max_staleness", -1, "--max-staleness"), ("max_tokens_per_mb", 0, "--max-tokens-per-mb"),
+    ("max_new_tokens", 0, "--max-new-tokens"), ("max_grad_norm", -1.0, "--max-grad-norm"),
+    ("eval_limit", 0, "--eval-limit"), ("eval_limit", -1, "--eval-limit"), ("train_limit", 0, "--train-limit"),
+    ("max_prompt_tokens", 0, "--max-prompt-tokens"),
+    ("max_prompt_tokens", 505, "--engine.max-seq-len 512"),  # 505 + 8 new tokens > the smoke engine's 512
 ])
 def test_gsm8k_bad_values_name_the_flag_at_parse_time(field, value, flag):
     """Regression: a negative --kl-loss-coef / --entropy-coef was accepted and silently switched its term off (the
     loss adds it under ``> 0``), a negative --eval-every evaluated every step, and --temperature 0 passed the parse
-    and failed only after the model loaded, naming StepConfig.temperature instead of the flag."""
+    and failed only after the model loaded, naming StepConfig.temperature instead of the flag. Likewise a negative
+    --max-staleness / --max-grad-norm, a zero --max-tokens-per-mb / --max-new-tokens (refused after the model loaded,
+    naming RolloutConfig / StepConfig / WorkflowConfig fields), --eval-limit / --train-limit 0 or negative (the loader
+    then read ONE question), --max-prompt-tokens 0 (every prompt dropped after the load), and a prompt + generation
+    budget over the embedded engine's context."""
     with pytest.raises(ValueError, match=re.escape(flag)):
         dataclasses.replace(GSM.SMOKE["grpo"], **{field: value})
+    if field == "max_prompt_tokens" and value > 0:  # remote engines have their own context: not checked here
+        engine = dataclasses.replace(GSM.SMOKE["grpo"].engine, engine_addrs=("127.0.0.1:1",))
+        dataclasses.replace(GSM.SMOKE["grpo"], engine=engine, **{field: value})
+
+
+@pytest.mark.parametrize(("preset", "change", "flags"), [
+    ("grpo", {"prox": "behav"}, ("--prox behav", "--rejection")),  # the baseline rejection mask
+    ("icepop", {"prox": "behav"}, ("--prox behav", "--icepop")),
+    ("kpop", {"prox": "behav"}, ("--prox behav", "--kpop")),
+    ("m2po", {"prox": "behav"}, ("--prox behav", "--m2po", "--rejection")),
+    ("grpo", {"objective": "coupled"}, ("--objective.no-decoupled with --prox recompute", "--rejection")),
+    ("icepop", {"objective": "coupled"}, ("--objective.no-decoupled with --prox recompute", "--icepop")),
+])
+def test_gsm8k_mask_of_a_tensor_with_itself_is_refused(preset, change, flags):
+    """Regression: with --prox behav (pi_prox := pi_behav), or a coupled objective on recomputed log-probs
+    (pi_old := pi_prox), the off-policy masks got the same tensor twice and kept every token: the default rejection
+    mask (and IcePop / KPop / M2PO) did nothing, silently. Refused at parse time, naming both flags and the fix."""
+    cfg = GSM.PRESETS[preset][1]
+    if change.get("objective") == "coupled":
+        change = {"objective": dataclasses.replace(cfg.objective, decoupled=False)}
+    with pytest.raises(ValueError, match="keep every token") as e:
+        dataclasses.replace(cfg, **change)
+    for flag in flags:
+        assert flag in str(e.value), (flag, str(e.value))
+    assert "--prox recompute" in str(e.value) or "--prox interpolate" in str(e.value)  # the fix
+    # the valid neighbours: the default proximal mode, interpolation, and SAPO's coupled recipe without masks
+    dataclasses.replace(cfg, **{**change, "prox": "interpolate"})
+    assert GSM.PRESETS["sapo"][1].prox == "behav" and not GSM.PRESETS["sapo"][1].masks
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_supervised_schedule_follows_steps_and_eval_every_is_checked(name):
+    """Regression: the default cosine's total_steps (sft 300, dpo 200) was fixed independently of --steps, so
+    ``--steps 100`` stopped mid-decay (lr still ~high at the last step); and a negative --eval-every evaluated every
+    step. The default schedule now follows --steps (the default run's math unchanged); an explicit
+    --optim.total-steps is kept; --eval-every < 0 is refused, naming the flag."""
+    from rlcore.training import train_state
+
+    mod = load(name)
+    base = mod.Config(model="tiny")
+    lo = base.optim.min_lr_ratio
+    assert base.optim == mod.OPTIM and base.optim.total_steps == base.steps  # the default run is unchanged
+    ends = {}
+    for steps in (100, 50):
+        cfg = mod.Config(model="tiny", steps=steps)
+        lr = train_state.lr_lambda(cfg.optim)
+        ends[steps] = lr(steps - 1)
+        assert lr(steps) == pytest.approx(lo) and ends[steps] < lo + 1e-2  # the decay ends at the last step
+    assert ends[50] != ends[100] or lo == 0  # --steps moves the last step's lr
+    mid = train_state.lr_lambda(dataclasses.replace(base.optim, total_steps=base.steps))(99)
+    assert mid > 0.5  # what the old fixed total gave at step 100 of a --steps 100 run
+    explicit = mod.Config(model="tiny", steps=100, optim=dataclasses.replace(mod.OPTIM, total_steps=150))
+    assert explicit.optim.total_steps == 150
+    short = mod.Config(model="tiny", steps=2)  # inside the warm-up: the documented smoke, the ramp as before
+    ramp = [(i + 1) / base.optim.warmup_steps for i in range(2)]
+    assert [train_state.lr_lambda(short.optim)(i) for i in range(2)] == pytest.approx(ramp)
+    with pytest.raises(ValueError, match="--eval-every"):
+        mod.Config(model="tiny", eval_every=-1)
+
+
+@pytest.mark.parametrize("name", ["distill", "multi_turn"])
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("eval_every", -1, "--eval-every"), ("temperature", 0.0, "--temperature"), ("max_grad_norm", -1.0, "--max-grad-norm"),
+])
+def test_rl_experiments_bad_values_name_the_flag_at_parse_time(name, field, value, flag):
+    """Regression: distill / multi_turn took a negative --eval-every (evaluating every step) and --temperature 0
+    (failing after the model loaded, naming StepConfig); their gradient clip was StepConfig's silent 1.0, with no
+    --max-grad-norm to change it as the other experiments have."""
+    smoke = load(name).SMOKE
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        dataclasses.replace(smoke, **{field: value})
+
+
+@pytest.mark.parametrize("name", ["distill", "multi_turn"])
+def test_rl_experiments_max_grad_norm_reaches_the_step(name, data_dir, monkeypatch):
+    """--max-grad-norm is the StepConfig's clip (default 1.0: the old silent value)."""
+    mod = load(name)
+    assert mod.Config.max_grad_norm == 1.0
+    seen = []
+    real = mod.step.StepConfig
+
+    def spy(*a, **kw):
+        seen.append(kw.get("max_grad_norm"))
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(mod.step, "StepConfig", spy)
+    with pytest.raises(RuntimeError, match="stop"):
+        mod.main(dataclasses.replace(mod.SMOKE, max_grad_norm=0.25, data_dir=str(data_dir)))
+    assert seen == [0.25] and real is not spy
 
 
 def test_every_cli_help_exits_zero(monkeypatch, capsys):

@@ -9,7 +9,8 @@ Soft Adaptive Policy Optimization (Gao et al. 2025, https://arxiv.org/abs/2511.2
 
 At ``r = 1`` the gate's slope is 1, so the gradient equals PPO's, while the loss value is ``-2 A / tau``.
 ``logp_old`` is the behaviour log-prob (AReaL's shipped SAPO runs coupled; ``ratio_against="prox"`` gives the
-recomputed variant). No behaviour weight and no rejection sampling. ``level="sequence"`` uses GSPO's
+recomputed variant: pass the recomputed log-probs as ``logp_prox``, as ``experiments/gsm8k_grpo.py`` does with
+``--objective.ratio-against prox --prox recompute``). No behaviour weight and no rejection sampling. ``level="sequence"`` uses GSPO's
 geometric-mean ratio and mean advantage. All tensors are padded ``(b t)``; ``mask`` is bool.
 """
 

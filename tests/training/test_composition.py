@@ -14,10 +14,10 @@ are the pre-mask counts of the whole batch (also each row's own count in ``seq_m
 ``ℓ^old`` / ``ℓ^prox`` follow spec §4.1 / §5 from the objective and the proximal mode, and the log-probs come from
 the model's plain-torch log-softmax (the step uses its own kernel).
 
-Each cell also checks that it is not vacuous: the mask drops (or the clamp changes) some but not all tokens where
-π_prox ≠ π_behav can occur, and is exactly the identity where it cannot (coupled PPO on recomputed log-probs:
-π_prox = π_old). A weight-carrying rejection config with an objective that applies no behaviour weight (SAPO,
-coupled PPO) is an invalid cell: the experiment's config must refuse it with a clear error.
+Each cell also checks that it is not vacuous: the mask drops (or the clamp changes) some but not all tokens.
+Two kinds of cell are invalid, and the experiment's config must refuse them with a clear error: a weight-carrying
+rejection config with an objective that applies no behaviour weight (SAPO, coupled PPO), and any mask where
+π_prox = π_old (coupled PPO on recomputed log-probs), which would compare a tensor with itself and keep every token.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ OBJECTIVES = {
     "ppo_coupled": (ppo.PPOConfig(decoupled=False), "recompute", ppo.loss),  # ℓ^old = recomputed (spec §4.1)
     "ppo_coupled_interp": (ppo.PPOConfig(decoupled=False), "interpolate", ppo.loss),  # ℓ^old = engine log-probs
     "gspo": (gspo.GSPOConfig(clip_low=0.2, clip_high=0.2), "recompute", gspo.loss),
-    "sapo": (sapo.SAPOConfig(), "interpolate", sapo.loss),  # the experiment refuses SAPO with prox='recompute'
+    "sapo": (sapo.SAPOConfig(), "interpolate", sapo.loss),  # the experiment refuses SAPO(behav) with prox='recompute'
+    # SAPO's recomputed variant (spec §10.1 / §4.1): coupled, ℓ^old = the recomputed log-probs
+    "sapo_recomputed": (sapo.SAPOConfig(ratio_against="prox"), "recompute", sapo.loss),
     "cispo": (cispo.CISPOConfig(clip_low=0.2, clip_high=0.2), "recompute", cispo.loss),
 }
 # name -> {experiment Config field: mask config}; bands sized for log pi_prox - log pi_behav ~ N(0, 0.6)
@@ -85,7 +87,20 @@ def _weighted(obj_cfg) -> bool:
 
 def _invalid(obj_name: str, mask_name: str) -> bool:
     carries = any(getattr(c, "carries_weight", False) for c in MASKS[mask_name].values())
-    return carries and not _weighted(OBJECTIVES[obj_name][0])
+    return (carries and not _weighted(OBJECTIVES[obj_name][0])) or _identity(obj_name, mask_name)
+
+
+def _identity(obj_name: str, mask_name: str) -> bool:
+    """The cell's masks would compare π_prox with itself: coupled PPO on recomputed log-probs (ℓ^old = ℓ^prox)."""
+    obj_cfg, prox, _ = OBJECTIVES[obj_name]
+    return mask_name != "none" and _coupled(obj_cfg) and prox == "recompute"
+
+
+def _coupled(obj_cfg) -> bool:
+    """Coupled (spec §4.1): PPO with ``decoupled=False``, or SAPO with ``ratio_against="prox"``."""
+    if isinstance(obj_cfg, sapo.SAPOConfig):
+        return obj_cfg.ratio_against == "prox"
+    return getattr(obj_cfg, "decoupled", True) is False
 
 
 def _obj_cfg(obj_name: str, agg: str):
@@ -126,8 +141,7 @@ def hand_loss(obj_name: str, mask_name: str, agg: str, batch: dict, tb: TokenBat
     _, prox_mode, leaf = OBJECTIVES[obj_name]
     _, mask, behav, versions = tts.shifted(batch)  # predictive alignment by hand
     assert torch.equal(mask, tb.loss_mask) and torch.equal(behav, tb.logp_behav)
-    coupled = not _weighted(obj_cfg) and not isinstance(obj_cfg, sapo.SAPOConfig)
-    old = tb.logp_prox if (coupled and prox_mode == "recompute") else behav  # ℓ^old, spec §4.1
+    old = tb.logp_prox if (_coupled(obj_cfg) and prox_mode == "recompute") else behav  # ℓ^old, spec §4.1
     denom = mask.sum() if agg == "token_mean" else (mask.sum(-1) > 0).sum()  # pre-mask counts, whole batch
     adv = tb.adv
 
@@ -179,10 +193,7 @@ def _assert_not_vacuous(obj_name: str, mask_name: str, mask: torch.Tensor, seen:
     if mask_name == "none":
         assert torch.equal(keep, mask)
         return
-    if identity:
-        assert OBJECTIVES[obj_name][1] == "recompute" and obj_name.startswith("ppo_coupled")
-        assert torch.equal(keep, mask) and bool((factor[mask] == 1).all()), "an identity mask changed the loss"
-        return
+    assert not identity, "a mask of π_prox against itself keeps every token: the config must refuse the cell"
     clamps = any(getattr(c, "action", "mask") == "clamp" for c in MASKS[mask_name].values())
     dropped = int(mask.sum() - keep.sum())
     changed = int(((factor - 1).abs() > 1e-12)[keep].sum())
@@ -216,15 +227,44 @@ def test_m2po_through_several_micro_batches_equals_the_minibatch_statistic(monke
 
 @pytest.mark.parametrize("obj_name,mask_name,agg", INVALID)
 def test_weight_carrying_rejection_without_a_behaviour_weight_is_refused(obj_name, mask_name, agg):
-    """SAPO / coupled PPO have no behaviour weight to carry a TIS clamp or a sequence geometric mean: refused."""
-    with pytest.raises(ValueError, match=r"(?s)changes the behaviour weight.*use --rejection.action mask"):
+    """SAPO / coupled PPO have no behaviour weight to carry a TIS clamp or a sequence geometric mean: refused.
+    A mask of π_prox against itself (coupled PPO on recomputed log-probs) is refused too: it would keep every token."""
+    carries = any(getattr(c, "carries_weight", False) for c in MASKS[mask_name].values())
+    if carries:
+        match = r"(?s)changes the behaviour weight.*use --rejection.action mask"
+    else:
+        match = r"(?s)(--objective.no-decoupled|--objective.ratio-against prox) with --prox recompute.*keep every token"
+    with pytest.raises(ValueError, match=match):
         experiment_config(obj_name, mask_name, agg)
 
 
 def test_the_matrix_covers_every_objective_mask_and_agg():
     assert len(VALID) + len(INVALID) == len(OBJECTIVES) * len(MASKS) * len(AGGS)
-    assert {c[0] for c in INVALID} == {"ppo_coupled", "ppo_coupled_interp", "sapo"}
-    assert {c[1] for c in INVALID} == {"token_clamp", "seq_mask", "seq_clamp", "stack"}
+    assert {c[0] for c in INVALID} == {"ppo_coupled", "ppo_coupled_interp", "sapo", "sapo_recomputed"}
+    recomputed_old = ("ppo_coupled", "sapo_recomputed")  # coupled on recomputed log-probs: every mask is an identity
+    assert {c[1] for c in INVALID if c[0] in recomputed_old} == set(MASKS) - {"none"}
+    assert {c[1] for c in INVALID if c[0] not in recomputed_old} == {"token_clamp", "seq_mask", "seq_clamp", "stack"}
+
+
+def test_sapo_ratio_against_prox_changes_the_gradient():
+    """Regression: gsm8k_grpo refused SAPO's documented recomputed variant (``--objective.ratio-against prox
+    --prox recompute``) and accepted ``--objective.ratio-against prox`` under ``--prox behav``, where it did nothing.
+    The variant now runs (its gradient equals SAPO against the recomputed log-probs: the ``sapo_recomputed`` cells of
+    the matrix), it differs from the behaviour-ratio recipe's, and the no-op pairing is refused."""
+    scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=14), max_grad_norm=0.0)
+    tb = step_batch(make_data(0, 6), tts.state64(0), "recompute", 0)
+    deltas = {}
+    for against, prox in (("behav", "behav"), ("prox", "recompute")):
+        cfg = dataclasses.replace(GSM.BASE, objective=sapo.SAPOConfig(ratio_against=against), prox=prox, rejection=None)
+        loss_fn = GSM.make_loss_fn(cfg, version=VERSION)
+        _, deltas[against] = tts.run_and_delta(lambda s, f=loss_fn: step.train_step(s, tb, f, cfg=scfg), tts.state64(0))
+    diff = max(float((deltas["prox"][k] - deltas["behav"][k]).abs().max()) for k in deltas["prox"])
+    scale = max(float(v.abs().max()) for v in deltas["behav"].values())
+    assert diff > 1e-3 * scale, (diff, scale)
+    with pytest.raises(ValueError, match=r"--objective.ratio-against prox and --prox behav.*--prox recompute"):
+        dataclasses.replace(GSM.PRESETS["sapo"][1], objective=sapo.SAPOConfig(ratio_against="prox"))
+    with pytest.raises(ValueError, match=r"--objective.ratio-against behav.*--prox behav"):
+        dataclasses.replace(GSM.PRESETS["sapo"][1], prox="recompute")
 
 
 @pytest.mark.slow
