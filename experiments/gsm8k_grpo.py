@@ -96,6 +96,10 @@ class Config:
     """KPop binary-KL mask; None: off."""
     m2po: m2po_lib.M2POConfig | None = None
     """M2PO second-moment mask (applied first); None: off."""
+    off_policy_masks: bool = True
+    """False (``--no-off-policy-masks``): drop every off-policy token mask the preset sets (rejection, IcePop, KPop,
+    M2PO), the command line's way to turn them off, e.g. for ``--prox behav`` or coupled PPO, where they would
+    compare a tensor with itself."""
     kl_loss_coef: float = 0.0
     """KL-in-loss coefficient to the frozen reference (GRPO-paper style; > 0 loads it); 0: off."""
     kl_loss: kl.KLConfig = kl.KLConfig(estimator="k3")
@@ -137,6 +141,9 @@ class Config:
     """Shape of the random model when model='tiny'."""
 
     def __post_init__(self) -> None:
+        if not self.off_policy_masks:  # frozen: the masks the preset set are dropped once, here
+            for name in ("rejection", "icepop", "kpop", "m2po"):
+                object.__setattr__(self, name, None)
         if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1 or self.ppo_n_minibatches < 1:
             raise ValueError("steps, prompts_per_step, group_size and ppo_n_minibatches must be >= 1")
         if self.eval_n < 1:
@@ -226,7 +233,7 @@ class Config:
             raise ValueError(
                 f"--prox behav makes pi_prox the behaviour log-probs, so the off-policy mask(s) {on} would compare "
                 "pi_behav with itself and keep every token (the mask does nothing); use --prox recompute (or "
-                "--prox interpolate), or a preset / Config without the mask (e.g. sapo, or rejection=None)"
+                "--prox interpolate), or turn the masks off with --no-off-policy-masks"
             )
         if self.prox == "recompute" and self.coupled:
             knob = ("--objective.ratio-against prox" if isinstance(self.objective, sapo.SAPOConfig)
@@ -234,8 +241,8 @@ class Config:
             raise ValueError(
                 f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (spec §4.1), so the "
                 f"off-policy mask(s) {on} would compare that tensor with itself and keep every token (the mask does "
-                f"nothing); use a decoupled objective (drop {knob}), --prox interpolate, or a preset / Config "
-                "without the mask (rejection=None)"
+                f"nothing); use a decoupled objective (drop {knob}), --prox interpolate, or turn the masks off with "
+                "--no-off-policy-masks"
             )
 
     @property

@@ -413,6 +413,24 @@ def test_gsm8k_mask_of_a_tensor_with_itself_is_refused(preset, change, flags):
     assert GSM.PRESETS["sapo"][1].prox == "behav" and not GSM.PRESETS["sapo"][1].masks
 
 
+def test_gsm8k_no_off_policy_masks_is_the_command_lines_way_out_of_that_refusal(capsys):
+    """The presets' masks cannot be set to None from the command line (nested configs are flags, not subcommands),
+    so ``--prox behav`` on the default preset was refused with no way out short of Python: ``--no-off-policy-masks``
+    drops every mask the preset set, and the run is valid."""
+    import tyro
+
+    args = ["grpo", "--prox", "behav"]
+    with pytest.raises(SystemExit):  # tyro prints the config's error and exits 2
+        tyro.extras.overridable_config_cli(GSM.PRESETS, args=args)
+    assert "--no-off-policy-masks" in capsys.readouterr().err
+    cfg = tyro.extras.overridable_config_cli(GSM.PRESETS, args=[*args, "--no-off-policy-masks"])
+    assert cfg.prox == "behav" and not cfg.masks
+    assert (cfg.rejection, cfg.icepop, cfg.kpop, cfg.m2po) == (None, None, None, None)
+    icepop = tyro.extras.overridable_config_cli(GSM.PRESETS, args=["icepop", "--no-off-policy-masks"])
+    assert icepop.icepop is None and GSM.PRESETS["icepop"][1].icepop is not None
+    assert tyro.extras.overridable_config_cli(GSM.PRESETS, args=["grpo"]).rejection is not None  # default: on
+
+
 @pytest.mark.parametrize("name", ["sft", "dpo"])
 def test_supervised_schedule_follows_steps_and_eval_every_is_checked(name):
     """Regression: the default cosine's total_steps (sft 300, dpo 200) was fixed independently of --steps, so
