@@ -22,6 +22,7 @@ from rlcore.inference.weights import (
     commit_weights,
     hf_ignored_keys,
     init_custom_process_group,
+    named_tensors,
     parse_dtype,
     read_hf_checkpoint,
     stage_weights,
@@ -85,7 +86,10 @@ class WeightUpdates:
         Refused while a LoRA adapter is loaded.
         """
         with self._lora.full_load():
-            staged = stage_weights(self.model, read_hf_checkpoint(self.model, path, skip=hf_ignored_keys(self.model)))
+            known = named_tensors(self.model)  # one walk of the model for the whole load
+            staged = stage_weights(
+                self.model, read_hf_checkpoint(self.model, path, skip=hf_ignored_keys(self.model), known=known), known
+            )
             self._call(lambda: self._commit(staged, version))
 
     def update_weights_from_tensors(

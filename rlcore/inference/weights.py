@@ -190,8 +190,9 @@ def _two_keys(target: str, first: str, second: str) -> EngineError:
     )
 
 
-_CONVERSIONS: weakref.WeakKeyDictionary[nn.Module, tuple[list, list, dict[str, Any]]] = weakref.WeakKeyDictionary()
-"""transformers' conversion tables of each model (its class and config fix them), for repeated disk updates."""
+_CONVERSIONS: weakref.WeakKeyDictionary[nn.Module, tuple[list, list, dict[str, Any], dict]] = weakref.WeakKeyDictionary()
+"""transformers' conversion tables of each model (its class and config fix them) and the keys renamed so far, for
+repeated disk updates."""
 
 
 def hf_checkpoint_conversions(
@@ -220,21 +221,28 @@ def hf_checkpoint_conversions(
         mapping = get_model_conversion_mapping(model)
         renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
         converters = [t for t in mapping if isinstance(t, WeightConverter)]
-        cached = _CONVERSIONS[model] = (renamings, converters, {p: c for c in converters for p in c.source_patterns})
-    renamings, converters, by_pattern = cached
+        by = {p: c for c in converters for p in c.source_patterns}
+        cached = _CONVERSIONS[model] = (renamings, converters, by, {})
+    renamings, converters, by_pattern, memo = cached  # memo: checkpoint key -> (name, pattern), names being fixed
     prefix = getattr(model, "base_model_prefix", None) or None
 
     def rename(key: str) -> tuple[str, str | None]:
+        if key in memo:  # a publish sends the same keys every step
+            return memo[key]
         name, pattern = rename_source_key(key, renamings, converters, prefix, known)
         if name not in known and key in known:  # transformers' rule: a model name loads as itself
-            return key, None
+            name, pattern = key, None
+        memo[key] = (name, pattern)
         return name, pattern
 
     return rename, by_pattern
 
 
 def read_hf_checkpoint(
-    model: nn.Module, path: str | os.PathLike, skip: Callable[[str], bool] | None = None
+    model: nn.Module,
+    path: str | os.PathLike,
+    skip: Callable[[str], bool] | None = None,
+    known: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of every model tensor the safetensors checkpoint at ``path`` holds (an HF directory,
     sharded or not, or one file), named and shaped as ``model`` names its tensors, on CPU, in the file's dtypes.
@@ -246,7 +254,8 @@ def read_hf_checkpoint(
     ``block_sparse_moe`` keys are renamed to ``mlp``. A checkpoint in the model's own names (the trainer's publish)
     reads as is. A key that loads nothing keeps its name (``check_specs`` refuses it).
 
-    ``skip``: checkpoint keys for which it is true are not read (``hf_ignored_keys``). Two keys that load one
+    ``known``: ``named_tensors(model)`` when the caller has it (a walk of every module). ``skip``: checkpoint keys
+    for which it is true are not read (``hf_ignored_keys``). Two keys that load one
     parameter (a fused tensor next to its per-expert keys, a name next to its legacy alias: ``from_pretrained``
     keeps one of them silently) and a key in two files raise ``EngineError`` naming both, from the keys alone
     (before any tensor is read) unless one converter's several outputs collide with another key's; so does a path
@@ -276,7 +285,7 @@ def read_hf_checkpoint(
                 raise EngineError(f"model_path {os.fspath(path)!r}: key {k!r} is in both {where[k]!r} and {f!r}")
             where[k] = f
 
-    known = named_tensors(model)
+    known = named_tensors(model) if known is None else known
     rename, converters = hf_checkpoint_conversions(model, known)
     plan: dict[str, _Plan] = {}  # first model name a group loads -> its checkpoint keys
     for key in sorted(where, key=_natural_key):  # experts in index order, as transformers merges them
@@ -379,7 +388,18 @@ def hf_ignored_keys(model: nn.Module) -> Callable[[str], bool]:
     some module's ``_keys_to_ignore_on_load_unexpected`` (DeepSeek-V3's multi-token-prediction layer
     ``model.layers.61.*``, GPT-2's ``attn.bias``), a per-layer ``rotary_emb.inv_freq`` of an older conversion (when
     the model has rotary ``inv_freq`` buffers) or a ``position_ids`` (when it has such buffers). Any other unknown
-    name is still refused by ``check_specs``."""
+    name is still refused by ``check_specs``. Built once per model (it walks the model and its state dict)."""
+    cached = _IGNORED.get(model)
+    if cached is not None:
+        return cached
+    _IGNORED[model] = pred = _hf_ignored_keys(model)
+    return pred
+
+
+_IGNORED: weakref.WeakKeyDictionary[nn.Module, Callable[[str], bool]] = weakref.WeakKeyDictionary()
+
+
+def _hf_ignored_keys(model: nn.Module) -> Callable[[str], bool]:
     patterns: set[str] = set()
     for mod in model.modules():
         patterns.update(getattr(mod, "_keys_to_ignore_on_load_unexpected", None) or ())
@@ -433,16 +453,16 @@ def check_specs(
 
 @torch.no_grad()
 def stage_weights(
-    model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]
+    model: nn.Module, items: Iterable[tuple[str, torch.Tensor]], known: dict[str, torch.Tensor] | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Check and convert a whole load before anything is written; returns ``(live tensor, new value)`` pairs.
 
     Every name, shape and dtype is checked (``check_specs``); the values are cast to the live tensors' dtypes
     (kept on their own device: ``commit_weights`` moves them). Tied aliases may both be sent (a checkpoint with
     ``lm_head.weight`` and ``embed_tokens.weight``) when they are equal. Raises ``EngineError`` on the first
-    problem, having changed nothing.
+    problem, having changed nothing. ``known``: ``named_tensors(model)`` when the caller has it.
     """
-    known = named_tensors(model)
+    known = named_tensors(model) if known is None else known
     staged: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
     for name, t in items:
         if not isinstance(t, torch.Tensor):
