@@ -65,6 +65,10 @@ class Config:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.pairs_per_step < 1:
             raise ValueError("steps and pairs_per_step must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--max-grad-norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
 
 
 SMOKE = Config(

@@ -589,3 +589,11 @@ def test_distill_kd_term_covers_rejected_tokens():
     (want_grad,) = torch.autograd.grad(want, ref)
     assert torch.allclose(grad, want_grad, atol=1e-7)
     assert bool((grad[mask & ~keep] != 0).all())
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [("eval_every", -1, "--eval-every"), ("max_grad_norm", -1.0, "--max-grad-norm")])
+def test_reward_model_bad_values_name_the_flag_at_parse_time(field, value, flag):
+    """Regression: reward_model took --eval-every -1 (step % -1 == 0: evaluating every step) and a negative
+    --max-grad-norm (refused only after the model loaded, naming StepConfig)."""
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        dataclasses.replace(load("reward_model").SMOKE, **{field: value})
