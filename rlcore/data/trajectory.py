@@ -67,6 +67,61 @@ def make_row(
     return row
 
 
+def make_group(
+    prompt_ids: Sequence[int],
+    outputs: Sequence[tuple[Sequence[int], Sequence[float], Sequence[int]]],
+    rewards: Sequence[float],
+    turn: int = 0,
+    truncated: Sequence[bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``concat([make_row(prompt_ids, *outputs[i], rewards[i], turn, truncated[i]) for i ...])`` in one pass: ``g``
+    samples of one prompt as ``(g, len(prompt) + longest output)`` rows, right-padded with ``PAD_VALUES``.
+
+    ``outputs[i]`` is ``(output_ids, output_logprobs, output_versions)``. Each key is filled in one NumPy array and
+    wrapped once (``torch.from_numpy``), instead of seven tensors per row and a concatenation per key: a group
+    episode's rows cost a few tensor operations, not a few dozen per sample."""
+    g = len(outputs)
+    if g == 0:
+        raise ValueError("make_group needs at least one output")
+    if len(rewards) != g or (truncated is not None and len(truncated) != g):
+        raise ValueError(f"make_group: {g} outputs but {len(rewards)} rewards"
+                         + ("" if truncated is None else f" and {len(truncated)} truncated flags"))
+    for i, (ids, lp, ver) in enumerate(outputs):
+        if not (len(ids) == len(lp) == len(ver)):
+            raise ValueError(
+                f"output_ids/output_logprobs/output_versions must have equal lengths, got "
+                f"{len(ids)}/{len(lp)}/{len(ver)} (sample {i})"
+            )
+    p = len(prompt_ids)
+    lens = [len(o[0]) for o in outputs]
+    width = p + max(lens)
+    ids = np.zeros((g, width), dtype=np.int64)
+    ids[:, :p] = np.asarray(prompt_ids, dtype=np.int64)
+    logp = np.zeros((g, width), dtype=np.float32)
+    ver = np.full((g, width), -1, dtype=np.int64)
+    for i, (o_ids, o_lp, o_ver) in enumerate(outputs):
+        if lens[i]:
+            ids[i, p : p + lens[i]] = o_ids
+            logp[i, p : p + lens[i]] = [float(x) for x in o_lp]  # float() refuses None, as make_row does
+            ver[i, p : p + lens[i]] = [int(v) for v in o_ver]
+    pos = np.arange(width)[None, :]
+    end = p + np.asarray(lens)[:, None]
+    real = pos < end
+    gen = real & (pos >= p)
+    group = {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(real),
+        "loss_mask": torch.from_numpy(gen),
+        "logprobs": torch.from_numpy(logp),
+        "versions": torch.from_numpy(ver),
+        "turn_ids": torch.from_numpy(np.where(gen, int(turn), -1).astype(np.int64)),
+        "rewards": torch.from_numpy(np.asarray([float(r) for r in rewards], dtype=np.float32)),
+    }
+    if truncated is not None:
+        group["truncated"] = torch.from_numpy(np.asarray([bool(t) for t in truncated], dtype=np.bool_))
+    return group
+
+
 def _is_token_key(k: str, v: torch.Tensor, width: int) -> bool:
     return v.dim() >= 2 and v.shape[1] == width and k != "rewards"
 

@@ -301,16 +301,18 @@ def rlvr(tokenizer: Any, reward_fn: RewardFn, cfg: WorkflowConfig = WorkflowConf
             for e in rewards:
                 if isinstance(e, BaseException) and not isinstance(e, Exception):
                     raise e
-            rows = [trajectory.make_row(prompt, r.output_tokens, r.output_logprobs, r.output_versions, float(w),
-                                        truncated=r.stop_reason == "length")
-                    for r, w in zip(resps, rewards) if not isinstance(w, BaseException)]
+            ok = [(r, float(w)) for r, w in zip(resps, rewards) if not isinstance(w, BaseException)]
             failed = [w for w in rewards if isinstance(w, BaseException)]
-            if failed and not rows:
+            if failed and not ok:
                 raise failed[0]
             for e in failed:
                 log.warning("task %s: one sample of the group failed its reward: %s: %s", TASK_ID.get(),
                             type(e).__name__, e)
-            return trajectory.concat(rows) if rows else None
+            # the rows of the group in one pass: the same tensors as concat([make_row(...) for each sample])
+            return trajectory.make_group(
+                prompt, [(r.output_tokens, r.output_logprobs, r.output_versions) for r, _ in ok], [w for _, w in ok],
+                truncated=[r.stop_reason == "length" for r, _ in ok],
+            ) if ok else None
 
         return GroupEpisode(group_episode, group_size)
 

@@ -1,12 +1,14 @@
-"""make_row and concat against a plain reference (one tensor per key and row, each row padded on its own)."""
+"""make_row, make_group and concat against a plain reference (one tensor per key and row, each row padded on its
+own)."""
 
 from __future__ import annotations
 
 import torch
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.data.trajectory import PAD_VALUES, concat, make_row
+from rlcore.data.trajectory import PAD_VALUES, concat, make_group, make_row
 
 
 def ref_row(prompt, out, lp, ver, reward, turn=0) -> dict[str, torch.Tensor]:
@@ -74,3 +76,49 @@ def test_concat_matches_the_reference(rows, variant):
     elif variant == "order" and len(trajs) > 1:  # keys in another order
         trajs[-1] = dict(reversed(list(trajs[-1].items())))
     assert_same(concat(trajs), ref_concat(trajs))
+
+
+@st.composite
+def group_args(draw, max_len=9):
+    """One prompt and 1-9 samples of it: (prompt, [(out, lp, ver)], rewards, turn, truncated or None)."""
+    prompt = draw(st.lists(st.integers(0, 2**62), min_size=1, max_size=max_len))
+    outs = []
+    for _ in range(draw(st.integers(1, 9))):
+        o = draw(st.integers(0, max_len))
+        outs.append((
+            draw(st.lists(st.integers(0, 2**62), min_size=o, max_size=o)),
+            draw(st.lists(st.one_of(st.floats(-1e30, 0), st.just(float("nan")), st.just(float("-inf"))),
+                          min_size=o, max_size=o)),
+            draw(st.lists(st.integers(-1, 10**12), min_size=o, max_size=o)),
+        ))
+    rewards = draw(st.lists(st.floats(-1e6, 1e6), min_size=len(outs), max_size=len(outs)))
+    truncated = draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=len(outs), max_size=len(outs))))
+    return prompt, outs, rewards, draw(st.integers(-1, 50)), truncated
+
+
+@settings(max_examples=200, deadline=None)
+@given(group_args())
+def test_make_group_is_concat_of_make_rows(args):
+    prompt, outs, rewards, turn, truncated = args
+    flags = truncated or [None] * len(outs)
+    rows = [make_row(prompt, *o, r, turn, truncated=t) for o, r, t in zip(outs, rewards, flags)]
+    got = make_group(prompt, outs, rewards, turn, truncated)
+    assert_same(got, concat(rows))
+    want = ref_concat([ref_row(prompt, *o, r, turn) for o, r in zip(outs, rewards)])
+    if truncated is not None:
+        want["truncated"] = torch.tensor(truncated, dtype=torch.bool)
+    assert_same(got, want)
+
+
+def test_make_group_refuses_what_make_row_refuses():
+    with pytest.raises(ValueError, match="equal lengths"):
+        make_group([1], [([2, 3], [0.0], [0, 0])], [1.0])
+    with pytest.raises(ValueError, match="2 outputs but 1 rewards"):
+        make_group([1], [([2], [0.0], [0]), ([3], [0.0], [0])], [1.0])
+    with pytest.raises(ValueError, match="at least one output"):
+        make_group([1], [], [])
+    for bad in ([2], [None], [0]), ([2], [0.0], [None]):  # a missing log-prob or version is an error, never NaN
+        with pytest.raises(TypeError):
+            make_row([1], *bad, 1.0)
+        with pytest.raises(TypeError):
+            make_group([1], [bad], [1.0])
