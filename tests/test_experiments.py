@@ -474,7 +474,7 @@ def test_rl_experiments_bad_values_name_the_flag_at_parse_time(name, field, valu
         dataclasses.replace(smoke, **{field: value})
 
 
-@pytest.mark.parametrize("name", ["distill", "multi_turn"])
+@pytest.mark.parametrize("name", ["distill", "multi_turn", "agent"])
 def test_rl_experiments_max_grad_norm_reaches_the_step(name, data_dir, monkeypatch):
     """--max-grad-norm is the StepConfig's clip (default 1.0: the old silent value)."""
     mod = load(name)
@@ -597,3 +597,38 @@ def test_reward_model_bad_values_name_the_flag_at_parse_time(field, value, flag)
     --max-grad-norm (refused only after the model loaded, naming StepConfig)."""
     with pytest.raises(ValueError, match=re.escape(flag)):
         dataclasses.replace(load("reward_model").SMOKE, **{field: value})
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("agent.temperature", 0.0, "--agent.temperature"), ("agent.temperature", -1.0, "--agent.temperature"),
+    ("agent.max_turns", 0, "--agent.max-turns"), ("agent.max_tokens", 0, "--agent.max-tokens"),
+    ("max_staleness", -1, "--max-staleness"), ("max_grad_norm", -1.0, "--max-grad-norm"),
+    ("max_tokens_per_mb", 0, "--max-tokens-per-mb"), ("train_limit", 0, "--train-limit"),
+    ("steps", 0, "--steps"), ("prompts_per_step", 0, "--prompts-per-step"), ("group_size", 0, "--group-size"),
+    ("turn_discount", 0.0, "--turn-discount"),
+    ("max_tokens_per_mb", 512, "--engine.max-seq-len 1024"),  # the smoke engine's 1024 > a 512-token budget
+])
+def test_agent_bad_values_name_the_flag_at_parse_time(field, value, flag):
+    """Regression: agent.py took --agent.temperature 0 and --max-staleness -1 until the run built StepConfig /
+    RolloutConfig after the model loaded (their errors named those fields, not the flags); --max-tokens-per-mb 0 and
+    --train-limit 0 likewise (the loader then read ONE question); a budget below --engine.max-seq-len (the longest
+    episode row the proxy lets through) stopped the run at the step whose episode no longer fit; and the errors of
+    --agent.max-turns / --steps / --turn-discount named dataclass fields."""
+    smoke = load("agent").SMOKE
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        if field.startswith("agent."):  # AgentConfig checks its own --agent.* flags
+            dataclasses.replace(smoke, agent=dataclasses.replace(smoke.agent, **{field.removeprefix("agent."): value}))
+        else:
+            dataclasses.replace(smoke, **{field: value})
+
+
+def test_agent_cli_refuses_temperature_zero_naming_the_flag(capsys):
+    """The parse itself (tyro, as ``python experiments/agent.py --agent.temperature 0`` runs it) refuses it: tyro
+    turns the ValueError into a usage error (exit 2) that prints the message."""
+    import tyro
+
+    agent = load("agent")
+    with pytest.raises(SystemExit) as e:
+        tyro.cli(agent.Config, args=["--model", "tiny", "--agent.temperature", "0"])
+    assert e.value.code == 2 and "--agent.temperature must be > 0" in capsys.readouterr().err
+    assert tyro.cli(agent.Config, args=["--model", "tiny", "--max-grad-norm", "0.5"]).max_grad_norm == 0.5
