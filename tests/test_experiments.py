@@ -431,9 +431,10 @@ def test_gsm8k_no_off_policy_masks_is_the_command_lines_way_out_of_that_refusal(
     assert tyro.extras.overridable_config_cli(GSM.PRESETS, args=["grpo"]).rejection is not None  # default: on
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo"])
+@pytest.mark.parametrize("name", ["sft", "dpo", "reward_model"])
 def test_supervised_schedule_follows_steps_and_eval_every_is_checked(name):
-    """Regression: the default cosine's total_steps (sft 300, dpo 200) was fixed independently of --steps, so
+    """Regression: the default cosine's total_steps (sft 300, dpo 200, reward_model 200) was fixed independently of
+    --steps, so
     ``--steps 100`` stopped mid-decay (lr still ~high at the last step); and a negative --eval-every evaluated every
     step. The default schedule now follows --steps (the default run's math unchanged); an explicit
     --optim.total-steps is kept; --eval-every < 0 is refused, naming the flag."""
@@ -591,12 +592,34 @@ def test_distill_kd_term_covers_rejected_tokens():
     assert bool((grad[mask & ~keep] != 0).all())
 
 
-@pytest.mark.parametrize(("field", "value", "flag"), [("eval_every", -1, "--eval-every"), ("max_grad_norm", -1.0, "--max-grad-norm")])
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("eval_every", -1, "--eval-every"), ("max_grad_norm", -1.0, "--max-grad-norm"),
+    ("eval_limit", 0, "--eval-limit"), ("eval_limit", -1, "--eval-limit"), ("train_limit", 0, "--train-limit"),
+    ("max_seq_len", 0, "--max-seq-len"), ("max_tokens_per_mb", 0, "--max-tokens-per-mb"),
+    ("steps", 0, "--steps"), ("pairs_per_step", 0, "--pairs-per-step"),
+])
 def test_reward_model_bad_values_name_the_flag_at_parse_time(field, value, flag):
     """Regression: reward_model took --eval-every -1 (step % -1 == 0: evaluating every step) and a negative
-    --max-grad-norm (refused only after the model loaded, naming StepConfig)."""
+    --max-grad-norm (refused only after the model loaded, naming StepConfig). Likewise --eval-limit / --train-limit 0
+    or negative (the loader then read ONE question), --max-seq-len 0 (every pair dropped after the load),
+    --max-tokens-per-mb 0 (refused after the model loaded, naming MicroBatchConfig), and --steps / --pairs-per-step
+    0, whose error named the fields."""
     with pytest.raises(ValueError, match=re.escape(flag)):
         dataclasses.replace(load("reward_model").SMOKE, **{field: value})
+
+
+def test_reward_model_pair_over_the_token_budget_is_refused_before_the_model_loads(data_dir, monkeypatch):
+    """Regression: a --max-tokens-per-mb below the longest pair (its two rows are never split) passed the setup and
+    stopped the run at the step that drew that pair, naming max_tokens_per_mb; it is refused once the pairs are
+    built, before the model loads, naming the flag and the size it needs."""
+    rm = load("reward_model")
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model loaded before the budget was checked")
+
+    monkeypatch.setattr(rm.harness, "load_model", no_model)
+    with pytest.raises(ValueError, match=r"--max-tokens-per-mb 8 is below the longest training pair \((\d+) tokens"):
+        rm.main(dataclasses.replace(rm.SMOKE, data_dir=str(data_dir), max_tokens_per_mb=8))
 
 
 @pytest.mark.parametrize(("field", "value", "flag"), [
