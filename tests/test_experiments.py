@@ -655,3 +655,18 @@ def test_agent_cli_refuses_temperature_zero_naming_the_flag(capsys):
         tyro.cli(agent.Config, args=["--model", "tiny", "--agent.temperature", "0"])
     assert e.value.code == 2 and "--agent.temperature must be > 0" in capsys.readouterr().err
     assert tyro.cli(agent.Config, args=["--model", "tiny", "--max-grad-norm", "0.5"]).max_grad_norm == 0.5
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("max_new_tokens", 0, "--max-new-tokens"), ("limit", 0, "--limit"), ("limit", -1, "--limit"),
+    ("n", 0, "--n"), ("chunk", 0, "--chunk"), ("temperature", -0.5, "--temperature"),
+])
+def test_eval_bad_values_name_the_flag_at_parse_time(field, value, flag):
+    """Regression: eval.py took --max-new-tokens 0 until the workflow was built after the model loaded (naming
+    WorkflowConfig.max_new_tokens) and a --limit of 0 or below (the loader then read ONE question: pass@k of a single
+    question reported as the run's); --n / --chunk / --temperature errors named the fields. --limit None still means
+    all questions and --temperature 0 greedy."""
+    ev = load("eval")
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        dataclasses.replace(ev.SMOKE, **{field: value})
+    assert dataclasses.replace(ev.SMOKE, limit=None, temperature=0.0).limit is None
