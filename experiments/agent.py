@@ -49,9 +49,14 @@ class AgentConfig:
     feedback: str = "That answer is not correct. Check your work and give the final answer in \\boxed{}."
     """User message the agent sends after a wrong attempt."""
 
-    def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_tokens < 1:
-            raise ValueError("AgentConfig.max_turns and max_tokens must be >= 1")
+    def __post_init__(self) -> None:  # the flags are --agent.*: agent.py is this config's only user
+        for flag, v in (("--agent.max-turns", self.max_turns), ("--agent.max-tokens", self.max_tokens)):
+            if v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"--agent.temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}"
+            )
 
 
 class MathAgent:
@@ -115,7 +120,9 @@ class Config:
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=1.7e-5, weight_decay=0.017)
     """AdamW settings."""
     max_tokens_per_mb: int = 16384
-    """Token budget of one micro-batch."""
+    """Token budget of one micro-batch; at least --engine.max-seq-len (an episode's row can be that long)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip (0: no clipping)."""
     engine: engines.EngineSetup = engines.EngineSetup(max_seq_len=4096)
     """Embedded or remote engines."""
     run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
@@ -124,10 +131,30 @@ class Config:
     """Shape of the random model when model='tiny'."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError("steps, prompts_per_step and group_size must be >= 1")
+        at_least = (  # (flag, value, minimum, what the minimum means)
+            ("--steps", self.steps, 1, "training steps"),
+            ("--prompts-per-step", self.prompts_per_step, 1, "prompt groups per batch"),
+            ("--group-size", self.group_size, 1, "agent runs per prompt"),
+            ("--max-staleness", self.max_staleness, 0, "0: synchronous"),
+            ("--max-tokens-per-mb", self.max_tokens_per_mb, 1, "a micro-batch's token budget"),
+        )
+        for flag, v, lo, why in at_least:
+            if v < lo:
+                raise ValueError(f"{flag} must be >= {lo} ({why}), got {v}")
+        if self.train_limit is not None and self.train_limit < 1:
+            raise ValueError(f"--train-limit must be >= 1 or None (all questions), got {self.train_limit}")
         if not 0 < self.turn_discount <= 1:
-            raise ValueError(f"turn_discount must be in (0, 1], got {self.turn_discount}")
+            raise ValueError(f"--turn-discount must be in (0, 1], got {self.turn_discount}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        if self.max_tokens_per_mb < self.engine.max_seq_len:
+            # The proxy caps every call at --engine.max-seq-len and an episode exports as ONE row, so rows reach that
+            # length; a longer row than the budget fits no micro-batch and would stop the run at that step.
+            raise ValueError(
+                f"--max-tokens-per-mb {self.max_tokens_per_mb} is below --engine.max-seq-len {self.engine.max_seq_len}, "
+                "the longest episode row the proxy lets through (a longer row fits no micro-batch); raise "
+                "--max-tokens-per-mb or lower --engine.max-seq-len"
+            )
 
 
 SMOKE = Config(
@@ -166,7 +193,7 @@ def main(cfg: Config) -> dict[str, float]:
     model = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     state = train_state.init_train_state(model, cfg.optim, compile_layers=cfg.run.compile)
     step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
-                               temperature=cfg.agent.temperature)
+                               temperature=cfg.agent.temperature, max_grad_norm=cfg.max_grad_norm)
     group_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
     agent = MathAgent(cfg.agent)
     ro_cfg = rollout.RolloutConfig(

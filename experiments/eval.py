@@ -40,7 +40,7 @@ class Config:
     data: str = str(gsm8k.GSM8K_DIR / "test.jsonl")
     """GSM8K-format jsonl to evaluate on."""
     limit: int | None = 500
-    """First N questions (None: all)."""
+    """First N questions, N >= 1 (None: all)."""
     n: int = 4
     """Samples per question; pass@1..n are reported."""
     temperature: float = 1.0
@@ -59,10 +59,19 @@ class Config:
     """Shape of the random model when model='tiny'."""
 
     def __post_init__(self) -> None:
-        if self.n < 1 or self.chunk < 1:
-            raise ValueError("n and chunk must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        at_least = (  # (flag, value, minimum, what the minimum means)
+            ("--n", self.n, 1, "samples per question"),
+            ("--chunk", self.chunk, 1, "questions per progress-bar update"),
+            ("--max-new-tokens", self.max_new_tokens, 1, "the generation budget per sample"),
+        )
+        for flag, v, lo, why in at_least:
+            if v < lo:
+                raise ValueError(f"{flag} must be >= {lo} ({why}), got {v}")
+        if self.limit is not None and self.limit < 1:
+            # The loader stops after its first row when limit < 1, so 0 or -1 silently evaluated ONE question.
+            raise ValueError(f"--limit must be >= 1 or None (all questions), got {self.limit}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
 
 
 SMOKE = Config(

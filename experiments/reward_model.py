@@ -11,6 +11,7 @@ value head at its last token (the appended eos), so the head must read the whole
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ from rlcore.rollout import workflows
 from rlcore.training import harness, models, recover, step, train_state
 from rlcore.types import TokenBatch
 
+OPTIM = train_state.OptimConfig(lr=2e-5, weight_decay=0.01, schedule="cosine", warmup_steps=5, total_steps=200)
+"""The default optimizer; its ``total_steps`` (200) is the default ``--steps`` and follows ``--steps``."""
+
 
 @dataclass(frozen=True)
 class Config:
@@ -40,7 +44,7 @@ class Config:
     train_limit: int | None = None
     """Use only the first N training questions (None: all)."""
     eval_limit: int = 128
-    """Held-out pairs for the accuracy evaluation."""
+    """Held-out pairs for the accuracy evaluation (--eval-every 0 still evaluates once at the end)."""
     max_seq_len: int = 1024
     """Pairs with a sequence longer than this are dropped."""
     steps: int = 200
@@ -48,11 +52,10 @@ class Config:
     pairs_per_step: int = 256
     """Preference pairs per step."""
     max_tokens_per_mb: int = 16384
-    """Token budget of one micro-batch (pairs are never split)."""
-    optim: train_state.OptimConfig = train_state.OptimConfig(
-        lr=2e-5, weight_decay=0.01, schedule="cosine", warmup_steps=5, total_steps=200
-    )
-    """AdamW + schedule (keep total_steps = steps)."""
+    """Token budget of one micro-batch (pairs are never split, so at least the longest pair's two rows)."""
+    optim: train_state.OptimConfig = OPTIM
+    """AdamW + schedule. Left at its default, ``total_steps`` follows ``--steps`` (the cosine ends at the last step);
+    any other ``--optim.total-steps`` is kept as given."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
     eval_every: int = 25
@@ -63,12 +66,28 @@ class Config:
     """Shape of the random model when model='tiny'."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.pairs_per_step < 1:
-            raise ValueError("steps and pairs_per_step must be >= 1")
+        at_least = (  # (flag, value, minimum, what the minimum means)
+            ("--steps", self.steps, 1, "optimizer steps"),
+            ("--pairs-per-step", self.pairs_per_step, 1, "preference pairs per step"),
+            ("--eval-limit", self.eval_limit, 1, "held-out pairs; --eval-every 0 still evaluates once at the end"),
+            ("--max-seq-len", self.max_seq_len, 1, "pairs with a longer sequence are dropped"),
+            ("--max-tokens-per-mb", self.max_tokens_per_mb, 1, "a micro-batch's token budget"),
+        )
+        for flag, v, lo, why in at_least:
+            if v < lo:
+                raise ValueError(f"{flag} must be >= {lo} ({why}), got {v}")
+        if self.train_limit is not None and self.train_limit < 1:
+            raise ValueError(f"--train-limit must be >= 1 or None (all questions), got {self.train_limit}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
-        if self.max_grad_norm < 0:
+        if not self.max_grad_norm >= 0:
             raise ValueError(f"--max-grad-norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+        o = self.optim
+        if o.schedule != "constant" and o.total_steps == OPTIM.total_steps and self.steps != o.total_steps:
+            # The default schedule follows --steps, so a shorter (longer) run still ends its decay at the last step.
+            # A run no longer than the warm-up never reaches the decay: its lr is the warm-up ramp either way.
+            total = max(self.steps, o.warmup_steps + 1)
+            object.__setattr__(self, "optim", dataclasses.replace(o, total_steps=total))
 
 
 SMOKE = Config(
@@ -127,6 +146,12 @@ def main(cfg: Config) -> dict[str, float]:
     ]
     if not train:
         raise ValueError(f"no training pair fits max_seq_len={cfg.max_seq_len}; raise --max-seq-len")
+    longest = max(int(p["attention_mask"].sum()) for p in train)  # a pair's two rows share a micro-batch
+    if longest > cfg.max_tokens_per_mb:  # refused before the model loads, not at the step that draws this pair
+        raise ValueError(
+            f"--max-tokens-per-mb {cfg.max_tokens_per_mb} is below the longest training pair ({longest} tokens in its "
+            f"two rows, which are never split); raise --max-tokens-per-mb to at least {longest} (or lower --max-seq-len)"
+        )
     hf = harness.load_model(cfg.model, tok, tiny_cfg=cfg.tiny, seed=cfg.run.seed)
     # A CriticModel as TrainState.model: train_step trains it, checkpoint saves it like any policy.
     state = train_state.init_train_state(models.CriticModel(hf.train()), cfg.optim, compile_layers=cfg.run.compile)

@@ -431,9 +431,10 @@ def test_gsm8k_no_off_policy_masks_is_the_command_lines_way_out_of_that_refusal(
     assert tyro.extras.overridable_config_cli(GSM.PRESETS, args=["grpo"]).rejection is not None  # default: on
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo"])
+@pytest.mark.parametrize("name", ["sft", "dpo", "reward_model"])
 def test_supervised_schedule_follows_steps_and_eval_every_is_checked(name):
-    """Regression: the default cosine's total_steps (sft 300, dpo 200) was fixed independently of --steps, so
+    """Regression: the default cosine's total_steps (sft 300, dpo 200, reward_model 200) was fixed independently of
+    --steps, so
     ``--steps 100`` stopped mid-decay (lr still ~high at the last step); and a negative --eval-every evaluated every
     step. The default schedule now follows --steps (the default run's math unchanged); an explicit
     --optim.total-steps is kept; --eval-every < 0 is refused, naming the flag."""
@@ -474,7 +475,7 @@ def test_rl_experiments_bad_values_name_the_flag_at_parse_time(name, field, valu
         dataclasses.replace(smoke, **{field: value})
 
 
-@pytest.mark.parametrize("name", ["distill", "multi_turn"])
+@pytest.mark.parametrize("name", ["distill", "multi_turn", "agent"])
 def test_rl_experiments_max_grad_norm_reaches_the_step(name, data_dir, monkeypatch):
     """--max-grad-norm is the StepConfig's clip (default 1.0: the old silent value)."""
     mod = load(name)
@@ -591,9 +592,81 @@ def test_distill_kd_term_covers_rejected_tokens():
     assert bool((grad[mask & ~keep] != 0).all())
 
 
-@pytest.mark.parametrize(("field", "value", "flag"), [("eval_every", -1, "--eval-every"), ("max_grad_norm", -1.0, "--max-grad-norm")])
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("eval_every", -1, "--eval-every"), ("max_grad_norm", -1.0, "--max-grad-norm"),
+    ("eval_limit", 0, "--eval-limit"), ("eval_limit", -1, "--eval-limit"), ("train_limit", 0, "--train-limit"),
+    ("max_seq_len", 0, "--max-seq-len"), ("max_tokens_per_mb", 0, "--max-tokens-per-mb"),
+    ("steps", 0, "--steps"), ("pairs_per_step", 0, "--pairs-per-step"),
+])
 def test_reward_model_bad_values_name_the_flag_at_parse_time(field, value, flag):
     """Regression: reward_model took --eval-every -1 (step % -1 == 0: evaluating every step) and a negative
-    --max-grad-norm (refused only after the model loaded, naming StepConfig)."""
+    --max-grad-norm (refused only after the model loaded, naming StepConfig). Likewise --eval-limit / --train-limit 0
+    or negative (the loader then read ONE question), --max-seq-len 0 (every pair dropped after the load),
+    --max-tokens-per-mb 0 (refused after the model loaded, naming MicroBatchConfig), and --steps / --pairs-per-step
+    0, whose error named the fields."""
     with pytest.raises(ValueError, match=re.escape(flag)):
         dataclasses.replace(load("reward_model").SMOKE, **{field: value})
+
+
+def test_reward_model_pair_over_the_token_budget_is_refused_before_the_model_loads(data_dir, monkeypatch):
+    """Regression: a --max-tokens-per-mb below the longest pair (its two rows are never split) passed the setup and
+    stopped the run at the step that drew that pair, naming max_tokens_per_mb; it is refused once the pairs are
+    built, before the model loads, naming the flag and the size it needs."""
+    rm = load("reward_model")
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model loaded before the budget was checked")
+
+    monkeypatch.setattr(rm.harness, "load_model", no_model)
+    with pytest.raises(ValueError, match=r"--max-tokens-per-mb 8 is below the longest training pair \((\d+) tokens"):
+        rm.main(dataclasses.replace(rm.SMOKE, data_dir=str(data_dir), max_tokens_per_mb=8))
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("agent.temperature", 0.0, "--agent.temperature"), ("agent.temperature", -1.0, "--agent.temperature"),
+    ("agent.max_turns", 0, "--agent.max-turns"), ("agent.max_tokens", 0, "--agent.max-tokens"),
+    ("max_staleness", -1, "--max-staleness"), ("max_grad_norm", -1.0, "--max-grad-norm"),
+    ("max_tokens_per_mb", 0, "--max-tokens-per-mb"), ("train_limit", 0, "--train-limit"),
+    ("steps", 0, "--steps"), ("prompts_per_step", 0, "--prompts-per-step"), ("group_size", 0, "--group-size"),
+    ("turn_discount", 0.0, "--turn-discount"),
+    ("max_tokens_per_mb", 512, "--engine.max-seq-len 1024"),  # the smoke engine's 1024 > a 512-token budget
+])
+def test_agent_bad_values_name_the_flag_at_parse_time(field, value, flag):
+    """Regression: agent.py took --agent.temperature 0 and --max-staleness -1 until the run built StepConfig /
+    RolloutConfig after the model loaded (their errors named those fields, not the flags); --max-tokens-per-mb 0 and
+    --train-limit 0 likewise (the loader then read ONE question); a budget below --engine.max-seq-len (the longest
+    episode row the proxy lets through) stopped the run at the step whose episode no longer fit; and the errors of
+    --agent.max-turns / --steps / --turn-discount named dataclass fields."""
+    smoke = load("agent").SMOKE
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        if field.startswith("agent."):  # AgentConfig checks its own --agent.* flags
+            dataclasses.replace(smoke, agent=dataclasses.replace(smoke.agent, **{field.removeprefix("agent."): value}))
+        else:
+            dataclasses.replace(smoke, **{field: value})
+
+
+def test_agent_cli_refuses_temperature_zero_naming_the_flag(capsys):
+    """The parse itself (tyro, as ``python experiments/agent.py --agent.temperature 0`` runs it) refuses it: tyro
+    turns the ValueError into a usage error (exit 2) that prints the message."""
+    import tyro
+
+    agent = load("agent")
+    with pytest.raises(SystemExit) as e:
+        tyro.cli(agent.Config, args=["--model", "tiny", "--agent.temperature", "0"])
+    assert e.value.code == 2 and "--agent.temperature must be > 0" in capsys.readouterr().err
+    assert tyro.cli(agent.Config, args=["--model", "tiny", "--max-grad-norm", "0.5"]).max_grad_norm == 0.5
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("max_new_tokens", 0, "--max-new-tokens"), ("limit", 0, "--limit"), ("limit", -1, "--limit"),
+    ("n", 0, "--n"), ("chunk", 0, "--chunk"), ("temperature", -0.5, "--temperature"),
+])
+def test_eval_bad_values_name_the_flag_at_parse_time(field, value, flag):
+    """Regression: eval.py took --max-new-tokens 0 until the workflow was built after the model loaded (naming
+    WorkflowConfig.max_new_tokens) and a --limit of 0 or below (the loader then read ONE question: pass@k of a single
+    question reported as the run's); --n / --chunk / --temperature errors named the fields. --limit None still means
+    all questions and --temperature 0 greedy."""
+    ev = load("eval")
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        dataclasses.replace(ev.SMOKE, **{field: value})
+    assert dataclasses.replace(ev.SMOKE, limit=None, temperature=0.0).limit is None
