@@ -265,7 +265,7 @@ class ProcessEngine:
             kv_after_update=ecfg.kv_after_update,
             extra_args=("--max-prefill-tokens", str(ecfg.max_prefill_tokens))
             + (() if ecfg.cuda_graph else ("--no-cuda-graph",)),
-            startup_timeout_s=300.0,
+            startup_timeout_s=300.0, env=tuple(tuple(kv.split("=", 1)) for kv in args.engine_env),
         )
         self.ep = self._stack.enter_context(process.engine_process(pcfg))
         self.address = self.ep.address
@@ -549,6 +549,15 @@ def make_episode(temperature: float = 1.0):
     return episode
 
 
+def holds_engine(setup: Setup) -> bool:
+    """``--gpu-share`` resolved: auto holds an engine process on a CUDA device while the trainer updates (two
+    processes' CUDA contexts are time-sliced), never an engine thread (one context) or a CPU engine (its own cores)."""
+    share = setup.args.gpu_share
+    if share == "auto":
+        return isinstance(setup.engine, ProcessEngine) and torch.device(setup.engine_dev).type == "cuda"
+    return share == "exclusive"
+
+
 def publish(setup: Setup, ctl: Any, mode: str, pause_mode: str) -> float:
     """Push the trainer's weights into the engine (order of weight_sync.publish_weights); returns seconds."""
     from rlcore.training import weight_sync
@@ -631,10 +640,15 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
                 groups = ctl.prepare_batch()
                 t1 = time.perf_counter()
                 batch = trajectory.concat(groups)
+                hold = holds_engine(setup)  # the engine holds its requests while the trainer has the GPU
+                if hold:
+                    eng.pause("in_place")
                 setup.state, m = train(setup.state, batch)
                 sync(setup.train_dev)
                 t2 = time.perf_counter()
                 pub_s = publish(setup, ctl, args.publish, args.pause_mode)
+                if hold:
+                    eng.continue_generation()
                 t3 = time.perf_counter()
                 versions = batch["versions"][batch["loss_mask"].bool()]
                 rec = {
@@ -663,6 +677,7 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
     pub_s = sum(r["publish_s"] for r in per_step)
     return {
         "eta": eta, "steps": n, "truncated": truncated, "batch_groups": batch_groups, "group_size": G,
+        "gpu_share": "exclusive" if holds_engine(setup) else "overlap",
         "max_concurrent_groups": conc,
         "wall_s": wall,
         "s_per_step": wall / max(n, 1),
@@ -965,6 +980,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine as its own OS process (rlcore.serve over HTTP, weights by CUDA IPC) "
                         "instead of a thread of this one")
+    p.add_argument("--gpu-share", choices=("auto", "overlap", "exclusive"), default="auto",
+                   help="engine and trainer on one device: overlap (the engine generates beside the update) or "
+                        "exclusive (an in-place pause holds the engine's requests while the trainer updates and "
+                        "publishes; weight_sync.hold_generation); auto: exclusive for --engine-process on CUDA")
+    p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the engine process only (repeatable), e.g. "
+                        "CUDA_MPS_CLIENT_PRIORITY=1 under CUDA MPS")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few seconds per section")
     p.add_argument("--budget-s", type=float, default=225.0, help="stop starting sections/steps after this")
     p.add_argument("--out", default=None, help=f"JSON path (default $OUT/{NAME}.json when OUT is set)")

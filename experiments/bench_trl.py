@@ -220,6 +220,9 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
         argv.append("--smoke")
     if args.engine_process:
         argv.append("--engine-process")
+    for kv in args.engine_env:
+        argv += ["--engine-env", kv]
+    argv += ["--gpu-share", args.gpu_share]
     argv += ["--train-stream", args.train_stream]
     a = bench_async.parse_args(argv)
     a.fixed_len, a.len_cap, a.batch_groups, a.group_size = (args.completion_len, args.completion_len,
@@ -230,7 +233,8 @@ def run_ours(args: argparse.Namespace, budget: bench_async.Budget) -> dict:
     if not args.engine_process:
         assert setup.engine.cfg.kv_after_update == args.kv_after_update, setup.engine.cfg
     out: dict = {"devices": {"engine": str(setup.engine_dev), "trainer": str(setup.train_dev)},
-                 "build_s": setup.build_s, "kv_after_update": args.kv_after_update, "pause_mode": args.pause_mode}
+                 "build_s": setup.build_s, "kv_after_update": args.kv_after_update, "pause_mode": args.pause_mode,
+                 "gpu_share": "exclusive" if bench_async.holds_engine(setup) else "overlap"}
     def one(setup: bench_async.Setup, eta: int, steps: int, label: str) -> dict:
         conc = args.max_concurrent_groups * args.prompts_per_step if eta > 0 and args.max_concurrent_groups else None
         st0 = dict(setup.engine.stats)
@@ -333,6 +337,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="eta > 0: at most this many batches of groups in flight (0: eta + 1)")
     p.add_argument("--engine-process", action="store_true",
                    help="rlcore's engine in its own process on the same GPU (HTTP + CUDA IPC weights), not a thread")
+    p.add_argument("--gpu-share", choices=("auto", "overlap", "exclusive"), default="auto",
+                   help="overlap: the engine generates beside rlcore's update; exclusive: it holds its requests "
+                        "(in-place pause, KV kept) while the trainer updates and publishes (weight_sync.hold_generation); "
+                        "auto: exclusive with --engine-process on CUDA, else overlap")
+    p.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --engine-process: an environment variable for the engine process only (repeatable), "
+                        "e.g. CUDA_MPS_CLIENT_PRIORITY=1 under CUDA MPS")
     p.add_argument("--kv-after-update", choices=("recompute", "keep"), default="recompute",
                    help="what a publish does to the KV of requests in flight: re-prefill them under the new weights, "
                         "or keep it and decode on (EngineConfig.kv_after_update)")

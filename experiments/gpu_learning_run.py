@@ -176,6 +176,13 @@ class Config:
     the same client as for SGLang; weights by CUDA IPC on GPU, /dev/shm on CPU), so it shares no GIL with the
     trainer. On one H200 (session 14, docs/benchmarks.md) this layout with every batch in flight and the KV kept
     consumed 1.35-1.43x the samples/s at eta = 4 as at eta = 0; the thread layout 0.99x."""
+    gpu_share: Literal["auto", "overlap", "exclusive"] = "auto"
+    """overlap: the engine generates beside the update. exclusive: the engine holds its requests (an in-place
+    pause, KV kept) while the trainer updates and publishes (``weight_sync.hold_generation``), so two processes'
+    time-sliced CUDA contexts take the GPU in turns instead of slice by slice, and the engine decodes every batch
+    in flight together. auto: exclusive for an engine process on a CUDA device (session 16 on one H200: 919
+    samples/s at eta = 4 against 601 with overlap and 523 at eta = 0), overlap otherwise (on a CPU each process
+    has cores of its own; an engine thread shares the trainer's CUDA context, where kernels can run side by side)."""
 
 
 SMOKE = dict(
@@ -187,6 +194,13 @@ SMOKE = dict(
     runs=("grpo:0", "dppo:1"), minutes=0.05, prompts_per_step=4, group_size=4, eval_prompts=32, eval_every_s=1.0,
     lr=1e-3, tokens_per_microbatch=1024,
 )
+
+
+def holds_engine(cfg: Config, device: str) -> bool:
+    """Whether the engine holds its requests while the trainer updates (``cfg.gpu_share``, auto resolved)."""
+    if cfg.gpu_share == "auto":
+        return cfg.engine == "process" and torch.device(device).type == "cuda"
+    return cfg.gpu_share == "exclusive"
 
 
 def parse_run(spec: str) -> tuple[str, int]:
@@ -307,6 +321,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         max_grad_norm=1.0,
     )
     reward_norm = dataclasses.replace(normalize.GRPO, group_size=G)
+    hold = holds_engine(cfg, device)  # the engine waits while the trainer has the GPU (gpu_share)
     publish_cfg = weight_sync.PublishConfig(
         mode=("tensor" if cuda else "shm") if cfg.engine == "process" else "state_dict",
         dtype="bfloat16" if cuda else "float32", pause_mode="in_place",
@@ -344,37 +359,39 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
             groups = ctl.prepare_batch()
             phase_s["wait"] += time.perf_counter() - t_phase
             t_phase = time.perf_counter()
-            roll = dict(ctl.last_metrics)
-            rewards.append(float(roll.get("rollout/reward", math.nan)))
-            kept = [g for g in groups if informative(g)]
-            m: dict = {}
-            if kept:
-                # the update on its own high-priority CUDA stream: an engine thread's kernels fill its gaps
-                with step.device_stream(torch.device(device), cfg.train_stream):
-                    batch = TokenBatch.from_rollout(trajectory.concat(kept))  # the single predictive shift
-                    version = state.version
-                    # dppo: the proximal log-probs, a no-grad forward before the update (also the diagnostics' forward)
-                    if decoupled:
-                        batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
-                    # --- rewards: the verifier's {0, 1} -> GRPO z-score within each group of G ---
-                    mask = batch.loss_mask
-                    reward = shaping_lib.shape_rewards(batch.rewards, cfg=shaping_lib.ShapingConfig(),
-                                                       reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
-                    # --- advantages: gamma = lambda = 1, no critic: every token of a row gets its group-normalised reward
-                    adv = gae_lib.compute_advantages(reward, mask, batch.attention_mask.sum(1),
-                                                     torch.zeros_like(mask[:, 0]), cfg=gae_lib.GAEConfig())
-                    batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
-                    # --- loss_fn -> train_step (one optimizer step); grpo reads its first forward back for diagnostics
-                    step_loss = make_loss_fn(cfg, decoupled=decoupled) if loss_fn is None else loss_fn
-                    seen = None if decoupled else offpolicy.first_forward(step_loss)
-                    state, m = step.train_step(state, batch, seen or step_loss, cfg=step_cfg)
-                    first_logp, first_batch = (batch.logp_prox, batch) if seen is None else seen.logp_and_batch()
-                    m = {k.replace("train/", "ppo_actor/"): v for k, v in m.items()}
-                    m |= monitor(state.step, first_logp, first_batch, version=version)
-            phase_s["update"] += time.perf_counter() - t_phase
-            # --- publish: the engine serves version + 1 (also after a step with nothing to learn) ---
-            t_phase = time.perf_counter()
-            state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
+            # exclusive: the engine holds its requests (in place, KV kept) while the trainer has the GPU
+            with weight_sync.hold_generation([engine], enabled=hold):
+                roll = dict(ctl.last_metrics)
+                rewards.append(float(roll.get("rollout/reward", math.nan)))
+                kept = [g for g in groups if informative(g)]
+                m: dict = {}
+                if kept:
+                    # the update on its own high-priority CUDA stream: an engine thread's kernels fill its gaps
+                    with step.device_stream(torch.device(device), cfg.train_stream):
+                        batch = TokenBatch.from_rollout(trajectory.concat(kept))  # the single predictive shift
+                        version = state.version
+                        # dppo: the proximal log-probs, a no-grad forward before the update (also the diagnostics' forward)
+                        if decoupled:
+                            batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
+                        # --- rewards: the verifier's {0, 1} -> GRPO z-score within each group of G ---
+                        mask = batch.loss_mask
+                        reward = shaping_lib.shape_rewards(batch.rewards, cfg=shaping_lib.ShapingConfig(),
+                                                           reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
+                        # --- advantages: gamma = lambda = 1, no critic: every token of a row gets its group-normalised reward
+                        adv = gae_lib.compute_advantages(reward, mask, batch.attention_mask.sum(1),
+                                                         torch.zeros_like(mask[:, 0]), cfg=gae_lib.GAEConfig())
+                        batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
+                        # --- loss_fn -> train_step (one optimizer step); grpo reads its first forward back for diagnostics
+                        step_loss = make_loss_fn(cfg, decoupled=decoupled) if loss_fn is None else loss_fn
+                        seen = None if decoupled else offpolicy.first_forward(step_loss)
+                        state, m = step.train_step(state, batch, seen or step_loss, cfg=step_cfg)
+                        first_logp, first_batch = (batch.logp_prox, batch) if seen is None else seen.logp_and_batch()
+                        m = {k.replace("train/", "ppo_actor/"): v for k, v in m.items()}
+                        m |= monitor(state.step, first_logp, first_batch, version=version)
+                phase_s["update"] += time.perf_counter() - t_phase
+                # --- publish: the engine serves version + 1 (also after a step with nothing to learn) ---
+                t_phase = time.perf_counter()
+                state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
             phase_s["publish"] += time.perf_counter() - t_phase
             iters += 1
             samples += B * G

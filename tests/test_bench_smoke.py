@@ -78,6 +78,7 @@ def test_bench_scripts_smoke(tmp_path):
     assert d["errors"] == {}, d["errors"]
     ours = d["sections"]["rlcore"]
     assert _pos(ours["eta0"]["samples_per_s"]) and _pos(ours["eta4"]["samples_per_s"])
+    assert ours["gpu_share"] == "overlap"  # auto: only an engine process on CUDA is held during the update
     assert ours["eta0"]["samples_trained"] == 2 * 2 * 4  # 2 steps x 2 prompts x 4 samples
     trl = d["sections"]["trl"]
     assert _pos(trl.get("samples_per_s")) or "TRL skipped" in trl.get("skipped", "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -271,6 +272,37 @@ def test_gpu_learning_run_keeps_every_batch_the_gate_admits_in_flight():
     assert mod.rollout_config(dataclasses.replace(cfg, batches_in_flight=1), 4).concurrency == 8
     with pytest.raises(ValueError, match="batches_in_flight"):
         mod.rollout_config(dataclasses.replace(cfg, batches_in_flight=-1), 4)
+
+
+def test_gpu_learning_run_gpu_share_holds_the_engine_during_the_update(tmp_path, monkeypatch):
+    """gpu_share: auto holds an engine process on CUDA only; exclusive wraps every update and publish of the run
+    in weight_sync.hold_generation (enabled), overlap never enables it; an engine held across the block."""
+    mod = _load("gpu_learning_run")
+    cfg = mod.Config()
+    assert mod.holds_engine(cfg, "cuda:0") and not mod.holds_engine(cfg, "cpu")
+    assert not mod.holds_engine(dataclasses.replace(cfg, engine="thread"), "cuda:0")
+    assert mod.holds_engine(dataclasses.replace(cfg, gpu_share="exclusive", engine="thread"), "cpu")
+    assert not mod.holds_engine(dataclasses.replace(cfg, gpu_share="overlap"), "cuda:0")
+    seen: list[tuple[bool, object]] = []
+    real = mod.weight_sync.hold_generation
+
+    @contextlib.contextmanager
+    def spy(targets, *, enabled=True, **kw):
+        with real(targets, enabled=enabled, **kw):
+            seen.append((enabled, getattr(targets[0], "paused", None)))  # the engine thread's pause inside the block
+            yield
+
+    monkeypatch.setattr(mod.weight_sync, "hold_generation", spy)
+    monkeypatch.setattr(mod.countdown_reward, "boxed_reward_fn", lambda completion, item: float(len(completion) % 2))
+    smoke = dataclasses.replace(mod.Config(smoke=True), **{k: v for k, v in mod.SMOKE.items() if k != "smoke"})
+    mod.main(dataclasses.replace(smoke, out_dir=str(tmp_path), stage="sft"))
+    for share, want in (("exclusive", (True, "in_place")), ("overlap", (False, None))):
+        seen.clear()
+        run = dataclasses.replace(smoke, out_dir=str(tmp_path), engine="thread", gpu_share=share, minutes=0.01,
+                                  log_dir=str(tmp_path / f"tb_{share}"))
+        r = mod.rl_run(run, "dppo:1", "cpu")
+        iters = r["samples"] // (run.prompts_per_step * run.group_size)  # one hold per iteration, step or not
+        assert r["steps"] >= 1 and len(seen) == iters and set(seen) == {want}, (share, seen, r["steps"])
 
 
 def _tb_tags(log_dir: Path) -> set[str]:

@@ -277,6 +277,9 @@ class EngineProcessConfig:
     """Grace period after SIGTERM before SIGKILL on shutdown."""
     python: str = sys.executable
     """Interpreter of the child."""
+    env: tuple[tuple[str, str], ...] = ()
+    """More environment variables for the child only, as ``(name, value)`` pairs, e.g.
+    ``(("CUDA_MPS_CLIENT_PRIORITY", "1"),)`` to lower the engine's priority under CUDA MPS."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -285,6 +288,12 @@ class EngineProcessConfig:
             raise ValueError(f"EngineProcessConfig.threads must be >= 1, got {self.threads}")
         if self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("EngineProcessConfig.startup_timeout_s and stop_timeout_s must be > 0")
+        for item in self.env:
+            if len(item) != 2 or not all(isinstance(x, str) for x in item) or not item[0] or "=" in item[0]:
+                raise ValueError(
+                    f"EngineProcessConfig.env must hold (name, value) string pairs with a non-empty name "
+                    f"without '=', got {item!r}"
+                )
         if self.kv_after_update not in ("recompute", "keep"):
             raise ValueError(
                 f"EngineProcessConfig.kv_after_update must be 'recompute' or 'keep', got {self.kv_after_update!r}"
@@ -393,6 +402,7 @@ def engine_process(cfg: EngineProcessConfig) -> Iterator[EngineProcess]:
     read_fd, write_fd = os.pipe()  # lifetime pipe: only this process keeps the write end
     pdeathsig = threading.current_thread() is threading.main_thread()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads))
+    env.update(cfg.env)
     try:
         proc = subprocess.Popen(
             cfg.command(os.getpid(), read_fd, pdeathsig), env=env, pass_fds=(read_fd,), stdin=subprocess.DEVNULL,

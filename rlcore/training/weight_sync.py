@@ -43,6 +43,7 @@ Targets are duck-typed:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -605,6 +606,32 @@ def _publish_adapter(state: TrainState, targets: Sequence[Any], version: int, dt
 
 
 # ----------------------------------------------------------------------------------------------------------
+# hold_generation: one GPU taken in turns by an engine process and the trainer
+# ----------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hold_generation(targets: Sequence[Any], *, enabled: bool = True, timeout_s: float = 300.0) -> Iterator[None]:
+    """Hold generation on every target for the block: an ``in_place`` pause (requests keep their slots and KV, new
+    ones queue), lifted on exit, also when the block raises.
+
+    Wrap the update (and its publish, whose own pause and continue nest inside) when an engine *process* shares
+    the trainer's GPU. Two processes' CUDA contexts are time-sliced, so their kernels never run side by side:
+    while both have work, each gets slices of the GPU and pays for every switch. Holding the engine while the
+    trainer updates gives each the whole GPU in turn, and the engine then decodes every batch in flight together.
+    Only rank 0 talks to engines; ``enabled=False`` makes the block a plain one.
+    """
+    held = list(targets) if enabled and _rank() == 0 else []
+    for t in held:
+        _pause(t, "in_place", timeout_s)
+    try:
+        yield
+    finally:
+        for t in held:
+            _continue(t, timeout_s)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # publish_weights
 # ----------------------------------------------------------------------------------------------------------
 
@@ -702,6 +729,7 @@ __all__ = [
     "BroadcastGroup",
     "connect_broadcast",
     "publish_weights",
+    "hold_generation",
     "flat_publish_views",
     "export_hf",
     "export_adapter",

@@ -3,8 +3,8 @@ own)."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

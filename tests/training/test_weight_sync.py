@@ -454,3 +454,31 @@ def test_disk_and_shm_publish_of_a_moe_write_hub_keys_and_round_trip_exactly(nam
 def test_file_format_is_validated():
     with pytest.raises(ValueError, match="file_format"):
         weight_sync.PublishConfig(file_format="fused")
+
+
+def test_hold_generation_holds_requests_in_place_until_the_block_ends():
+    """hold_generation: an in_place pause for the block (a request submitted meanwhile only queues), lifted on exit;
+    the publish inside it nests (its own pause and continue); a block that raises still lets generation go."""
+    st = trained_state()
+    log = []
+    with engine_for(st.model) as eng:
+        target = Recorder(log, inner=eng)
+        sp = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)
+        with weight_sync.hold_generation([target]):
+            assert eng.paused == "in_place"
+            fut = eng.submit([1, 2, 3], sp, rid="held")
+            with pytest.raises(TimeoutError):
+                fut.result(timeout=0.3)  # held: nothing decodes while the trainer has the device
+            assert eng.num_generated("held") == 0
+            st = weight_sync.publish_weights(st, [target], cfg=weight_sync.PublishConfig(dtype="float32",
+                                                                                        pause_mode="in_place"))
+        assert len(fut.result(timeout=30).output_ids) == 4 and eng.paused is None
+        assert log == ["engine.pause", "engine.pause", "engine.load v1", "engine.continue", "engine.continue"]
+        log.clear()
+        with pytest.raises(RuntimeError, match="boom"), weight_sync.hold_generation([target]):
+            raise RuntimeError("boom")
+        assert log == ["engine.pause", "engine.continue"] and eng.paused is None
+        log.clear()
+        with weight_sync.hold_generation([target], enabled=False):
+            assert eng.paused is None
+        assert log == []
