@@ -327,3 +327,21 @@ def test_orphan_sweep_cpu_accounting_and_core_split(tmp_path):
     assert process.split_cores(1, [0]) == ((0,), (0,))
     with pytest.raises(ValueError, match="engine_cores"):
         process.split_cores(2, [0, 1])
+
+
+def test_env_reaches_the_child_only_and_is_validated(model_dir, tmp_path, monkeypatch):
+    """EngineProcessConfig.env: set in the child's environment (e.g. CUDA_MPS_CLIENT_PRIORITY for the engine
+    alone), never in this process's; a pair without a name, or a name with '=', is refused naming the field."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/sh\necho \"child sees MARK=$RLCORE_TEST_MARK\" >&2\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.delenv("RLCORE_TEST_MARK", raising=False)
+    cfg = engine_cfg(model_dir, python=str(fake), startup_timeout_s=1.0, stop_timeout_s=2.0,
+                     env=(("RLCORE_TEST_MARK", "low-priority"),))
+    with pytest.raises(process.EngineProcessError, match="child sees MARK=low-priority"):
+        with process.engine_process(cfg):
+            pass
+    assert "RLCORE_TEST_MARK" not in os.environ
+    for bad in ((("", "1"),), (("A=B", "1"),), (("ONLY_NAME",),)):
+        with pytest.raises(ValueError, match="EngineProcessConfig.env"):
+            engine_cfg(model_dir, env=bad)
