@@ -71,6 +71,7 @@ from rlcore.rollout import remote, workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
 from rlcore.training import checkpoint, metrics, models, offpolicy, record, step, train_state, weight_sync
 from rlcore.training import lora as lora_lib
+from rlcore.training.background_eval import BackgroundEval
 from rlcore.types import TokenBatch
 
 ASSET = tiny.COUNTDOWN_TINY_DIR  # package data: rlcore/assets/countdown-tiny
@@ -121,6 +122,10 @@ class Config:
     """Held-out prompts for the greedy success curve."""
     eval_every_s: float = 30.0
     """Seconds between greedy evaluations (each takes well under a second)."""
+    eval_process: bool = True
+    """Evaluate in a low-priority child process (``rlcore.training.background_eval``) on a copy of the weights, so
+    an evaluation never pauses training (inline, every evaluation stalled the trainer and, through the staleness
+    gate, generation for ~0.5 s). ``--no-eval-process`` (and ``--lora``) evaluates in the train loop."""
     log_dir: str = RUNS_ROOT
     """TensorBoard directory. Left at its default, each run writes its own subdirectory
     ``runs/tiny_cpu/<UTC time>-seed<seed>`` so reruns never overlay (``tensorboard --logdir runs`` shows them side by
@@ -187,7 +192,7 @@ class Config:
 
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
-               log_dir="/tmp/rlcore_tiny_cpu_smoke", engine="thread")
+               log_dir="/tmp/rlcore_tiny_cpu_smoke", engine="thread", eval_process=False)
 """A few steps in one process (no child start-up): the tests' preset; tests/test_tiny.py runs it in every layout."""
 
 
@@ -351,6 +356,15 @@ def greedy_success(model: torch.nn.Module, tok, problems: list[countdown.Problem
     return sum(countdown_reward.reward(t, p.numbers, p.target) for t, p in zip(texts, problems)) / len(problems)
 
 
+def eval_parts(cfg: Config) -> tuple[torch.nn.Module, Any]:
+    """The evaluation child's side (``BackgroundEval``): its own copy of the model and the held-out greedy score."""
+    torch.manual_seed(cfg.seed)
+    tok = tiny.load_tokenizer(cfg.model_dir)
+    heldout = countdown.heldout_set(cfg.eval_prompts)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
+    return model, lambda m: greedy_success(m, tok, heldout, cfg.max_new_tokens)
+
+
 def informative(group: dict[str, torch.Tensor]) -> bool:
     """Keep a group only if its rewards differ: an all-equal group has zero GRPO advantage everywhere."""
     r = group["rewards"]
@@ -482,10 +496,20 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
             recorder.load_state_dict(saved.get("record"))
             state = weight_sync.publish_weights(dataclasses.replace(state, version=state.version - 1), targets,
                                                 cfg=publish_cfg, rollout=ctl)
+        # evaluation in a nice'd child on a copy of the weights (a LoRA policy's modules differ: evaluated inline)
+        ev = (stack.enter_context(BackgroundEval(remote.by_reference(eval_parts, cfg)))
+              if cfg.eval_process and not cfg.lora else None)
+
+        def evaluated(results: list) -> None:  # finished background evaluations: the curve and TensorBoard
+            for (t, s), g in results:
+                hist.append((t, s, g))
+                logger.log(s, {"eval/greedy_success": g})
+
         t0 = time.perf_counter()
-        cores = CoresBusy(lay.pids)
+        cores = CoresBusy(lay.pids + ((ev.pid,) if ev is not None else ()))
         hist.append((0.0, state.step, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
+        last_eval = state.step
         next_eval = cfg.eval_every_s
         bar = tqdm(total=round(cfg.minutes * 60), unit="s", disable=not cfg.progress,
                    bar_format="{l_bar}{bar}| {n:.0f}/{total}s{postfix}")  # the postfix brings its ", "
@@ -518,10 +542,16 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
                 m |= monitor.check(state.step, m)
             if elapsed >= next_eval:
                 next_eval += cfg.eval_every_s
-                hist.append((elapsed, state.step, greedy_success(models.hf_module(state.model), tok, heldout,
-                                                                 cfg.max_new_tokens)))
-                m["eval/greedy_success"] = hist[-1][2]
+                last_eval = state.step
+                if ev is not None:  # a copy of these weights; the score arrives a few steps later
+                    ev.submit((elapsed, state.step), models.hf_module(state.model))
+                else:
+                    hist.append((elapsed, state.step, greedy_success(models.hf_module(state.model), tok, heldout,
+                                                                     cfg.max_new_tokens)))
+                    m["eval/greedy_success"] = hist[-1][2]
             logger.log(state.step, m)
+            if ev is not None:
+                evaluated(ev.results())
             bar.update(min(elapsed, bar.total) - bar.n)
             bar.set_postfix_str(
                 f"step {state.step} reward {roll.get('rollout/reward', 0):.2f} "
@@ -538,7 +568,11 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
         bar.close()
         # ------------------------------------------------------------------ final eval
         elapsed = time.perf_counter() - t0
-        if hist[-1][1] != state.step:  # the last periodic evaluation may already be at this step
+        if ev is not None:
+            if last_eval != state.step:
+                ev.submit((elapsed, state.step), models.hf_module(state.model))
+            evaluated(ev.results(wait=True))
+        elif hist[-1][1] != state.step:  # the last periodic evaluation may already be at this step
             hist.append((elapsed, state.step, greedy_success(models.hf_module(state.model), tok, heldout,
                                                              cfg.max_new_tokens)))
             logger.log(state.step, {"eval/greedy_success": hist[-1][2]})

@@ -194,6 +194,41 @@ def test_tiny_cpu_main_job_smoke(layout, capsys):
             "offpolicy/pos_0-15/abs_diff_mean", "offpolicy/out_of_band_frac", "offpolicy/warning"} <= tags
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_tiny_cpu_eval_process_moves_evaluation_out_of_the_train_loop(background, tmp_path, monkeypatch):
+    """--eval-process (the default): every evaluation after the first goes to the BackgroundEval child, tagged
+    (elapsed, step), and its scores make the curve; --no-eval-process evaluates inline and starts no child."""
+    mod = _load("tiny_cpu")
+    assert mod.Config().eval_process
+    submitted: list = []
+    real = mod.BackgroundEval
+
+    class Spy(real):
+        def submit(self, tag, model):
+            submitted.append(tag)
+            super().submit(tag, model)
+
+    monkeypatch.setattr(mod, "BackgroundEval", Spy)
+    cfg = dataclasses.replace(mod.SMOKE, engine="thread", eval_process=background, eval_every_s=0.0, max_steps=3,
+                              log_dir=str(tmp_path))
+    out = mod.main(cfg)
+    assert 0.0 <= out["greedy_success_end"] <= 1.0 and out["steps"] == 3
+    if background:
+        assert [s for _, s in submitted] == [1, 2, 3]  # every step (eval_every_s 0), the last one included
+    else:
+        assert submitted == []
+    evals = [e.step for e in _tb_scalars(tmp_path, "eval/greedy_success")]
+    assert evals == [0, 1, 2, 3]
+
+
+def _tb_scalars(log_dir: Path, tag: str) -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    ea.Reload()
+    return ea.Scalars(tag)
+
+
 def test_tiny_cpu_mismatched_training_temperature_warns(tmp_path, capsys):
     """Issue 19.3: the engine samples at T = 1, the trainer trains at T = 0.5 -> the step's first forward
     disagrees with the engine on staleness-0 tokens, and the warning names the temperature as a likely cause."""
