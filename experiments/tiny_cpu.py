@@ -32,9 +32,9 @@ Smoke:  python experiments/tiny_cpu.py --minutes 0.2 --eval-prompts 64
 Replay: python experiments/tiny_cpu.py --record /tmp/rec && python -m rlcore.replay /tmp/rec   # docs/replay.md
 Resume: python experiments/tiny_cpu.py --checkpoint-dir /tmp/ck [--resume]   # nothing lost across a kill -9
 LoRA:   python experiments/tiny_cpu.py --lora     # rank-8 adapters only; publishes send the adapter (docs/lora.md)
-Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within 60-90 s and to 61% at
-        10 minutes on an idle CI-kind 2-core box (7,833 steps, 1.65 cores busy, session 12); slower CPUs take longer
-        (docs/benchmarks.md). TensorBoard: ``tensorboard --logdir runs`` (``perf/cores_busy``: average cores kept
+Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within 2 minutes and to
+        54% (+33) at 10 minutes on an idle CI-kind 2-core Intel box (3,755-4,358 steps, 1.72 cores busy, session 16;
+        a faster AMD box: +20 in 60 s, 61% at 10 minutes); slower CPUs take longer (docs/benchmarks.md). TensorBoard: ``tensorboard --logdir runs`` (``perf/cores_busy``: average cores kept
         busy by all processes).
         With --lora (rank-8 adapters, lr 2e-3): 20.8% -> 33.9% (+13 points) in 5 minutes on a busy 2-core box, full
         fine-tuning 20.8% -> 40.8% in the same run conditions (docs/lora.md#numbers).
