@@ -603,6 +603,7 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
     from rlcore.data.loader import PromptLoader
     from rlcore.inference import client as engine_client
     from rlcore.rollout import controller as rollout
+    from rlcore.training import weight_sync
 
     args = setup.args
     reset(setup)
@@ -640,15 +641,12 @@ def run_rl(setup: Setup, *, eta: int, steps: int, batch_groups: int, fixed_len: 
                 groups = ctl.prepare_batch()
                 t1 = time.perf_counter()
                 batch = trajectory.concat(groups)
-                hold = holds_engine(setup)  # the engine holds its requests while the trainer has the GPU
-                if hold:
-                    eng.pause("in_place")
-                setup.state, m = train(setup.state, batch)
-                sync(setup.train_dev)
-                t2 = time.perf_counter()
-                pub_s = publish(setup, ctl, args.publish, args.pause_mode)
-                if hold:
-                    eng.continue_generation()
+                # --gpu-share: the engine holds its requests while the trainer has the GPU (update and publish)
+                with weight_sync.hold_generation([eng], enabled=holds_engine(setup)):
+                    setup.state, m = train(setup.state, batch)
+                    sync(setup.train_dev)
+                    t2 = time.perf_counter()
+                    pub_s = publish(setup, ctl, args.publish, args.pause_mode)
                 t3 = time.perf_counter()
                 versions = batch["versions"][batch["loss_mask"].bool()]
                 rec = {
