@@ -34,7 +34,7 @@ from pathlib import Path
 
 src = Path(sys.argv[1])
 import rlcore
-import kernels
+import rlcore_kernels.logp_entropy as kernels
 from rlcore import tiny
 
 pkg = Path(rlcore.__file__).resolve().parent
@@ -44,10 +44,10 @@ for req in md.requires("rlcore") or []:
     if "extra ==" not in req:  # a declared dependency must be importable next to the wheel
         md.version(re.match(r"[A-Za-z0-9_.\-]+", req).group(0))
 # package data: every non-Python file in the source packages was installed
-for top in ("rlcore", "kernels"):
+for top, installed in (("rlcore", "rlcore"), ("kernels", "rlcore_kernels")):
     for f in (src / top).rglob("*"):
         if f.is_file() and f.suffix not in (".py", ".pyc") and "__pycache__" not in f.parts:
-            dest = pkg.parent / f.relative_to(src)
+            dest = pkg.parent / installed / f.relative_to(src / top)
             assert dest.is_file(), f"{f.relative_to(src)} is not in the wheel: add it to [tool.setuptools.package-data]"
 # the main job's tiny model: loads from the installed package, templates, generates
 import torch

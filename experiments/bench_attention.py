@@ -23,7 +23,7 @@ against the flash path. Paths:
 * ``cudnn_native_gqa``: the same with 2 kv heads as they are (recorded as an error if cuDNN refuses it);
 * ``cudnn_dense_per_seq`` / ``flash_dense_per_seq``: one dense causal SDPA call per sequence, ``(1, H, l, D)``, kv heads
   repeated, on cuDNN's or flash's dense kernel (no ragged path: does cuDNN's dense Hopper kernel beat flash-2?);
-* ``triton_varlen``: ``kernels.varlen_attention.varlen_attention`` (this repo's Triton kernels, kv heads not
+* ``triton_varlen``: ``rlcore_kernels.varlen_attention.varlen_attention`` (this repo's Triton kernels, kv heads not
   repeated, backward through its custom op) at its default ``KernelConfig``.
 
 ``--tune`` runs only the block-shape search of ``triton_varlen`` at the Qwen2.5-3B shape for 65536 and 16384 tokens
@@ -179,7 +179,7 @@ def run_case(cfg: Config, shape: str, total: int, dev: torch.device) -> dict:
 
 
 def triton_varlen_attention(q, k, v, cu, max_len: int, scale: float, config=None) -> torch.Tensor:
-    from kernels.varlen_attention import varlen_attention
+    from rlcore_kernels.varlen_attention import varlen_attention
 
     return varlen_attention(q, k, v, cu, max_len, scale=scale, config=config)
 
@@ -213,7 +213,7 @@ def _tune_size(cfg: Config, dev: torch.device, total: int, totals: dict, t0: flo
     ``t0``: the search's start (perf_counter) for its time budget; ``save(res)``: writes the partial results."""
     import dataclasses
 
-    from kernels import varlen_attention as va
+    from rlcore_kernels import varlen_attention as va
 
     q, k, v, go, cu, lens = _tune_inputs(cfg, total, dev)
     hq, d, mx, scale = q.shape[1], q.shape[2], max(lens), q.shape[2] ** -0.5
@@ -281,7 +281,7 @@ def tune(cfg: Config, dev: torch.device, save_partial=lambda res: None) -> dict:
     ``save_partial(res)`` is called after every grid entry (the JSON is written as the search goes)."""
     import dataclasses
 
-    from kernels import varlen_attention as va
+    from rlcore_kernels import varlen_attention as va
 
     base = va.KernelConfig()
     assert (base.fwd_block_m, base.fwd_block_n, base.fwd_warps, base.fwd_stages) == TUNE_FWD[0]

@@ -97,7 +97,7 @@ def chunked(hidden, weight, targets, temperature, chunk_size, **_):
 
 
 def fused(hidden, weight, targets, temperature, kernel_config=None, **_):
-    from kernels.logp_entropy import triton_logp_entropy_lse
+    from rlcore_kernels.logp_entropy import triton_logp_entropy_lse
 
     logp, entropy, _ = triton_logp_entropy_lse(hidden, weight, targets, temperature=temperature,
                                                config=kernel_config)
@@ -164,7 +164,7 @@ def naive_fits(t: int, v: int, device: str) -> bool:
 
 
 def sweep_configs():
-    from kernels.logp_entropy import KernelConfig
+    from rlcore_kernels.logp_entropy import KernelConfig
 
     return [
         KernelConfig(),

@@ -197,7 +197,7 @@ def logp_entropy_lse_from_hidden(
     if backend == "chunked":
         return _ChunkedLogpEntropy.apply(hidden, weight, bias, targets, temperature, ignore_index, chunk_size)
     if backend == "triton":
-        from kernels.logp_entropy import triton_logp_entropy_lse  # lazy: kernels/ is optional
+        from rlcore_kernels.logp_entropy import triton_logp_entropy_lse  # lazy: kernels/ is optional
 
         return triton_logp_entropy_lse(
             hidden, weight, targets, temperature=temperature, bias=bias, ignore_index=ignore_index
@@ -211,7 +211,7 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     try:
-        import kernels.logp_entropy  # noqa: F401
+        import rlcore_kernels.logp_entropy  # noqa: F401
     except ImportError:
         return False
     return True

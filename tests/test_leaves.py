@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED_THIRD_PARTY = {"torch", "einops"}
 # Optional accelerators that rlcore/ops.py may import lazily *inside a function* (its CUDA dispatch, guarded by
 # ImportError); never at module level, so the leaf still imports and runs with torch alone.
-LAZY_OPTIONAL = {"triton", "kernels"}
+LAZY_OPTIONAL = {"triton", "rlcore_kernels"}
 
 
 def leaf_files() -> list[Path]:
@@ -71,7 +71,7 @@ def test_bad_import_detector_catches_violations(tmp_path):
     f = tmp_path / "x.py"
     f.write_text(
         "import os\nimport numpy\nfrom rlcore.ops import a\nfrom . import b\nimport einops.layers\nimport triton\n"
-        "def f():\n    import kernels.x\n    import numpy\n"
+        "def f():\n    import rlcore_kernels.x\n    import numpy\n"
     )
     assert [b.split(":")[0] for b in bad_imports(f)] == ["line 2", "line 3", "line 4", "line 6", "line 9"]
 
@@ -102,7 +102,7 @@ RUNNER = textwrap.dedent(
     import importlib.abc, importlib.util, json, sys
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("rlcore", "tests", "kernels"):
+            if name.split(".")[0] in ("rlcore", "tests", "rlcore_kernels"):
                 raise ImportError(f"leaf imported {name}")
     sys.meta_path.insert(0, Block())
     import torch

@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # python 3.10
     tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("rlcore", "kernels")
+PACKAGES = ("rlcore", "kernels")  # source folders; kernels/ installs as the package rlcore_kernels
 
 
 def _source_files() -> list[str]:
@@ -78,6 +78,35 @@ def test_every_non_python_file_in_the_packages_is_declared_package_data():
     assert files, "no package data found: the tiny asset should be under rlcore/assets/"
     missing = [p for p in files if not _declared(p, data)]
     assert not missing, f"not shipped in the wheel, add to [tool.setuptools.package-data] in pyproject: {missing}"
+
+
+def test_every_package_is_listed_and_kernels_install_as_rlcore_kernels():
+    """pyproject lists every package under rlcore/ (a missing one would be absent from the wheel) and maps the
+    kernels/ folder to ``rlcore_kernels``; kernels/ has no __init__.py, so it never shadows Hugging Face's
+    ``kernels`` package (a dependency of transformers) in a process started in the checkout."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        st = tomllib.load(f)["tool"]["setuptools"]
+    found = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for p in (ROOT / "rlcore").rglob("__init__.py")}
+    assert found <= set(st["packages"]), f"add to [tool.setuptools] packages: {sorted(found - set(st['packages']))}"
+    assert st["package-dir"] == {"rlcore_kernels": "kernels"} and "rlcore_kernels" in st["packages"]
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+
+
+def test_a_checkout_does_not_shadow_hugging_faces_kernels_package(tmp_path: Path):
+    """With a package named ``kernels`` installed (as transformers >= 5.25 requires), a process whose working
+    directory is the checkout imports that package, not the kernels/ folder, and still has rlcore's kernels."""
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("CUDAProperties = 'hub'\n")
+    code = (
+        "import sys; sys.path.insert(1, sys.argv[1]); from kernels import CUDAProperties; assert CUDAProperties == 'hub';"
+        "import rlcore_kernels.logp_entropy as k; print(k.__name__)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "rlcore_kernels.logp_entropy"
 
 
 def test_declared_helper_matches_like_setuptools():

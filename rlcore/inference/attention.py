@@ -102,7 +102,7 @@ def paged_decode_selftest(device: torch.device, dtype: torch.dtype, head_dim: in
     new key / value in the same launch as the engine does: None when it compiles and agrees, else why not (so
     ``decode_attention="auto"`` falls back instead of failing mid-run)."""
     try:
-        from kernels.paged_decode import paged_decode_attention
+        from rlcore_kernels.paged_decode import paged_decode_attention
 
         g = torch.Generator().manual_seed(0)
         bs, kvh, h, lens = 16, 2, 4, [1, 40, 17]
@@ -247,7 +247,7 @@ def engine_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         ctx.probe.head_dims.add((query.shape[-1], value.shape[-1]))
     vl = ctx.varlen
     if vl is not None and vl.kernel == "paged" and key.dim() == 4:
-        from kernels.paged_decode import paged_decode_attention
+        from rlcore_kernels.paged_decode import paged_decode_attention
 
         if scaling is None:
             scaling = 1.0 / math.sqrt(query.shape[-1])

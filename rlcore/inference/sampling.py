@@ -369,7 +369,7 @@ def fused_block_stats(
     if not logits.is_cuda or block & (block - 1) or _FUSED_STATS == [False]:
         return None
     try:
-        from kernels.sampling_stats import block_stats
+        from rlcore_kernels.sampling_stats import block_stats
 
         got = block_stats(logits, temp, block)
     except Exception as exc:  # triton missing or the kernel failed: the torch path is always there

@@ -313,13 +313,13 @@ def _varlen_kernel() -> Callable | None:
 
 
 def _triton_kernel() -> Callable:
-    """``kernels.varlen_attention.varlen_attn`` (``varlen_attn``'s signature), imported once, on first use (this
+    """``rlcore_kernels.varlen_attention.varlen_attn`` (``varlen_attn``'s signature), imported once, on first use (this
     runs in every attention layer call, inside compiled layers: no import statement after the first)."""
     fn = _KERNEL_STATE.get("triton")
     if fn is not None:
         return fn  # type: ignore[return-value]
     try:
-        from kernels.varlen_attention import varlen_attn
+        from rlcore_kernels.varlen_attention import varlen_attn
     except ImportError as e:
         raise ImportError(
             f"ModelConfig.attention_kernel='triton' needs triton and the repository's kernels/ package ({e}); "

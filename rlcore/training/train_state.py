@@ -298,7 +298,7 @@ def resolve_attention_kernel(model_cfg: ModelConfig, device: torch.device, hf: n
     """The varlen attention kernel :func:`init_train_state` gives the models (one of ``models.ATTENTION_KERNELS``).
 
     ``auto``: ``triton`` on a CUDA device of compute capability >= 8.0 (bf16 tensor cores; the kernel's tested
-    range) when ``kernels.varlen_attention`` and triton import and, given the model ``hf``, the model takes the
+    range) when ``rlcore_kernels.varlen_attention`` and triton import and, given the model ``hf``, the model takes the
     packed varlen path (``models.varlen_supported``) and the kernel compiles and runs there forward and backward
     at its head shapes (:func:`models.probe_triton_attention`; a failure warns and picks flash); ``flash``
     everywhere else (CPU runs never call either kernel)."""
@@ -309,7 +309,7 @@ def resolve_attention_kernel(model_cfg: ModelConfig, device: torch.device, hf: n
     if hf is not None and not models.varlen_supported(hf):
         return "flash"  # neither kernel runs for it: nothing to compile
     try:
-        import kernels.varlen_attention  # noqa: F401
+        import rlcore_kernels.varlen_attention  # noqa: F401
     except ImportError:
         return "flash"
     if hf is not None:

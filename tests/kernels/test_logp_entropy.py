@@ -29,13 +29,12 @@ if not ON_GPU and IN_PROCESS:
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         import triton  # noqa: F401  (first import, under the interpreter)
-
-        from kernels import logp_entropy as lek
+        from rlcore_kernels import logp_entropy as lek
     finally:
         if _previous is None:
             os.environ.pop("TRITON_INTERPRET", None)
 else:
-    from kernels import logp_entropy as lek
+    from rlcore_kernels import logp_entropy as lek
 
 interpreted = pytest.mark.skipif(ON_GPU or not IN_PROCESS, reason="CPU interpreter test (see module docstring)")
 
@@ -215,7 +214,7 @@ _AOT_SNIPPET = r"""
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import logp_entropy as k
+from rlcore_kernels import logp_entropy as k
 
 ALIGNED = {"h_ptr", "w_ptr", "b_ptr", "y_ptr", "m_ptr", "s_ptr", "a_ptr", "zy_ptr", "lse_ptr", "ent_ptr", "gl_ptr",
            "ge_ptr", "gz_ptr", "out_ptr", "stride_h", "stride_w", "stride_o", "H", "v_per_split"}

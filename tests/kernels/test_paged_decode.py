@@ -42,7 +42,7 @@ def reference(q, kp, vp, tables, used, scale):
 
 
 def check_kernel(device: str, dtype: torch.dtype = torch.float32, tol: float = 2e-5) -> None:
-    from kernels.paged_decode import paged_decode_attention
+    from rlcore_kernels.paged_decode import paged_decode_attention
 
     g = torch.Generator().manual_seed(0)
     for b, h, kvh, d, bs, splits, longest in CASES + (LONG if device == "cuda" else []):

@@ -19,7 +19,8 @@ if importlib.util.find_spec("triton") is None:
 
 def check(device: str) -> None:
     """Raise AssertionError on any mismatch (run under the interpreter on CPU, natively on CUDA)."""
-    from kernels.sampling_stats import block_stats
+    from rlcore_kernels.sampling_stats import block_stats
+
     from rlcore.inference import sampling
 
     g = torch.Generator().manual_seed(0)

@@ -37,7 +37,7 @@ GPU_CASES = [
 def _configs(device: str, d: int, every: bool = True) -> list:
     """Block shapes covering block_m < block_n, block_m > block_n and equal (the diagonal splits differ). On a
     GPU only at D = 128 (each config compiles four kernels); other head dims run their default config."""
-    from kernels.varlen_attention import KernelConfig, default_config
+    from rlcore_kernels.varlen_attention import KernelConfig, default_config
 
     if not every:
         return [default_config(d)]
@@ -87,7 +87,7 @@ def _assert_close(got, ref, tol, what):
 def check_matches_reference(device: str, dtype: torch.dtype, tol: float, every: bool = True) -> None:
     """Output and gradients against the float64 reference for every case (and block config unless not
     ``every``)."""
-    from kernels.varlen_attention import varlen_attention
+    from rlcore_kernels.varlen_attention import varlen_attention
 
     cases = CASES + (GPU_CASES if device == "cuda" else [])
     for ci, (lens, hq, hkv, d) in enumerate(cases):
@@ -106,7 +106,7 @@ def check_matches_reference(device: str, dtype: torch.dtype, tol: float, every: 
 
 def check_degenerate(device: str) -> None:
     """Empty stream, all-empty sequences, length-1 sequences, a loose max_seqlen, non-contiguous inputs."""
-    from kernels.varlen_attention import varlen_attention
+    from rlcore_kernels.varlen_attention import varlen_attention
 
     dt = torch.float32
     for lens in ([], [0], [0, 0, 0], [1], [1, 1, 0, 1]):
@@ -136,7 +136,8 @@ def check_degenerate(device: str) -> None:
 def check_interfaces(device: str) -> None:
     """The varlen_attn adapter (through rlcore's train-step entry), argument errors, the fake registration,
     torch.library.opcheck and torch.compile(fullgraph=True)."""
-    from kernels import varlen_attention as m
+    from rlcore_kernels import varlen_attention as m
+
     from rlcore.training import models
 
     dt = torch.float32
@@ -262,9 +263,9 @@ def check_train_step_with_the_triton_kernel() -> None:
     """``ModelConfig(attention_kernel="triton")`` through ``init_train_state`` and one RL step (proximal forward,
     advantages, ``train_step`` over 3 micro-batches, SGD): the Triton kernel runs (counted), and the loss and the
     updated weights equal the same step on the default path (CPU: the padded / per-sequence SDPA reference)."""
+    from rlcore_kernels import varlen_attention as va
     from transformers import Qwen2Config
 
-    from kernels import varlen_attention as va
     from rlcore.data import microbatch
     from rlcore.training import step
     from rlcore.training import train_state as ts
@@ -313,7 +314,7 @@ def check_matches_reference_fp16_small() -> None:
     """Half-precision operands (fp32 accumulation, ``p`` and ``ds`` rounded to the input dtype before their
     products, as on the GPU) on one small GQA case. fp16, not bf16: the interpreter's ``tl.dot`` multiplies
     bf16 bit patterns as integers (triton-lang/triton#11584, not supported there); bf16 runs on the GPU."""
-    from kernels.varlen_attention import varlen_attention
+    from rlcore_kernels.varlen_attention import varlen_attention
 
     lens, hq, hkv, d = [3, 50, 20], 8, 2, 32
     q, k, v, go, cu = _inputs(lens, hq, hkv, d, "cpu", torch.float16, seed=7)
@@ -333,7 +334,7 @@ def test_varlen_attention_is_refused_on_cpu_without_the_interpreter():
 
     from tests.kernels.interpreted import ROOT
 
-    code = ("import torch; from kernels.varlen_attention import varlen_attention as f; x = torch.zeros(4, 2, 16)\n"
+    code = ("import torch; from rlcore_kernels.varlen_attention import varlen_attention as f; x = torch.zeros(4, 2, 16)\n"
             "try:\n    f(x, x, x, torch.tensor([0, 4], dtype=torch.int32), 4)\n"
             "except ValueError as e:\n    assert 'CUDA' in str(e), e\nelse:\n    raise SystemExit('accepted')")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -356,7 +357,7 @@ def test_varlen_attention_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_varlen_attention_on_cuda_no_host_sync():
     """Forward and backward launch with no device-to-host synchronisation (CUDA-graph capturable)."""
-    from kernels.varlen_attention import varlen_attention
+    from rlcore_kernels.varlen_attention import varlen_attention
 
     q, k, v, go, cu = _inputs([300, 1000, 17], 16, 2, 128, "cuda", torch.bfloat16, seed=9)
     q.requires_grad_()

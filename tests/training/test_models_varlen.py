@@ -426,9 +426,9 @@ def test_attention_kernel_auto_is_the_default_and_resolves_by_device(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert ts.resolve_attention_kernel(auto, gpu) == "flash"  # Turing: no bf16 tensor cores for it
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setitem(sys.modules, "kernels.varlen_attention", None)  # triton / kernels/ not importable
+    monkeypatch.setitem(sys.modules, "rlcore_kernels.varlen_attention", None)  # triton / kernels/ not importable
     assert ts.resolve_attention_kernel(auto, gpu) == "flash"
-    monkeypatch.delitem(sys.modules, "kernels.varlen_attention")
+    monkeypatch.delitem(sys.modules, "rlcore_kernels.varlen_attention")
     hf = tiny_qwen()
     probed = []
     monkeypatch.setattr(models, "probe_triton_attention", lambda c, d, dtype=None: probed.append(c) or None)

@@ -1,1 +1,0 @@
-"""Fused GPU kernels with pure-torch references in rlcore.ops."""
