@@ -20,7 +20,7 @@ def load(name: str) -> dict:
 
 
 def async_vs_sync(ax) -> None:
-    runs = load("final/bench_async.json")["sections"]["async"]
+    runs = load("async/2026-11-30/bench_async_fp32.json")["sections"]["async"]
     for key, color in (("eta0", "#c44e52"), ("eta4", "#4c72b0")):
         steps = runs[key]["per_step"]
         t, xs, ys = 0.0, [0.0], [0]
@@ -34,7 +34,7 @@ def async_vs_sync(ax) -> None:
 
 
 def interrupt(ax) -> None:
-    sec = load("final/bench_async.json")["sections"]["interrupt"]
+    sec = load("async/2026-11-30/bench_async.json")["sections"]["interrupt"]
     modes = ["wait_all", "abort", "in_place"]
     vals = [sec[m]["tokens_per_s"] for m in modes]
     bars = ax.bar(["wait for all", "interrupt\n(abort)", "interrupt\n(in place)"], vals,
@@ -45,29 +45,26 @@ def interrupt(ax) -> None:
 
 
 def train_step(ax) -> None:
-    first, final, fix = load("bench_train.json"), load("final/bench_train.json"), load("final/bench_train_fix.json")
-    rows = [
-        ("train_step, dense-mask SDPA\n(first run)", first["rlcore_rl_step_interpolated_prox"]),
-        ("HF padded\nbaseline", final["hf_padded_baseline"]),
-        ("train_step, varlen\nbf16 params", final["rlcore_rl_step_interpolated_prox"]),
-        ("train_step, varlen\nfp32 master + autocast", fix["rlcore_rl_step_interpolated_prox_fp32_master"]),
-        ("same, layers\ntorch.compile'd", load("session2/bench_train_s2.json")[
-            "rlcore_rl_step_interpolated_prox_fp32_master_compiled"]),
-    ]
-    vals = [100 * r["mfu"] for _, r in rows]
-    bars = ax.bar([n for n, _ in rows], vals, color=["#999999", "#dd8452", "#4c72b0", "#55a868", "#8172b3"])
+    names, vals, colors = [], [], []
+    for shape, name, target in (("0.5B", "bench_train.json", 35), ("3B", "bench_train_3b.json", 50)):
+        run = load(f"suite/{name}")
+        for key, label, color in (("hf_padded_baseline", "transformers\npadded", "#999999"),
+                                  ("rlcore_default", "rlcore\ndefault", "#4c72b0")):
+            names.append(f"{label}\n{shape}")
+            vals.append(100 * run[key]["mfu"])
+            colors.append(color)
+        ax.hlines(target, len(vals) - 2.4, len(vals) - 0.6, ls="--", color="k", lw=1)
+    bars = ax.bar(names, vals, color=colors)
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}%", ha="center", va="bottom")
-    ax.axhline(45, ls="--", color="k", lw=1)
-    ax.text(-0.4, 46, "target 45%", fontsize=8)
-    ax.set(ylabel="MFU (% of 989 TFLOP/s)", title="train step, Qwen2-0.5B shapes, 1×H200")
-    ax.tick_params(axis="x", labelsize=7)
+    ax.set(ylabel="MFU (% of 989 TFLOP/s)", title="train step, Qwen2 shapes, 1×H200 (dashed: target)")
+    ax.tick_params(axis="x", labelsize=8)
 
 
 def trl(ax) -> None:
-    sec = load("bench_trl.json")["sections"]
-    two = load("session2/bench_async_trlshape.json")["sections"]["async"]
-    fast = load("session2/bench_async_trlshape_fast.json")["sections"]["async"]
+    sec = load("suite/bench_trl.json")["sections"]
+    two = load("async/2026-11-30/bench_async_trlshape.json")["sections"]["async"]
+    fast = load("async/2026-11-30/bench_async_trlshape_fast.json")["sections"]["async"]
     names = ["TRL GRPOTrainer\n(HF generate)", "rlcore η=0\n(1 GPU)", "rlcore η=4\n(1 GPU)",
              "rlcore η=4\n(2 GPUs)", "η=4, 2 GPUs\ncompiled trainer"]
     vals = [sec["trl"]["samples_per_s"], sec["rlcore"]["eta0"]["samples_per_s"], sec["rlcore"]["eta4"]["samples_per_s"],
