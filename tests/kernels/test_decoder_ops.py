@@ -18,9 +18,15 @@ if importlib.util.find_spec("triton") is None:
 
 from tests.kernels.interpreted import run_interpreted  # noqa: E402
 
-# bf16 outputs: the kernels keep HF's rounding points, so they differ from eager by one bf16 ulp at most where
-# float32 accumulation order (or an FMA) moves a value across a rounding boundary
-BF16 = dict(atol=1e-2, rtol=1.6e-2)
+# bf16 outputs: the kernels keep HF's rounding points, so on a GPU they differ from eager by one bf16 ulp at most
+# where float32 accumulation order (or an FMA) moves a value across a rounding boundary, and almost all elements are
+# bit-equal. Triton's interpreter rounds float32 -> bf16 toward zero (not to nearest even, as the GPU and torch do),
+# so on CPU each rounding point may be one ulp off: a wider tolerance and no bit-equality check there.
+BF16 = {"cuda": dict(atol=1e-2, rtol=1.6e-2), "cpu": dict(atol=2e-2, rtol=3.2e-2)}
+
+
+def _mostly_bit_equal(got: torch.Tensor, want: torch.Tensor, device: str) -> bool:
+    return device != "cuda" or bool((got.cpu() == want.cpu()).float().mean() > 0.95)
 
 
 def _hf():
@@ -48,9 +54,9 @@ def check_rms_norm(device: str) -> None:
         got = rms_norm(x, ref.weight, ref.variance_epsilon)
         want = ref(x)
         assert got.dtype == want.dtype and got.shape == want.shape
-        tol = BF16 if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+        tol = BF16[device] if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got, want, **tol)
-        assert (got == want).float().mean() > 0.95, (h, dtype)  # same rounding points: almost all bit-equal
+        assert _mostly_bit_equal(got, want, device), (h, dtype)  # same rounding points
     # gradients in float32 against autograd through HF's module (float64 reference)
     h = 200
     ref = mq.Qwen2RMSNorm(h, eps=1e-5).double()
@@ -73,9 +79,9 @@ def check_swiglu(device: str) -> None:
         a = (2 * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype)
         b = torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
         got, want = swiglu(a, b), torch.nn.functional.silu(a) * b
-        tol = BF16 if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+        tol = BF16[device] if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(got, want, **tol)
-        assert (got == want).float().mean() > 0.95, (shape, dtype)
+        assert _mostly_bit_equal(got, want, device), (shape, dtype)
     # strided inputs (halves of one gate/up GEMM output) and gradients against float64 autograd
     gu64 = torch.randn(9, 2 * 150, generator=g, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(9, 150, generator=g, dtype=torch.float64)
@@ -112,10 +118,10 @@ def check_rope(device: str) -> None:
         k_d = dev[0][..., hq * d :].view(bsz, s, hk, d).transpose(1, 2)
         gq, gk = rope(q_d, k_d, dev[1], dev[2])
         assert gq.stride() == q_d.stride() or not q_d.is_contiguous()
-        tol = BF16 if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+        tol = BF16[device] if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(gq.cpu(), wq, **tol)
         torch.testing.assert_close(gk.cpu(), wk, **tol)
-        assert (gq.cpu() == wq).float().mean() > 0.95 and (gk.cpu() == wk).float().mean() > 0.95
+        assert _mostly_bit_equal(gq, wq, device) and _mostly_bit_equal(gk, wk, device)
     # gradients against float64 autograd through HF's function
     bsz, s, hq, hk, d = 2, 3, 6, 2, 16
     cfg = Qwen2Config(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hk)
