@@ -23,11 +23,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
+from rlcore.inference import engine as engine_lib
 from rlcore.inference import fusions
 from rlcore.inference.engine import Engine, EngineConfig
 from rlcore.inference.protocol import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
+REAL_AUTO_DEVICE = engine_lib.auto_device  # read at import, before this package's conftest pins "auto" to CPU
 V = 64
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [11]]
 
@@ -235,9 +237,10 @@ needs_cuda_kernels = pytest.mark.skipif(
 
 @pytest.mark.gpu
 @needs_cuda_kernels
-def test_default_engine_config_on_cuda_runs_the_fused_kernels(capfd):
+def test_default_engine_config_on_cuda_runs_the_fused_kernels(capfd, monkeypatch):
     """A plain install: ``EngineConfig()`` on CUDA routes every RMSNorm / MLP / RoPE to kernels/decoder_ops.py,
     the CUDA graphs record them (the routed ops run during capture), and the start prints the fused paths."""
+    monkeypatch.setattr(engine_lib, "auto_device", REAL_AUTO_DEVICE)  # device="auto" as a user gets it
     model = tiny(seed=9)
     with Engine(model, EngineConfig(max_batch=4, max_seq_len=64)) as eng:
         assert eng.device.type == "cuda" and eng._static_mode == "graph"

@@ -26,7 +26,11 @@ BF16 = {"cuda": dict(atol=1e-2, rtol=1.6e-2), "cpu": dict(atol=2e-2, rtol=3.2e-2
 
 
 def _mostly_bit_equal(got: torch.Tensor, want: torch.Tensor, device: str) -> bool:
-    return device != "cuda" or bool((got.cpu() == want.cpu()).float().mean() > 0.95)
+    """bf16 on a GPU: almost every element bit-equal (float32 outputs differ in the last bits by summation order,
+    which the assert_close tolerances bound)."""
+    if device != "cuda" or got.dtype != torch.bfloat16:
+        return True
+    return bool((got.cpu() == want.cpu()).float().mean() > 0.95)
 
 
 def _hf():
