@@ -681,7 +681,7 @@ def render(out_dir: Path) -> str:
 
 
 def host_of(out_dir: Path) -> str:
-    """``copy bandwidth 4.31 TB/s, SM clock 1980 MHz (bench_engine.json)``: the host measured by the first GPU
+    """``copy bandwidth 4.31 TB/s, SM clock 1980 MHz, measured by bench_engine.json``: the host of the first GPU
     benchmark JSON under ``out_dir`` that holds one (``bench_host.py``), else empty."""
     for name in ("bench_engine.json", "bench_train.json", "bench_kernel.json", "bench_sampling.json",
                  "bench_attention.json", "bench_trl.json", "bench_async.json"):
@@ -692,7 +692,7 @@ def host_of(out_dir: Path) -> str:
         host = host[0] if isinstance(host, list) and host else host
         if isinstance(host, dict) and host.get("hbm_gbps"):
             clk = f", SM clock {host['sm_clock_mhz']:.0f} MHz" if host.get("sm_clock_mhz") else ""
-            return f"copy bandwidth {host['hbm_gbps'] / 1e3:.2f} TB/s{clk} ({name})"
+            return f"copy bandwidth {host['hbm_gbps'] / 1e3:.2f} TB/s{clk}, measured by {name}"
     return ""
 
 

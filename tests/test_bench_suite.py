@@ -106,7 +106,7 @@ def test_table_shows_the_bandwidth_multiple_the_host_and_the_fused_paths(tmp_pat
     multiple = _row(table, s.ROWS[1].what)
     assert "**4.61×** (floor 0.450 ms at 4.00 TB/s, SM 1980 MHz)" in multiple and multiple.endswith("| ✘ |")
     assert "3.40 ms / step; 500 vs 987 kernels / step" in _row(table, s.ROWS[2].what)
-    assert "copy bandwidth 4.00 TB/s, SM clock 1980 MHz (bench_engine.json)" in table.splitlines()[0]
+    assert "copy bandwidth 4.00 TB/s, SM clock 1980 MHz, measured by bench_engine.json" in table.splitlines()[0]
 
 
 def test_docs_are_rewritten_between_the_markers_only(tmp_path):
