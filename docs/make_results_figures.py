@@ -34,7 +34,7 @@ def async_vs_sync(ax) -> None:
 
 
 def interrupt(ax) -> None:
-    sec = load("async/2026-11-30/bench_async.json")["sections"]["interrupt"]
+    sec = load("suite/bench_async.json")["sections"]["interrupt"]
     modes = ["wait_all", "abort", "in_place"]
     vals = [sec[m]["tokens_per_s"] for m in modes]
     bars = ax.bar(["wait for all", "interrupt\n(abort)", "interrupt\n(in place)"], vals,
@@ -63,13 +63,12 @@ def train_step(ax) -> None:
 
 def trl(ax) -> None:
     sec = load("suite/bench_trl.json")["sections"]
-    two = load("async/2026-11-30/bench_async_trlshape.json")["sections"]["async"]
-    fast = load("async/2026-11-30/bench_async_trlshape_fast.json")["sections"]["async"]
+    fast = load("suite/bench_async_trlshape.json")["sections"]["async"]
     names = ["TRL GRPOTrainer\n(HF generate)", "rlcore η=0\n(1 GPU)", "rlcore η=4\n(1 GPU)",
-             "rlcore η=4\n(2 GPUs)", "η=4, 2 GPUs\ncompiled trainer"]
+             "η=4, 2 GPUs\ncompiled trainer"]
     vals = [sec["trl"]["samples_per_s"], sec["rlcore"]["eta0"]["samples_per_s"], sec["rlcore"]["eta4"]["samples_per_s"],
-            two["eta4"]["samples_per_s"], fast["eta4"]["samples_per_s"]]
-    bars = ax.bar(names, vals, color=["#999999", "#4c72b0", "#55a868", "#dd8452", "#8172b3"])
+            fast["eta4"]["samples_per_s"]]
+    bars = ax.bar(names, vals, color=["#999999", "#4c72b0", "#55a868", "#8172b3"])
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom")
     ax.set(ylabel="samples / s", title="GRPO end to end vs TRL (H200s, 128×256 tok/step)")

@@ -65,6 +65,10 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:
+    from experiments import bench_host  # noqa: E402
+except ImportError:  # run as a script: experiments/ is sys.path[0]
+    import bench_host  # noqa: E402
 
 NAME = "bench_async"
 
@@ -100,7 +104,8 @@ class Report:
         self.name = name
         self.path = out or (os.path.join(os.environ["OUT"], f"{name}.json") if os.environ.get("OUT") else None)
         self.data: dict[str, Any] = {"config": config, "env": env_info(), "sections": {}, "errors": {},
-                                     "skipped": []}
+                                     "skipped": [], "host": [bench_host.host_record(torch.device("cuda", i))
+                                                             for i in range(torch.cuda.device_count())]}
 
     def save(self) -> None:
         """Write the JSON (atomically) if an output path is known."""
@@ -401,7 +406,9 @@ def setup_summary(s: Setup) -> dict:
             "compile": bool(s.args.compile), "prox": s.args.prox,
             "engine_max_seq_len": s.engine.max_seq_len, "graphs_captured": s.engine.stats.get("graphs_captured", 0),
             "cuda_graph_active": s.engine._static_mode == "graph",
-            "params": sum(p.numel() for p in s.state.model.parameters())}
+            "params": sum(p.numel() for p in s.state.model.parameters()),
+            "engine_fused_paths": s.engine.fusions.summary() if hasattr(s.engine, "fusions") else "engine process",
+            "train_fused_kernels": list(getattr(s.state.model, "fused_kernels", ()))}
 
 
 def _optim_cfg(args: argparse.Namespace):

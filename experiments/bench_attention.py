@@ -57,6 +57,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: kernels/
+import bench_host  # noqa: E402  (experiments/ is on sys.path above)
 from bench_sampling import time_ms  # noqa: E402  (median ms: CUDA events on a GPU, perf_counter on CPU)
 
 from rlcore.training import models  # noqa: E402
@@ -356,7 +357,7 @@ def main(cfg: Config) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     res: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                  "cudnn": torch.backends.cudnn.version() if dev.type == "cuda" else None, "config": vars(cfg),
-                 "cases": []}
+                 "cases": [], "host": bench_host.host_record(dev) if dev.type == "cuda" else {"gpu": None}}
     out = cfg.out or (os.path.join(os.environ["OUT"], "bench_attention.json") if os.environ.get("OUT") else None)
     for shape in cfg.shapes:
         for total in cfg.tokens:

@@ -16,8 +16,14 @@ Sections (each in its own try/except, so one failure still leaves the other numb
   128; ``kv_cache_tokens=auto``. Reports KV blocks (total, peak used), preemptions, tok/s.
 - ``group_prefill``: one GRPO group (16 samples of one 1k-token prompt) vs one request of that prompt vs 16
   different prompts: prefill seconds per admission (median of reps; each request generates one token).
+- ``engine_unfused`` (CUDA): the same 256-request run with ``fused_kernels=False`` (HF's RMSNorm / SwiGLU /
+  RoPE), profiled like ``engine``: what the default's fused kernels buy, in one run.
 - ``profile`` (CUDA): torch.profiler over decode steps of the 256-request run: kernels and GPU time per step,
   decode only (a profiled prefill-only run of the same requests is subtracted kernel by kernel).
+- ``host`` (CUDA, first): the GPU's HBM bandwidth measured by a device-to-device copy and its SM clock
+  (``bench_host.py``). Each engine section then records its step's **bandwidth floor** (every weight and the
+  live KV cache read once, over that bandwidth) and ``floor_multiple`` = ms per step / floor: the number that
+  compares hosts. Each engine section also records the fused paths it ran (``fused_paths``).
 
 The model is randomly initialised (no hub access); throughput does not depend on the weights. Every request
 generates exactly its target length (ignore_eos / min_new_tokens) at temperature 1 with top_p = 1.
@@ -36,6 +42,11 @@ from typing import Literal
 
 import torch
 import tyro
+
+try:
+    from experiments import bench_host
+except ImportError:  # run as a script: experiments/ is sys.path[0]
+    import bench_host
 
 
 @dataclass(frozen=True)
@@ -111,8 +122,10 @@ class Config:
     out: str | None = None
     """JSON output path; default $OUT/bench_engine.json if OUT is set."""
     fused_kernels: Literal["auto", "on", "off"] = "auto"
-    """EngineConfig.fused_kernels of the 256-request engine (liger RMSNorm / SwiGLU / RoPE on CUDA; auto: the
-    engine's default, on with CUDA and liger-kernel installed)."""
+    """EngineConfig.fused_kernels of the 256-request engine (kernels/decoder_ops.py's RMSNorm / SwiGLU / RoPE on
+    CUDA; auto: the engine's default, on with CUDA)."""
+    ablate_fused: bool = True
+    """Also time (and profile) the 256-request engine with fused_kernels=False (section ``engine_unfused``)."""
     compile_decode_layers: bool = False
     """EngineConfig.compile_decode_layers of the 256-request engine (torch.compile per decoder layer, then graphs)."""
     smoke: bool = False
@@ -192,6 +205,8 @@ def bench_engine(
     grouped: bool = True,
     attention: str = "auto",
     profile_to: str | None = None,
+    fused_kernels: str | None = None,
+    hbm_gbps: float | None = None,
 ) -> dict:
     from rlcore.inference.engine import Engine, EngineConfig
     from rlcore.inference.protocol import SamplingParams
@@ -206,7 +221,7 @@ def bench_engine(
         grouped_decode_attention=grouped,
         decode_attention=attention,
         block_size=cfg.block_size,
-        fused_kernels={"auto": "auto", "on": True, "off": False}[cfg.fused_kernels],
+        fused_kernels={"auto": "auto", "on": True, "off": False}[fused_kernels or cfg.fused_kernels],
         compile_decode_layers=cfg.compile_decode_layers,
         overlap_decode={"auto": "auto", "on": True, "off": False}[cfg.overlap_decode],
     )
@@ -253,7 +268,17 @@ def bench_engine(
             kv_blocks_peak=eng.stats.get("kv_blocks_peak", 0),
             block_size=cfg.block_size,
             all_full_length=all(len(o.output_ids) == cfg.new_tokens for o in outs),
+            fused_paths=eng.fusions.active(),
+            fused_summary=eng.fusions.summary(),
         )
+        # decode steps run with prompt_len + 1 ... prompt_len + new_tokens - 1 cached tokens per sequence
+        floor = bench_host.decode_floor(
+            model, requests=len(prompts), mean_context=cfg.prompt_len + cfg.new_tokens / 2,
+            kv_dtype_bytes=torch.empty((), dtype=model.dtype).element_size(), hbm_gbps=hbm_gbps,
+        )
+        res["bandwidth_floor"] = floor
+        if floor["floor_ms"]:
+            res["floor_multiple"] = res["decode_ms_per_step"] / floor["floor_ms"]
         if profile_to is not None:
             res["profile"] = profile_decode(eng, prompts, sp, device, profile_to)
     return res
@@ -532,7 +557,15 @@ def main(cfg: Config) -> dict:
             "dtype": str(dtype),
         },
         "errors": {},
+        "host": bench_host.host_record(device) if device.type == "cuda" else {"gpu": None},
     }
+    hbm = result["host"].get("hbm_gbps")
+    if hbm:
+        print(
+            f"[bench_engine] host: {result['host']['gpu']}, {hbm:.0f} GB/s device-to-device copy, SM clock "
+            f"{result['host'].get('sm_clock_mhz', '?')} MHz (max {result['host'].get('sm_clock_max_mhz', '?')})",
+            flush=True,
+        )
 
     def save() -> None:
         if out_path:
@@ -566,9 +599,20 @@ def main(cfg: Config) -> dict:
     section(
         "engine",
         lambda: bench_engine(
-            cfg, model, prompts, device, cuda_graph=True, attention=cfg.decode_attention, profile_to=prof
+            cfg, model, prompts, device, cuda_graph=True, attention=cfg.decode_attention, profile_to=prof,
+            hbm_gbps=hbm,
         ),
     )
+    if cfg.ablate_fused and device.type == "cuda" and cfg.fused_kernels != "off":
+        unfused_model = build_model(cfg, device, dtype)  # the engine patched the first model's instances
+        section(
+            "engine_unfused",
+            lambda: bench_engine(
+                cfg, unfused_model, prompts, device, cuda_graph=True, attention=cfg.decode_attention,
+                profile_to=prof and prof.replace(".txt", "_unfused.txt"), fused_kernels="off", hbm_gbps=hbm,
+            ),
+        )
+        del unfused_model
     if cfg.ablate_varlen and device.type == "cuda" and cfg.decode_attention != "varlen":
         section(
             "engine_varlen",
@@ -602,9 +646,15 @@ def main(cfg: Config) -> dict:
     print(
         f"\n{cfg.requests} requests x {cfg.new_tokens} new tokens, prompt {cfg.prompt_len}, {result['env']['device']}, {dtype}"
     )
-    print(f"{'system':<18}{'decode tok/s':>14}{'e2e tok/s':>12}{'ms/step':>10}{'wall s':>9}  attention")
+    if hbm:
+        print(f"host: {result['host']['gpu']}, copy {hbm:.0f} GB/s, SM {result['host'].get('sm_clock_mhz', '?')} MHz")
+    print(
+        f"{'system':<18}{'decode tok/s':>14}{'e2e tok/s':>12}{'ms/step':>10}{'x floor':>9}{'wall s':>9}  attention"
+        "  · fused paths"
+    )
     for name in (
         "engine",
+        "engine_unfused",
         "engine_gather",
         "engine_varlen",
         "engine_eager",
@@ -613,19 +663,28 @@ def main(cfg: Config) -> dict:
     ):
         r = result.get(name)
         if r:
+            mult = f"{r['floor_multiple']:.2f}" if "floor_multiple" in r else "—"
             print(
                 f"{name:<18}{r['decode_tok_s']:>14.0f}{r['e2e_tok_s']:>12.0f}{r['decode_ms_per_step']:>10.2f}"
-                f"{r['wall_s']:>9.2f}  {r.get('decode_attention', '')}"
+                f"{mult:>9}{r['wall_s']:>9.2f}  {r.get('decode_attention', '')}"
+                + (f"  · {r['fused_summary']}" if "fused_summary" in r else "")
             )
     if "speedup_decode" in result:
         print(
             f"speedup (decode) engine / HF generate: {result['speedup_decode']:.2f}x  (e2e {result['speedup_e2e']:.2f}x)"
         )
-    if "gpu_kernels_per_step" in result.get("engine", {}).get("profile", {}):
-        p = result["engine"]["profile"]
+    for name in ("engine", "engine_unfused"):
+        if "gpu_kernels_per_step" in result.get(name, {}).get("profile", {}):
+            p = result[name]["profile"]
+            print(
+                f"{name} decode step profile: {p['gpu_kernels_per_step']:.0f} kernels, {p['gpu_busy_ms_per_step']:.2f} "
+                f"ms GPU busy per step ({p['wall_ms_per_decode_step']:.2f} ms wall); table in {p['table']}"
+            )
+    fl = result.get("engine", {}).get("bandwidth_floor")
+    if fl and fl.get("floor_ms"):
         print(
-            f"decode step profile: {p['gpu_kernels_per_step']:.0f} kernels, {p['gpu_busy_ms_per_step']:.2f} ms GPU "
-            f"busy per step ({p['wall_ms_per_decode_step']:.2f} ms wall); table in {p['table']}"
+            f"bandwidth floor per decode step: {fl['weight_gb']:.2f} GB weights + {fl['kv_gb']:.2f} GB KV at "
+            f"{hbm:.0f} GB/s = {fl['floor_ms']:.3f} ms; engine at {result['engine']['floor_multiple']:.2f}x"
         )
     lt = result.get("long_tail")
     if lt:

@@ -40,6 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from rlcore import ops  # noqa: E402
 
+try:
+    from experiments import bench_host  # noqa: E402
+except ImportError:  # run as a script: experiments/ is sys.path[0]
+    import bench_host  # noqa: E402
+
 VOCAB = 151_936
 
 
@@ -271,6 +276,7 @@ def main(cfg: Config) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
+    host = bench_host.host_record() if cfg.device == "cuda" else {"gpu": None}  # before the timed rows
     rows = []
     for h in cfg.hidden:
         for t in cfg.tokens:
@@ -282,7 +288,7 @@ def main(cfg: Config) -> dict:
             rows.append(row)
             if cfg.device == "cuda":
                 torch.cuda.empty_cache()
-    result = {"env": env, "config": dataclasses.asdict(cfg), "rows": rows}
+    result = {"env": env, "config": dataclasses.asdict(cfg), "rows": rows, "host": host}
     print_table(rows)
     out = cfg.out or (os.path.join(os.environ["OUT"], "bench_kernel.json") if os.environ.get("OUT") else None)
     if out:

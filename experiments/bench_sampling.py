@@ -37,6 +37,11 @@ import tyro
 from rlcore.inference import sampling
 from rlcore.inference.sampling import counter_uniform, sample_tokens
 
+try:
+    from experiments import bench_host
+except ImportError:  # run as a script: experiments/ is sys.path[0]
+    import bench_host
+
 
 @dataclass(frozen=True)
 class Config:
@@ -231,6 +236,7 @@ def main(cfg: Config) -> dict:
         },
         "cases": {},
         "errors": {},
+        "host": bench_host.host_record(device) if device.type == "cuda" else {"gpu": None},
     }
 
     def save() -> None:

@@ -6,13 +6,13 @@ Run (device; at most ~9 min per call, so run subsets and merge them into one dir
     python experiments/bench_suite.py --only engine --out $OUT/suite            # 1 GPU
     python experiments/bench_suite.py --only sampling,kernel,attention --out $OUT/suite   # 1 GPU
     python experiments/bench_suite.py --only train --out $OUT/suite             # 1 GPU (also train_3b, train_7b, trl)
-    python experiments/bench_suite.py --only async --out $OUT/suite             # 2 GPUs (also weight_sync, gpu_tests, ...)
+    python experiments/bench_suite.py --only async --out $OUT/suite             # 2 GPUs (also weight_sync, learning, ...)
 Render: python experiments/bench_suite.py --render-only docs/results/suite     # table from existing JSON only
 Smoke:  python experiments/bench_suite.py --smoke --out /tmp/suite              # CPU, tiny, < 2 min
 List:   python experiments/bench_suite.py --list
 
 ``BENCHES`` says what each name runs (the script, its flags, the JSON it writes, the GPUs it needs, its time
-limit); ``ROWS`` declares the table: per row the issue, what is measured, the target, the JSON values that feed it
+limit); ``ROWS`` declares the table: per row the capability, what is measured, the target, the JSON values that feed it
 (file and path), how they are printed and whether the target is met. A row whose JSON is missing reads "not
 measured". Each run merges into ``DIR/bench_suite.json`` (command, exit status, wall time, log path per
 benchmark; logs under ``DIR/logs``), writes the table to ``DIR/at_a_glance.md`` and, unless ``--smoke`` or
@@ -70,6 +70,33 @@ class Bench:
 
 
 BENCHES: tuple[Bench, ...] = (
+    Bench(
+        "engine_decode",
+        (
+            "experiments/bench_engine.py",
+            "--no-hf",
+            "--no-long-tail",
+            "--no-group",
+            "--no-ablate-gather",
+            "--no-ablate-varlen",
+            "--no-ablate-grouped",
+            "--no-eager-engine",
+            "--out",
+            "{dir}/bench_engine_decode.json",
+            "--profile-out",
+            "{dir}/bench_engine_profile.txt",
+        ),
+        (
+            "experiments/bench_engine.py",
+            "--smoke",
+            "--no-hf",
+            "--no-long-tail",
+            "--no-group",
+            "--out",
+            "{dir}/bench_engine_decode.json",
+        ),
+        ("bench_engine_decode.json",),
+    ),
     Bench(
         "engine",
         ("experiments/bench_engine.py", "--out", "{dir}/bench_engine.json"),
@@ -214,25 +241,6 @@ BENCHES: tuple[Bench, ...] = (
         timeout_s=570,
         collect=(("learn/summary.json", "learn/summary.json"),),
     ),
-    Bench(
-        "gpu_tests",
-        (
-            "-m",
-            "pytest",
-            "-q",
-            "-m",
-            "gpu",
-            "tests/test_launch.py",
-            "tests/training/test_fsdp.py",
-            "--junitxml",
-            "{dir}/gpu_tests.xml",
-        ),
-        None,
-        ("gpu_tests.json",),
-        gpus=2,
-        timeout_s=540,
-        junit="gpu_tests.xml",
-    ),
 )
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -244,7 +252,8 @@ class Row:
     """One line of the at-a-glance table. ``values`` names JSON values as ``(file, path)``; ``measured`` prints
     them (given every value), ``met`` decides the check mark (None: no target to meet)."""
 
-    issue: str
+    capability: str
+    """What the row measures belongs to (engine, train, kernels, publish, async, vs TRL, learning)."""
     what: str
     target: str
     values: dict[str, tuple[str, str] | tuple[str, str, bool]]
@@ -273,42 +282,81 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def tests_passed(v: dict) -> str:
-    got = [o for o in v.values() if isinstance(o, str)]
-    return f"{sum(o == 'passed' for o in got)} of {len(got)} GPU tests passed"
+def train_fused_text(v: dict) -> str:
+    """`` · fused: compiled layers, rms_norm, ...`` of a train section (empty when the JSON predates the fields)."""
+    if v.get("comp") is None and v.get("fk") is None:
+        return ""
+    parts = (["compiled layers"] if v.get("comp") else []) + list(v.get("fk") or [])
+    return f" · fused: {', '.join(parts) or 'none'}"
 
 
 K896 = "rows[tokens=16384,hidden=896].summary"
 K3584 = "rows[tokens=16384,hidden=3584].summary"
-TESTS = "tests"
+
+
+def fused_text(paths: object) -> str:
+    """The fused paths an engine section ran (``{"rms_norm": 49, ...}``) as ``rms_norm, swiglu, ...``."""
+    return ", ".join(paths) if isinstance(paths, dict) and paths else "none"
+
 
 ROWS: tuple[Row, ...] = (
     Row(
-        "18",
-        "engine decode, Qwen2-0.5B shapes, 256 requests × 256 tokens, 1 GPU",
+        "engine",
+        "engine decode, Qwen2-0.5B shapes, 256 requests × 256 tokens, 1 GPU (fused paths it ran)",
         "≥ 100k tok/s (≤ 2.5 ms / step)",
         {
-            "tok": ("bench_engine.json", "engine.decode_tok_s"),
-            "ms": ("bench_engine.json", "engine.decode_ms_per_step"),
+            "tok": ("bench_engine_decode.json", "engine.decode_tok_s"),
+            "ms": ("bench_engine_decode.json", "engine.decode_ms_per_step"),
+            "fused": ("bench_engine_decode.json", "engine.fused_paths", True),
         },
-        lambda v: f"**{k1(v['tok'])} tok/s**, {f2(v['ms'])} ms / step",
+        lambda v: (
+            f"**{k1(v['tok'])} tok/s**, {f2(v['ms'])} ms / step"
+            + (f" · fused: {fused_text(v['fused'])}" if v["fused"] is not None else "")
+        ),
         lambda v: v["tok"] >= 100e3,
-        ("engine",),
+        ("engine_decode",),
     ),
     Row(
-        "18",
-        "same, without liger RMSNorm / SwiGLU / RoPE · with decoder layers compiled",
+        "engine",
+        "same step as a multiple of its bandwidth floor (weights + live KV cache read once, at the copy bandwidth "
+        "measured at the start of the run): the number two hosts can compare",
+        "≤ 3×",
+        {
+            "x": ("bench_engine_decode.json", "engine.floor_multiple"),
+            "floor": ("bench_engine_decode.json", "engine.bandwidth_floor.floor_ms"),
+            "bw": ("bench_engine_decode.json", "host.hbm_gbps"),
+            "clk": ("bench_engine_decode.json", "host.sm_clock_mhz", True),
+        },
+        lambda v: (
+            f"**{f2(v['x'])}×** (floor {v['floor']:.3f} ms at {v['bw'] / 1e3:.2f} TB/s"
+            + (f", SM {v['clk']:.0f} MHz)" if v["clk"] is not None else ")")
+        ),
+        lambda v: v["x"] <= 3,
+        ("engine_decode",),
+    ),
+    Row(
+        "engine",
+        "same with fused_kernels off (HF's RMSNorm / SwiGLU / RoPE): ms / step; device kernels per decode step, "
+        "default vs off",
         "—",
         {
-            "off": ("bench_engine.json", "engine_unfused.decode_ms_per_step"),
-            "comp": ("bench_engine.json", "engine_compiled.decode_ms_per_step"),
+            "off": ("bench_engine_decode.json", "engine_unfused.decode_ms_per_step"),
+            "kd": ("bench_engine_decode.json", "engine.profile.gpu_kernels_per_step", True),
+            "ku": ("bench_engine_decode.json", "engine_unfused.profile.gpu_kernels_per_step", True),
         },
-        lambda v: f"{f2(v['off'])} · {f2(v['comp'])} ms / step",
+        lambda v: (
+            f"{f2(v['off'])} ms / step"
+            + (
+                f"; {n0(v['kd'])} vs {n0(v['ku'])} kernels / step"
+                if v["kd"] is not None and v["ku"] is not None
+                else ""
+            )
+        ),
         None,
-        ("engine",),
+        ("engine_decode",),
     ),
     Row(
-        "18",
+        "engine",
         "sampling step, 256 × 151,936 bf16 logits: top-p 1 / top-p 0.9 (peaked), rlcore (sort threshold on CUDA) vs the old sort path",
         "—",
         {
@@ -322,7 +370,7 @@ ROWS: tuple[Row, ...] = (
         ("sampling",),
     ),
     Row(
-        "3",
+        "engine",
         "engine decode vs transformers `generate` (same run and shapes)",
         "≥ 10×",
         {
@@ -334,7 +382,7 @@ ROWS: tuple[Row, ...] = (
         ("engine",),
     ),
     Row(
-        "18",
+        "engine",
         "1,024 concurrent requests, lognormal lengths (median 1k, cap 16k), paged KV",
         "completes, no KV out-of-memory",
         {
@@ -352,7 +400,7 @@ ROWS: tuple[Row, ...] = (
         ("engine",),
     ),
     Row(
-        "18",
+        "engine",
         "GRPO group of 16 with a 1k-token prompt: prefill time vs one prompt's",
         "≤ 1.5×",
         {"x": ("bench_engine.json", "group_prefill.group_over_single")},
@@ -361,7 +409,7 @@ ROWS: tuple[Row, ...] = (
         ("engine",),
     ),
     Row(
-        "18",
+        "train",
         "train step MFU, Qwen2-0.5B shapes, default settings, vs transformers padded (same run)",
         "≥ 35%",
         {
@@ -369,15 +417,24 @@ ROWS: tuple[Row, ...] = (
             "t": ("bench_train.json", "rlcore_default.tokens_per_s"),
             "hf": ("bench_train.json", "hf_padded_baseline.mfu", True),
             "hf_err": ("bench_train.json", "hf_padded_baseline.error", True),
+            "comp": ("bench_train.json", "rlcore_default.compiled", True),
+            "fk": ("bench_train.json", "rlcore_default.fused_kernels", True),
         },
-        lambda v: f"**{pct(v['m'])}** ({k1(v['t'])} tok/s) vs " + (
-            pct(v["hf"]) if v["hf"] is not None
-            else "transformers padded: " + ("out of memory" if "OutOfMemory" in str(v["hf_err"]) else "not run")),
+        lambda v: (
+            f"**{pct(v['m'])}** ({k1(v['t'])} tok/s) vs "
+            + (
+                pct(v["hf"])
+                if v["hf"] is not None
+                else "transformers padded: "
+                + ("out of memory" if "OutOfMemory" in str(v["hf_err"]) else "not run")
+            )
+            + train_fused_text(v)
+        ),
         lambda v: v["m"] >= 0.35,
         ("train",),
     ),
     Row(
-        "18",
+        "train",
         "same at Qwen2.5-3B shapes",
         "≥ 50%",
         {
@@ -390,9 +447,9 @@ ROWS: tuple[Row, ...] = (
         ("train_3b",),
     ),
     Row(
-        "18",
+        "kernels",
         "the 3B step's attention (16 / 2 heads, dim 128, 64k packed tokens), forward + backward: flash varlen (the "
-        "step's kernel until session 12; now kernels/varlen_attention.py, 1.13x flash here) vs cuDNN's ragged SDPA",
+        "step's Triton kernel, kernels/varlen_attention.py, is 1.13x flash here) vs cuDNN's ragged SDPA",
         "—",
         {
             "f": ("bench_attention.json", "cases[shape=qwen2.5-3b,tokens=65536].flash_fwd_bwd_ms"),
@@ -400,12 +457,14 @@ ROWS: tuple[Row, ...] = (
             "c": ("bench_attention.json", "cases[shape=qwen2.5-3b,tokens=65536].cudnn_repeated_fwd_bwd_ms"),
             "dq": ("bench_attention.json", "cases[shape=qwen2.5-3b,tokens=65536].cudnn_repeated_max_abs_dq"),
         },
-        lambda v: f"{v['f']:.1f} ms ({v['ft']:.0f} TFLOP/s) vs {v['c']:.1f} ms; cuDNN's max abs dq error {v['dq']:.1e}",
+        lambda v: (
+            f"{v['f']:.1f} ms ({v['ft']:.0f} TFLOP/s) vs {v['c']:.1f} ms; cuDNN's max abs dq error {v['dq']:.1e}"
+        ),
         None,
         ("attention",),
     ),
     Row(
-        "18",
+        "train",
         "RL step (policy + recomputed proximal), Qwen2.5-7B shapes, 16k tokens / micro-batch, 1 GPU",
         "fits",
         {
@@ -421,7 +480,7 @@ ROWS: tuple[Row, ...] = (
         ("train_7b",),
     ),
     Row(
-        "7",
+        "kernels",
         "fused log-prob kernel, 16k tokens, H = 896: extra memory, × less than naive, time vs naive",
         "≤ 2 GB, ≥ 35×, ≤ 1.2×",
         {
@@ -434,7 +493,7 @@ ROWS: tuple[Row, ...] = (
         ("kernel",),
     ),
     Row(
-        "7",
+        "kernels",
         "same, H = 3,584",
         "≤ 2 GB, ≥ 35×, ≤ 1.2×",
         {
@@ -447,7 +506,7 @@ ROWS: tuple[Row, ...] = (
         ("kernel",),
     ),
     Row(
-        "9.1",
+        "async",
         "async η = 4 vs sync η = 0, 2 GPUs, long-tailed lengths, equal samples",
         "≥ 2.5×",
         {"x": ("bench_async.json", "sections.async.speedup_samples_per_s")},
@@ -456,7 +515,7 @@ ROWS: tuple[Row, ...] = (
         ("async",),
     ),
     Row(
-        "9.2",
+        "async",
         "interruptible (in_place · abort) vs wait-for-all weight updates, generation throughput",
         "≥ +12%",
         {
@@ -468,7 +527,7 @@ ROWS: tuple[Row, ...] = (
         ("async",),
     ),
     Row(
-        "9.3",
+        "publish",
         "weight publish, Qwen2-0.5B, trainer GPU → engine GPU: disk · NCCL (1 GB buckets)",
         "—",
         {
@@ -480,7 +539,7 @@ ROWS: tuple[Row, ...] = (
         ("weight_sync",),
     ),
     Row(
-        "9.4",
+        "learning",
         "learning run: 75.6M Qwen2, SFT then RL (4 runs, 2 min each), held-out greedy success",
         "clear gain over SFT",
         {
@@ -498,7 +557,7 @@ ROWS: tuple[Row, ...] = (
         ("learning",),
     ),
     Row(
-        "9.5",
+        "vs TRL",
         "vs TRL GRPOTrainer, 1 GPU, 128 × 256-token completions per step",
         "≥ 5×",
         {
@@ -510,7 +569,7 @@ ROWS: tuple[Row, ...] = (
         ("trl",),
     ),
     Row(
-        "9.5",
+        "vs TRL",
         "vs TRL, rlcore asynchronous (η = 4) on 2 GPUs, same shapes",
         "≥ 10×",
         {
@@ -520,15 +579,6 @@ ROWS: tuple[Row, ...] = (
         lambda v: f"{v['ours']:.1f} vs {v['trl']:.1f} samples/s = **{v['ours'] / v['trl']:.1f}×**",
         lambda v: v["ours"] / v["trl"] >= 10,
         ("async_trlshape", "trl"),
-    ),
-    Row(
-        "8 · 4",
-        "`rlcore.launch` engines + trainer on 2 GPUs; FSDP2 on 2 GPUs == 1 GPU (GPU tests)",
-        "pass",
-        {"tests": ("gpu_tests.json", TESTS)},
-        lambda v: tests_passed(v["tests"]),
-        lambda v: all(o == "passed" for o in v["tests"].values()),
-        ("gpu_tests",),
     ),
 )
 
@@ -625,19 +675,46 @@ def render(out_dir: Path) -> str:
         pass
     env = summary.get("env", {})
     where = ", ".join(f"{k} {env[k]}" for k in ("gpu", "torch", "transformers", "triton") if env.get(k))
+    host = host_of(out_dir)
+    if host:
+        where += (", " if where else "") + host
     lines = [
         f"Generated by `python experiments/bench_suite.py` from the JSON in `{_rel(out_dir)}`"
         + (f" ({where})" if where else "")
         + "; each benchmark's command is in its `bench_suite.json` entry. A row reads *not measured* until its"
         " benchmark has run.",
         "",
-        "| issue | what | target | measured | |",
+        "| capability | what | target | measured | |",
         "|---|---|---|---|---|",
     ]
     for row in ROWS:
         text, mark = row_cells(row, out_dir, cache)
-        lines.append(f"| {row.issue} | {row.what} | {row.target} | {text} | {mark} |")
+        lines.append(f"| {row.capability} | {row.what} | {row.target} | {text} | {mark} |")
     return "\n".join(lines) + "\n"
+
+
+def host_of(out_dir: Path) -> str:
+    """``copy bandwidth 4.31 TB/s, SM clock 1980 MHz, measured by bench_engine.json``: the host of the first GPU
+    benchmark JSON under ``out_dir`` that holds one (``bench_host.py``), else empty."""
+    for name in (
+        "bench_engine_decode.json",
+        "bench_engine.json",
+        "bench_train.json",
+        "bench_kernel.json",
+        "bench_sampling.json",
+        "bench_attention.json",
+        "bench_trl.json",
+        "bench_async.json",
+    ):
+        try:
+            host = json.loads((out_dir / name).read_text()).get("host")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+        host = host[0] if isinstance(host, list) and host else host
+        if isinstance(host, dict) and host.get("hbm_gbps"):
+            clk = f", SM clock {host['sm_clock_mhz']:.0f} MHz" if host.get("sm_clock_mhz") else ""
+            return f"copy bandwidth {host['hbm_gbps'] / 1e3:.2f} TB/s{clk}, measured by {name}"
+    return ""
 
 
 def _rel(p: Path) -> str:
@@ -770,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         for r in ROWS:
             print(
-                f"row {r.issue:<6} {r.what[:70]:<70} <- {', '.join(sorted({v[0] for v in r.values.values()}))}"
+                f"row {r.capability:<8} {r.what[:70]:<70} <- {', '.join(sorted({v[0] for v in r.values.values()}))}"
             )
         return 0
     doc = (ROOT / args.docs) if args.docs else None

@@ -58,6 +58,11 @@ from typing import Literal
 import torch
 import tyro
 
+try:
+    from experiments import bench_host
+except ImportError:  # run as a script: experiments/ is sys.path[0]
+    import bench_host
+
 PEAK_TFLOPS = 989.0
 
 DEFAULT_SECTIONS = (
@@ -607,7 +612,7 @@ def sections_table(cfg: Config, batch) -> dict:
         "hf_padded_baseline": lambda: bench_padded_baseline(cfg, batch),
         "rlcore_default": r(V()),
         "no_compile": r(
-            V("layers not compiled (liger fused kernels if installed)", model_cfg=mc(compile_layers="off"))
+            V("layers not compiled (kernels/decoder_ops.py fused kernels)", model_cfg=mc(compile_layers="off"))
         ),
         "no_compile_no_fused": r(
             V(
@@ -665,6 +670,7 @@ def main(cfg: Config) -> dict:
     result: dict = {
         "config": dataclasses.asdict(cfg),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "host": bench_host.host_record(),
         "torch": torch.__version__,
         "n_seqs": len(lengths),
         "real_tokens": int(sum(lengths)),

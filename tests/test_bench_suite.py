@@ -4,7 +4,6 @@ The benchmarks themselves are not run (their smoke modes have their own tests); 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -42,6 +41,7 @@ def fixture_dir(tmp_path: Path) -> Path:
         },
     }
     (d / "bench_engine.json").write_text(json.dumps(engine))
+    (d / "bench_engine_decode.json").write_text(json.dumps(engine))  # the decode rows' run
     kernel = {
         "rows": [
             {
@@ -66,27 +66,47 @@ def test_table_is_rendered_from_the_json_and_missing_json_is_not_measured(tmp_pa
     table = s.render(fixture_dir(tmp_path))
     decode = _row(table, s.ROWS[0].what)
     assert "**123.5k tok/s**, 2.07 ms / step" in decode and decode.endswith("| ✔ |")  # 123,456 >= 100k
-    assert "123.5k vs 4.0k tok/s = **30.9×**" in _row(table, s.ROWS[3].what)
+    assert "123.5k vs 4.0k tok/s = **30.9×**" in _row(table, s.ROWS[4].what)
     long_tail = _row(table, "1,024 concurrent requests, lognormal lengths (median 1k, cap 16k), paged KV")
     assert (
         "1,000 of 1,024 done, KV peak 50.0%, 90.0k tok/s, 3 preemptions" in long_tail
         and long_tail.endswith("| ✘ |")
     )
     assert "0.63 GB, **74×**, 0.38×" in _row(
-        table, s.ROWS[10].what
+        table, s.ROWS[11].what
     )  # the list element picked by [tokens=..,hidden=..]
-    assert "0.10 / 0.10 ms vs 0.50 / 0.50 ms" in _row(table, s.ROWS[2].what)  # keys with dots in them
+    assert "0.10 / 0.10 ms vs 0.50 / 0.50 ms" in _row(table, s.ROWS[3].what)  # keys with dots in them
     for what in (
-        s.ROWS[11].what,
-        s.ROWS[6].what,
-        s.ROWS[8].what,  # bench_attention.json absent
-        "same, without liger RMSNorm / SwiGLU / RoPE · with decoder layers compiled",
+        s.ROWS[12].what,
+        s.ROWS[7].what,
+        s.ROWS[9].what,  # bench_attention.json absent
+        s.ROWS[1].what,  # no host measured: no bandwidth multiple
+        s.ROWS[2].what,  # no engine_unfused section
     ):
         assert _row(table, what).endswith("| not measured |  |")  # no JSON / no such section: no check mark
     assert (
         len([line for line in table.splitlines() if line.startswith("| ") and "---" not in line])
         == len(s.ROWS) + 1
     )
+
+
+def test_table_shows_the_bandwidth_multiple_the_host_and_the_fused_paths(tmp_path):
+    s = _suite()
+    d = fixture_dir(tmp_path)
+    engine = json.loads((d / "bench_engine_decode.json").read_text())
+    engine["host"] = {"gpu": "H", "hbm_gbps": 4000.0, "sm_clock_mhz": 1980.0}
+    engine["engine"].update(
+        floor_multiple=2.0737 / 0.45, bandwidth_floor={"floor_ms": 0.45},
+        fused_paths={"rms_norm": 49, "swiglu": 24, "rope": 24}, profile={"gpu_kernels_per_step": 500.0},
+    )
+    engine["engine_unfused"] = {"decode_ms_per_step": 3.4, "profile": {"gpu_kernels_per_step": 987.0}}
+    (d / "bench_engine_decode.json").write_text(json.dumps(engine))
+    table = s.render(d)
+    assert "· fused: rms_norm, swiglu, rope" in _row(table, s.ROWS[0].what)
+    multiple = _row(table, s.ROWS[1].what)
+    assert "**4.61×** (floor 0.450 ms at 4.00 TB/s, SM 1980 MHz)" in multiple and multiple.endswith("| ✘ |")
+    assert "3.40 ms / step; 500 vs 987 kernels / step" in _row(table, s.ROWS[2].what)
+    assert "copy bandwidth 4.00 TB/s, SM clock 1980 MHz, measured by bench_engine_decode.json" in table.splitlines()[0]
 
 
 def test_docs_are_rewritten_between_the_markers_only(tmp_path):
@@ -112,9 +132,9 @@ def test_runs_merge_into_one_directory_with_a_time_limit(tmp_path, monkeypatch):
     benches = (
         s.Bench(
             "fast",
-            (str(script), "{dir}/bench_engine.json", "200000", "0"),
+            (str(script), "{dir}/bench_engine_decode.json", "200000", "0"),
             None,
-            ("bench_engine.json",),
+            ("bench_engine_decode.json",),
             gpus=0,
         ),
         s.Bench(
@@ -149,9 +169,6 @@ def test_junit_results_become_per_test_outcomes(tmp_path):
     )
     got = s.junit_to_json(xml)["tests"]
     assert got == {"tests.a::t1": "passed", "tests.a::t2": "failed", "tests.b::t3": "skipped"}
-    row = dataclasses.replace(s.ROWS[-1])
-    (tmp_path / "gpu_tests.json").write_text(json.dumps({"tests": got}))
-    assert s.row_cells(row, tmp_path, {}) == ("1 of 3 GPU tests passed", "✘")
 
 
 def test_the_docs_table_is_the_rendered_one():

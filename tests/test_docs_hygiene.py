@@ -41,6 +41,13 @@ SKIP_PARTS = {".git", "site", "runs", "__pycache__", ".venv", "node_modules", ".
 
 
 def _tracked_files() -> list[Path]:
+    """The files a fresh clone of this working tree has (git's view; every file under the root otherwise)."""
+    import subprocess
+
+    res = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                         capture_output=True, check=False)
+    if res.returncode == 0:
+        return [ROOT / p for p in res.stdout.decode().split("\0") if p and (ROOT / p).is_file()]
     out = []
     for p in ROOT.rglob("*"):
         rel = p.relative_to(ROOT)
@@ -78,7 +85,8 @@ def test_no_work_process_words_in_the_product():
 
 def test_no_work_process_words_in_file_names_or_bench_keys():
     bad = [p.relative_to(ROOT).as_posix() for p in _tracked_files() if WORK_WORDS.search(p.name.replace("_", " "))]
-    bad += [d.relative_to(ROOT).as_posix() for d in ROOT.rglob("*") if d.is_dir() and WORK_WORDS.search(d.name)]
+    dirs = {p.parent for p in _tracked_files()} | {q for p in _tracked_files() for q in p.parents if ROOT in q.parents}
+    bad += [d.relative_to(ROOT).as_posix() for d in dirs if WORK_WORDS.search(d.name.replace("_", " "))]
 
     def keys(obj, path=""):
         if isinstance(obj, dict):
@@ -141,11 +149,9 @@ def test_every_cited_result_exists():
 def test_every_result_file_is_cited():
     refs = set(_references())
     orphans = []
-    for f in sorted(RESULTS.rglob("*")):
-        if not f.is_file():
-            continue
+    for f in sorted(p for p in _tracked_files() if RESULTS in p.parents):
         rel = f.relative_to(ROOT).as_posix()
-        ancestors = {rel} | {p.relative_to(ROOT).as_posix() for p in f.parents if p != ROOT}
+        ancestors = {rel} | {p.relative_to(ROOT).as_posix() for p in f.parents if ROOT in p.parents}
         if not ancestors & refs:
             orphans.append(rel)
     assert not orphans, f"files under docs/results/ that nothing cites (delete them, git keeps them): {orphans}"

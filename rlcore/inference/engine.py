@@ -103,12 +103,12 @@ class EngineConfig:
     the process (the embedded engine next to training): a lazy capture can collide with the trainer's
     synchronisations and fall back to eager decode. Costs a few seconds and the graphs' logits buffers."""
     fused_kernels: bool | Literal["auto"] = "auto"
-    """On CUDA, run the model's RMSNorm, SiLU-gated MLP and RoPE as liger-kernel's fused Triton kernels (the
-    ``gpu`` extra) for the families in ``fusions.LIGER_FAMILIES``; HF's modules otherwise (CPU, other families).
-    ``"auto"``: on when the engine is on CUDA and liger-kernel is installed, silently off otherwise; True asks for
-    them (a one-line notice when they cannot run); False: HF's modules. Changes log-probs by float rounding only.
-    Measured on one H200 (Qwen2-0.5B shapes, 256 x 256 decode, ``bench_engine.py --fused-kernels``): 4.03 ms per
-    step against 5.40 ms without (docs/benchmarks.md)."""
+    """On CUDA, run the model's RMSNorm, SiLU-gated MLP and RoPE as this repository's fused Triton kernels
+    (``kernels/decoder_ops.py``; triton comes with every CUDA build of torch) for the families in
+    ``fusions.FUSED_FAMILIES``; HF's modules otherwise (CPU, other families). ``"auto"``: on when the engine is on
+    CUDA and triton imports; True asks for them (a one-line notice when they cannot run); False: HF's modules.
+    The engine prints the fused paths in place once at start on CUDA (``Engine.fusions``). Changes log-probs by
+    float rounding only (docs/engine.md, decode numbers in docs/benchmarks.md)."""
     fused_projections: bool | Literal["auto"] = "auto"
     """One GEMM for each attention's q/k/v and each MLP's gate/up projections, over a fused buffer the weights are
     views of (``projections.py``, docs/engine.md). ``"auto"``: on with CUDA; True also on CPU."""
@@ -271,14 +271,14 @@ class Engine(WeightUpdates):
         self.grouped_attention = cfg.grouped_decode_attention and own_attention and grouped_heads(self.model)
         self.fusions = fusions.apply(  # before any CUDA graph is captured
             self.model,
-            fused_kernels=(self.device.type == "cuda" and fusions.liger_ops() is not None)
+            fused_kernels=(self.device.type == "cuda" and fusions.fused_ops() is not None)
             if cfg.fused_kernels == "auto" else bool(cfg.fused_kernels),
             compile_layers=cfg.compile_decode_layers,
             device=self.device,
             fused_projections=self.device.type == "cuda" if cfg.fused_projections == "auto" else cfg.fused_projections,
         )
-        if self.fusions.note and self.device.type == "cuda":
-            print(f"[rlcore.engine] {self.fusions.note}", flush=True)
+        if self.device.type == "cuda":  # once at start: which fused paths the decode step runs
+            print(f"[rlcore.engine] fused paths: {self.fusions.summary()}", flush=True)
         self._fwd = ModelForward(self.model, self.max_seq_len)
         self._fwd.grouped = self.grouped_attention
         self._cache, self.kv_cache_tokens, self.decode_attention = build_kv_cache(

@@ -1,32 +1,32 @@
-"""Fused RMSNorm / SwiGLU / RoPE kernels for the trainer's decoders, from liger-kernel (optional, CUDA).
+"""Fused RMSNorm / SwiGLU / RoPE kernels for the trainer's decoders: this repository's Triton kernels
+(``kernels/decoder_ops.py``, which need only the triton that CUDA builds of torch bring) or liger-kernel's.
 
-liger-kernel (https://github.com/linkedin/Liger-Kernel) is the field's library of Triton kernels for these ops;
-it needs triton, so it is the optional ``gpu`` extra (``pip install -e '.[gpu]'``). :func:`apply_fused_kernels`
-is called once per model by ``train_state.init_train_state`` (``ModelConfig.fused_kernels``):
+:func:`apply_fused_kernels` is called once per model by ``train_state.init_train_state``
+(``ModelConfig.fused_kernels``):
 
-* RMSNorm: every ``*RMSNorm`` module of the decoder runs ``LigerRMSNormFunction`` (float32 statistics, the
-  normalised value cast to the input dtype before the weight, i.e. HF's Llama/Qwen2 casting).
+* RMSNorm: every ``*RMSNorm`` module of the decoder runs one fused kernel forward and one backward (float32
+  statistics, the normalised value cast to the input dtype before the weight, i.e. HF's Llama/Qwen2 casting).
 * SwiGLU: every ``*MLP`` with ``gate_proj``/``up_proj``/``down_proj`` and a SiLU activation runs
-  ``down_proj(LigerSiLUMulFunction(gate_proj(x), up_proj(x)))``: one kernel instead of silu + mul, forward and
-  backward, without keeping ``silu(gate)``.
-* RoPE: every ``*Attention`` module with ``q_proj`` runs ``LigerRopeFunction`` instead of the family's
+  ``down_proj(silu_mul(gate_proj(x), up_proj(x)))``: one kernel instead of silu + mul, forward and backward,
+  without keeping ``silu(gate)``.
+* RoPE: every ``*Attention`` module with ``q_proj`` runs the fused rotation instead of the family's
   ``apply_rotary_pos_emb``. HF's attention looks that function up in its modeling module's globals, so the
   instance gets a copy of its class's ``forward`` (and of the ``functools.wraps`` decorators around it) whose
-  globals map that one name to liger's kernel (:func:`rebind_globals`). The modeling module is not touched:
-  every other model of the family, on any device, keeps HF's function. Liger's RoPE also leaves q/k in the
-  (tokens, heads, dim) layout the varlen kernel reads, so the packed path copies less.
+  globals map that one name to the kernel (:func:`rebind_globals`). The modeling module is not touched: every
+  other model of the family, on any device, keeps HF's function. The fused RoPE leaves q/k in the layout they
+  came in, (tokens, heads, dim) under HF's transposed view, which the varlen kernel reads without a copy.
 
 Only these module instances change, never a class or a module: parameters, names and state dicts do not, and
 nothing reaches another model of the process (the benchmark builds one model per section). Liger's fused linear
 cross-entropy is NOT used: ``kernels/logp_entropy.py`` does that job (log-probs and entropy without
-materialising logits). Families: :data:`LIGER_MODEL_TYPES`; anything else keeps HF's modules.
+materialising logits). Families: :data:`FUSED_MODEL_TYPES`; anything else keeps HF's modules.
 
-Compiled layers: dynamo cannot trace liger's autograd Functions (torch 2.11: an assertion in the
-autograd.Function higher-order op; without grad, an Inductor error on the captured Triton kernel), so every
-liger call is ``torch.compiler.disable``'d: a compiled layer graph-breaks around it and runs the kernel eagerly,
-correct but with several graphs per layer. Compilation fuses the same elementwise ops itself (and the residual
-adds with the norms, which liger cannot), so ``auto`` never combines them; ``fused_kernels='liger'`` with
-compiled layers is for measuring that (bench section ``compiled_liger``).
+Compiled layers (the CUDA default, ``ModelConfig.compile_layers``): Inductor fuses the same elementwise ops
+itself, and the residual adds with the norms too, which per-module kernels cannot; so ``auto`` uses these kernels
+only where the layers are not compiled. Dynamo cannot trace the kernels' autograd Functions (torch 2.11: an
+assertion in the autograd.Function higher-order op for liger's), so every call is ``torch.compiler.disable``'d:
+with ``fused_kernels='triton'`` or ``'liger'`` and compiled layers, a layer graph-breaks around each call and runs
+the kernel eagerly, correct but with several graphs per layer (bench section ``compiled_liger``).
 """
 
 from __future__ import annotations
@@ -40,12 +40,41 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-LIGER_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
-"""HF model types whose RMSNorm (Llama casting), SiLU-gated MLP and rotate-half RoPE liger's kernels reproduce."""
+FUSED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+"""HF model types whose RMSNorm (Llama casting), SiLU-gated MLP and rotate-half RoPE the fused kernels reproduce."""
+LIGER_MODEL_TYPES = FUSED_MODEL_TYPES  # the name of earlier releases
 
 
 def _hf(model: nn.Module) -> nn.Module:
     return getattr(model, "hf", model)
+
+
+class _RMSNorm:
+    @staticmethod
+    def apply(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, casting_mode: str, in_place: bool):
+        from rlcore_kernels import decoder_ops
+
+        assert offset == 0.0 and casting_mode == "llama" and not in_place  # the only form _rms_forward uses
+        return decoder_ops.RMSNormFunction.apply(x, w, eps)
+
+
+class _Rope:
+    @staticmethod
+    def apply(q, k, cos, sin, position_ids, unsqueeze_dim):
+        from rlcore_kernels import decoder_ops
+
+        assert position_ids is None and unsqueeze_dim == 1  # _fused_rope routes other forms to HF's function
+        return decoder_ops.RoPEFunction.apply(q, k, cos, sin)
+
+
+def triton_ops() -> types.SimpleNamespace | None:
+    """This repository's autograd functions (``kernels/decoder_ops.py``) behind liger's call signatures, or None
+    when triton does not import."""
+    try:
+        from rlcore_kernels import decoder_ops
+    except Exception:  # ImportError, or triton failing to import without a GPU toolchain
+        return None
+    return types.SimpleNamespace(rms_norm=_RMSNorm, silu_mul=decoder_ops.SwiGLUFunction, rope=_Rope)
 
 
 def liger_ops() -> types.SimpleNamespace | None:
@@ -59,16 +88,22 @@ def liger_ops() -> types.SimpleNamespace | None:
         return None
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why liger's kernels cannot be applied to ``model`` (None when they can)."""
+BACKENDS = {"triton": triton_ops, "liger": liger_ops}
+"""``ModelConfig.fused_kernels`` values that name a kernel source, and the function giving its ops."""
+
+
+def unsupported_reason(model: nn.Module, backend: Literal["triton", "liger"] = "triton") -> str | None:
+    """Why ``backend``'s kernels cannot be applied to ``model`` (None when they can)."""
     cfg = getattr(_hf(model), "config", None)
     mtype = getattr(cfg, "model_type", None)
-    if mtype not in LIGER_MODEL_TYPES:
-        return f"model type {mtype!r} is not one of {sorted(LIGER_MODEL_TYPES)}"
+    if mtype not in FUSED_MODEL_TYPES:
+        return f"model type {mtype!r} is not one of {sorted(FUSED_MODEL_TYPES)}"
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         return f"hidden_act {cfg.hidden_act!r} is not SiLU"
-    if liger_ops() is None:
+    if backend == "liger" and liger_ops() is None:
         return "liger-kernel is not installed (pip install -e '.[gpu]', which needs triton)"
+    if backend == "triton" and triton_ops() is None:
+        return "triton does not import (every CUDA build of torch brings it: pip install torch)"
     return None
 
 
@@ -86,11 +121,12 @@ def _mlp_forward(mod: nn.Module, silu_mul: Callable, x: torch.Tensor) -> torch.T
     return mod.down_proj(silu_mul(mod.gate_proj(x), mod.up_proj(x)))
 
 
-def _liger_rope(rope: Callable, original: Callable, q, k, cos, sin, *args: Any, **kwargs: Any):
-    """``apply_rotary_pos_emb(q (b h t d), k (b kvh t d), cos (b t d), sin (b t d))`` through liger's kernel;
-    any other call form (position ids, partial rotary) goes to HF's ``original``."""
-    if not args and set(kwargs) <= {"unsqueeze_dim"} and cos.dim() == 3 and cos.shape[-1] == q.shape[-1]:
-        return rope(q, k, cos, sin, None, kwargs.get("unsqueeze_dim", 1))
+def _fused_rope(rope: Callable, original: Callable, q, k, cos, sin, *args: Any, **kwargs: Any):
+    """``apply_rotary_pos_emb(q (b h t d), k (b kvh t d), cos (b t d), sin (b t d))`` through the fused kernel;
+    any other call form (position ids, another ``unsqueeze_dim``, partial rotary) goes to HF's ``original``."""
+    plain = not args and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
+    if plain and cos.dim() == 3 and cos.shape[-1] == q.shape[-1]:
+        return rope(q, k, cos, sin, None, 1)
     return original(q, k, cos, sin, *args, **kwargs)
 
 
@@ -132,18 +168,21 @@ def _cell(c: types.CellType) -> object:
         return None
 
 
-def patch_liger(model: nn.Module, ops: types.SimpleNamespace | None = None) -> tuple[str, ...]:
-    """Route ``model``'s RMSNorms, SwiGLU MLPs and RoPE through liger's kernels (these instances only); returns the
+def patch_liger(
+    model: nn.Module, ops: types.SimpleNamespace | None = None, backend: Literal["triton", "liger"] = "liger"
+) -> tuple[str, ...]:
+    """Route ``model``'s RMSNorms, SwiGLU MLPs and RoPE through fused kernels (these instances only); returns the
     ops patched.
 
-    ``ops``: the three autograd Functions (default :func:`liger_ops`; tests pass stand-ins with ``.apply``).
-    Raises ``ValueError`` (naming the reason) when :func:`unsupported_reason` says it cannot.
+    ``ops``: the three autograd Functions with liger's call signatures (default: ``BACKENDS[backend]()``; tests
+    pass stand-ins with ``.apply``). Raises ``ValueError`` (naming the reason) when :func:`unsupported_reason` says
+    it cannot.
     """
     hf = _hf(model)
-    reason = unsupported_reason(model) if ops is None else None
+    reason = unsupported_reason(model, backend) if ops is None else None
     if reason is not None:
-        raise ValueError(f"ModelConfig.fused_kernels='liger': {reason}; set fused_kernels='auto' or 'off'")
-    ops = ops or liger_ops()
+        raise ValueError(f"ModelConfig.fused_kernels={backend!r}: {reason}; set fused_kernels='auto' or 'off'")
+    ops = ops or BACKENDS[backend]()
     rms, silu_mul, rope = (_eager(getattr(ops, n).apply) for n in ("rms_norm", "silu_mul", "rope"))
     modeling = importlib.import_module(type(hf).__module__)
     original_rope = getattr(modeling, "apply_rotary_pos_emb", None)
@@ -165,7 +204,7 @@ def patch_liger(model: nn.Module, ops: types.SimpleNamespace | None = None) -> t
             n["swiglu"] += 1
         elif name.endswith("Attention") and hasattr(m, "q_proj") and original_rope is not None:
             if type(m) not in attn_forwards:
-                fused = functools.partial(_liger_rope, rope, original_rope)
+                fused = functools.partial(_fused_rope, rope, original_rope)
                 attn_forwards[type(m)] = rebind_globals(type(m).forward, {"apply_rotary_pos_emb": fused})
             fwd = attn_forwards[type(m)]
             if fwd is None:
@@ -179,29 +218,49 @@ def patch_liger(model: nn.Module, ops: types.SimpleNamespace | None = None) -> t
 
 
 def apply_fused_kernels(
-    model: nn.Module, mode: Literal["auto", "liger", "off"], *, compiled: bool
+    model: nn.Module, mode: Literal["auto", "triton", "liger", "off"], *, compiled: bool
 ) -> tuple[str, ...]:
     """Apply ``ModelConfig.fused_kernels`` to ``model`` (call after it is on its device); returns the ops patched.
 
-    ``auto``: liger on CUDA when installed and supported, unless the layers are compiled (compilation fuses the
-    same elementwise ops itself, faster: module docstring); otherwise nothing, silently. ``liger``: always (CPU
-    only under ``TRITON_INTERPRET=1``; with compiled layers the kernels run eagerly between graphs), with a
-    ``ValueError`` naming what is missing. ``off``: nothing.
+    ``auto``: this repository's kernels on CUDA when triton imports and the family is supported, unless the layers
+    are compiled (compilation fuses the same elementwise ops itself, and the residual adds: module docstring);
+    otherwise nothing, silently. ``triton`` / ``liger``: that source's kernels always (CPU only under
+    ``TRITON_INTERPRET=1``; with compiled layers the kernels run eagerly between graphs), with a ``ValueError``
+    naming what is missing. ``off``: nothing.
     """
     if mode == "off":
         return ()
-    if mode == "liger":
-        return patch_liger(model)
-    p = next(_hf(model).parameters(), None)
-    if compiled or p is None or p.device.type != "cuda" or unsupported_reason(model) is not None:
+    if mode in BACKENDS:
+        return patch_liger(model, backend=mode)
+    if compiled or not _on_cuda(model) or unsupported_reason(model, "triton") is not None:
         return ()
-    return patch_liger(model)
+    return patch_liger(model, backend="triton")
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    p = next(_hf(model).parameters(), None)
+    return p is not None and p.device.type == "cuda"
+
+
+def describe(fused_kernels: tuple[str, ...], *, compiled: bool, attention_kernel: str) -> str:
+    """The trainer's fused paths in one line (``init_train_state`` prints it once on CUDA)."""
+    parts = [f"fused {' / '.join(fused_kernels)} kernels"] if fused_kernels else []
+    if compiled:
+        parts.append("decoder layers compiled (Inductor fuses RMSNorm / SwiGLU / RoPE and the residual adds)")
+    parts.append(f"varlen attention {attention_kernel}")
+    if not fused_kernels and not compiled:
+        parts.append("RMSNorm / SwiGLU / RoPE unfused (HF's modules)")
+    return "; ".join(parts)
 
 
 __all__ = [
+    "BACKENDS",
+    "FUSED_MODEL_TYPES",
     "LIGER_MODEL_TYPES",
     "apply_fused_kernels",
+    "describe",
     "liger_ops",
+    "triton_ops",
     "patch_liger",
     "rebind_globals",
     "unsupported_reason",

@@ -85,12 +85,14 @@ class ModelConfig:
     compile_layers: Literal["auto", "on", "off"] = "auto"
     """``torch.compile`` every decoder layer (``fsdp.compile_decoder_layers``, dynamic shapes: packed lengths change
     every micro-batch without recompiling). ``auto``: on CUDA only. The first steps pay the compilation."""
-    fused_kernels: Literal["auto", "liger", "off"] = "auto"
-    """liger-kernel's fused RMSNorm / SwiGLU / RoPE (``rlcore.training.fusions``; the optional ``gpu`` extra).
-    ``auto``: on CUDA when liger-kernel is installed, the model family is supported and the layers are not
-    compiled (compilation fuses the same ops, faster). ``liger``: require it on CUDA (an error names what is
-    missing; with compiled layers the kernels run eagerly between the layer's graphs); CPU runs never use it.
-    Only this model's module instances are patched."""
+    fused_kernels: Literal["auto", "triton", "liger", "off"] = "auto"
+    """Fused RMSNorm / SwiGLU / RoPE kernels (``rlcore.training.fusions``). ``auto``: this repository's Triton
+    kernels (``kernels/decoder_ops.py``; triton comes with every CUDA build of torch) on CUDA when the model family
+    is supported and the layers are not compiled (compilation fuses the same ops itself, with the residual adds).
+    ``triton`` / ``liger`` (liger-kernel, the optional ``gpu`` extra): require that source on CUDA (an error names
+    what is missing; with compiled layers the kernels run eagerly between the layer's graphs); CPU runs never use
+    them. Only this model's module instances are patched. ``init_train_state`` prints the fused paths in place
+    once on CUDA."""
     attention_kernel: Literal["auto", "flash", "triton"] = "auto"
     """Kernel of the packed varlen attention on CUDA (``models.ATTENTION_KERNELS``). ``flash``: torch's
     ``varlen_attn`` (flash-attention-2). ``triton``: ``kernels/varlen_attention.py``, this repository's
@@ -109,7 +111,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name, ok in (("param_dtype", ("auto", "keep", "float32", "bfloat16")),
-                         ("compile_layers", ("auto", "on", "off")), ("fused_kernels", ("auto", "liger", "off")),
+                         ("compile_layers", ("auto", "on", "off")), ("fused_kernels", ("auto", "triton", "liger", "off")),
                          ("attention_kernel", ("auto", "flash", "triton"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"ModelConfig.{name} must be one of {ok}, got {getattr(self, name)!r}")
@@ -420,6 +422,9 @@ def init_train_state(
         for m in (policy, critic_mod):
             if m is not None:
                 fsdp.compile_decoder_layers(m)
+    if dev.type == "cuda":  # once at start: which fused paths the train step runs
+        desc = fusions.describe(policy.fused_kernels, compiled=use_compile, attention_kernel=attention_kernel)
+        print(f"[rlcore.train] fused paths: {desc}", flush=True)
     policy.train()
     optim, sched = make_optimizer(policy, cfg)
     c_optim = c_sched = None

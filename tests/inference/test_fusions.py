@@ -1,10 +1,11 @@
-"""Decode-step fusions (``rlcore.inference.fusions``): liger-kernel's RMSNorm / SwiGLU / RoPE per model instance,
-and per-layer ``torch.compile``.
+"""Decode-step fusions (``rlcore.inference.fusions``): fused RMSNorm / SwiGLU / RoPE per model instance, and
+per-layer ``torch.compile``.
 
-liger-kernel's Triton kernels need a GPU (they do not run under ``TRITON_INTERPRET``), so on CPU the wiring is
-tested with stand-in ops of the same signatures: which modules are routed, that the RoPE switch reaches only the
-patched instance, that the engine's decode really runs the routed ops (a deliberately different op changes its
-output), and that with reference-math ops nothing changes. The real kernels are checked on CUDA (``gpu`` tests).
+The wiring is tested with stand-in ops of the same signatures: which modules are routed, that the RoPE switch
+reaches only the patched instance, that the engine's decode really runs the routed ops (a deliberately different op
+changes its output), and that with reference-math ops nothing changes. The real kernels (``kernels/decoder_ops.py``)
+decode in the engine on CPU under ``TRITON_INTERPRET=1`` (a subprocess) and on CUDA (``gpu`` tests), where the
+default ``EngineConfig`` must run them.
 """
 
 from __future__ import annotations
@@ -12,15 +13,23 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
+from rlcore.inference import engine as engine_lib
 from rlcore.inference import fusions
 from rlcore.inference.engine import Engine, EngineConfig
 from rlcore.inference.protocol import SamplingParams
 
+ROOT = Path(__file__).resolve().parents[2]
+REAL_AUTO_DEVICE = engine_lib.auto_device  # read at import, before this package's conftest pins "auto" to CPU
 V = 64
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [11]]
 
@@ -161,18 +170,93 @@ def test_compiled_decoder_layers_decode_like_eager():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# CUDA: liger-kernel's real kernels
+# the real kernels (kernels/decoder_ops.py): CPU under the Triton interpreter, and CUDA
 
 
-needs_liger = pytest.mark.skipif(
-    not torch.cuda.is_available() or fusions.liger_ops() is None, reason="needs CUDA and liger-kernel"
+def check_engine_with_fused_kernels_decodes_like_hf() -> None:
+    """Run in a subprocess under ``TRITON_INTERPRET=1``: the engine decodes a float32 model patched with the real
+    kernels to the same greedy tokens as HF's modules, log-probs within float32 rounding."""
+    calls: collections.Counter = collections.Counter()
+    ops = fusions.fused_ops()
+    assert ops is not None
+
+    def counted(name):
+        def f(*a):
+            calls[name] += 1
+            return getattr(ops, name)(*a)
+
+        return f
+
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for fused in (False, True):
+        model = tiny(seed=8)
+        if fused:
+            got = fusions.apply_fused(model, fusions.FusedOps(*(counted(n) for n in fusions.FusedOps._fields)))
+            assert (got.rms_norm, got.swiglu, got.rope) == (5, 2, 2)
+        with Engine(model, EngineConfig(max_batch=4)) as eng:
+            outs[fused] = [eng.generate(p, sp, timeout=600) for p in PROMPTS[:2]]
+    assert calls["rms_norm"] and calls["swiglu"] and calls["rope"]
+    for a, b in zip(outs[False], outs[True]):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(
+            torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0
+        )
+
+
+def test_engine_with_the_fused_kernels_decodes_like_hf_under_the_triton_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = (
+        "import sys; sys.path.insert(0, 'tests/inference'); import test_fusions as t; "
+        "t.check_engine_with_fused_kernels_decodes_like_hf()"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_fused_ops_are_this_repositorys_kernels_when_triton_imports():
+    """The default path needs no extra: with triton importable, ``fused_ops`` gives kernels/decoder_ops.py."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from rlcore_kernels import decoder_ops
+
+    ops = fusions.fused_ops()
+    assert ops is not None and (ops.rms_norm, ops.swiglu, ops.rope) == (
+        decoder_ops.rms_norm, decoder_ops.swiglu, decoder_ops.rope
+    )
+    assert "rms_norm x5" in fusions.Fusions(rms_norm=5, note="x").summary()
+    assert fusions.Fusions().summary() == "none"
+
+
+needs_cuda_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() or fusions.fused_ops() is None, reason="needs CUDA (and triton, which it brings)"
 )
 
 
 @pytest.mark.gpu
-@needs_liger
+@needs_cuda_kernels
+def test_default_engine_config_on_cuda_runs_the_fused_kernels(capfd, monkeypatch):
+    """A plain install: ``EngineConfig()`` on CUDA routes every RMSNorm / MLP / RoPE to kernels/decoder_ops.py,
+    the CUDA graphs record them (the routed ops run during capture), and the start prints the fused paths."""
+    monkeypatch.setattr(engine_lib, "auto_device", REAL_AUTO_DEVICE)  # device="auto" as a user gets it
+    model = tiny(seed=9)
+    with Engine(model, EngineConfig(max_batch=4, max_seq_len=64)) as eng:
+        assert eng.device.type == "cuda" and eng._static_mode == "graph"
+        assert (eng.fusions.rms_norm, eng.fusions.swiglu, eng.fusions.rope) == (5, 2, 2), eng.fusions
+        ops = fusions.fused_ops()
+        norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+        assert norm.forward.args[1] == ops  # the instance's forward is the fused kernel's
+        out = eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=8, seed=1, ignore_eos=True), timeout=120)
+        assert len(out.output_ids) == 8
+    assert "[rlcore.engine] fused paths: rms_norm x5, swiglu x2, rope x2" in capfd.readouterr().out
+
+
+@pytest.mark.gpu
+@needs_cuda_kernels
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
-def test_liger_kernels_match_hf_modules_on_cuda(dtype, atol):
+def test_fused_kernels_match_hf_modules_on_cuda(dtype, atol):
     ref = tiny(seed=6).to("cuda", dtype)
     model = copy.deepcopy(ref)
     got = fusions.apply(model, fused_kernels=True, compile_layers=False, device=torch.device("cuda"))
@@ -184,7 +268,7 @@ def test_liger_kernels_match_hf_modules_on_cuda(dtype, atol):
 
 
 @pytest.mark.gpu
-@needs_liger
+@needs_cuda_kernels
 @pytest.mark.parametrize("compile_layers", [False, True])
 def test_fused_engine_on_cuda_matches_unfused_and_teacher_forcing(compile_layers):
     model = tiny(seed=7)

@@ -157,3 +157,75 @@ def test_liger_ops_stay_out_of_compiled_layers_and_match_eager():
     torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-5)
     for n in g_ref:
         torch.testing.assert_close(g[n], g_ref[n], rtol=0, atol=1e-5, msg=n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the real kernels (kernels/decoder_ops.py): CPU under the Triton interpreter, and CUDA
+
+
+def check_triton_kernels_train_like_hf() -> None:
+    """Run under ``TRITON_INTERPRET=1``: a float32 Qwen2 patched with ``fused_kernels='triton'`` gives HF's packed
+    log-probs and every parameter's gradient (the kernels' backward included)."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_cfg())
+    patched = copy.deepcopy(hf)
+    assert fusions.apply_fused_kernels(patched, "triton", compiled=False) == ("rms_norm", "swiglu", "rope")
+    lp_ref, g_ref = _logp_grads(hf)
+    lp, g = _logp_grads(patched)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-5)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_triton_kernels_train_like_hf_under_the_triton_interpreter():
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys; sys.path.insert(0, 'tests/training'); import test_fusions as t; "
+        "t.check_triton_kernels_train_like_hf()"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_fused_kernels_auto_picks_this_repositorys_kernels_on_cuda_without_compiled_layers(monkeypatch):
+    """``auto`` on a CUDA model (the device check stubbed): the triton source, no extra needed; compiled: none."""
+    hf = AutoModelForCausalLM.from_config(_cfg())
+    seen = []
+    monkeypatch.setattr(fusions, "patch_liger", lambda model, ops=None, backend="liger": seen.append(backend) or ("x",))
+    monkeypatch.setattr(fusions, "_on_cuda", lambda model: True)
+    assert fusions.apply_fused_kernels(hf, "auto", compiled=False) == ("x",) and seen == ["triton"]
+    assert fusions.apply_fused_kernels(hf, "auto", compiled=True) == ()
+    assert "decoder layers compiled" in fusions.describe((), compiled=True, attention_kernel="triton")
+    assert fusions.describe(("rms_norm",), compiled=False, attention_kernel="flash").startswith("fused rms_norm")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_default_fused_kernels_on_cuda_are_the_triton_ones_and_train_like_hf():
+    """``fused_kernels='auto'`` with uncompiled layers on CUDA: kernels/decoder_ops.py, HF's log-probs and grads."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_cfg()).cuda()
+    patched = copy.deepcopy(hf)
+    assert fusions.apply_fused_kernels(patched, "auto", compiled=False) == ("rms_norm", "swiglu", "rope")
+    norm = next(m for m in patched.modules() if type(m).__name__.endswith("RMSNorm"))
+    assert norm.forward.args[1].__wrapped__ is fusions._RMSNorm.apply  # the triton source, not liger's
+    ids = torch.randint(0, 64, (40,), device="cuda")
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).cuda()
+    cu = torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
+    outs = []
+    for m in (hf, patched):
+        lp, _ = models.PolicyModel(m, attention="varlen")(ids, pos, ids.roll(-1), cu_seqlens=cu, max_seqlen=25)
+        lp.sum().backward()
+        outs.append((lp.detach(), [p.grad.clone() for p in m.parameters()]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4)
