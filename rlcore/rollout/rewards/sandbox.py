@@ -15,9 +15,15 @@ Chain of processes (docs/rollout.md, "Sandbox guarantees", has the attack -> res
   nothing outside owns a file it may write. Not root: a user namespace maps the caller's uid to ``cfg.uid``.
 - **filesystem**: the new root is a read-only tmpfs holding only /usr (and /bin, /lib symlinks), the interpreter's
   prefix, /etc/ld.so.cache, /dev/{null,zero,full,random,urandom} and /proc; the scratch dir (cwd, TMPDIR) is the
-  only writable place. The project, /etc/passwd, /root, /home, /work and /tmp of the host are not there.
+  only writable place, mounted at ``/scratch`` (no ``uid=`` option in ``/proc/self/mountinfo``). The project,
+  /etc/passwd, /root, /home, /work and /tmp of the host are not there.
 - **pid namespace**: the user's program is never pid 1; when it exits (or at the timeout) pid 1 exits and the
   kernel kills every process left in the namespace, so nothing outlives the call and nothing holds stdout open.
+  ``/proc`` is the namespace's own; pid 1 rewrites its argv (``/proc/1/cmdline`` reads ``sandbox-init``).
+- **lifetime**: the deadline is the wall clock whatever the program does to its pipes; at it the init's process
+  group is SIGKILLed and waited for. The init, pid 1 and the program each die with their parent
+  (``PR_SET_PDEATHSIG``), so a caller killed mid-call (a reward-pool worker) takes its sandboxes along; host
+  scratch dirs are ``<tmp>/rlcore-sandbox-<caller pid>-*`` and ``remove_stale_scratch`` removes a dead caller's.
 - **network namespace**: only a loopback that is down; ``allow_network=True`` keeps the host's network.
 - **seccomp** (x86_64, aarch64): execve/execveat, fork/vfork and non-thread clone fail with EPERM (clone3 with ENOSYS, so
   threads fall back to clone); kill/tgkill only to itself, tkill, ptrace, process_vm_*, pidfd_*, unshare, setns,
