@@ -1,5 +1,5 @@
 """The orphan sweep of published weight files runs in a directory every local user can write (``/dev/shm``): what
-another user plants there must never end the sweep, so it can never end a publish (docs/runtime.md)."""
+another user plants there must never end the sweep, so it can never end a publish (docs/architecture.md)."""
 
 from __future__ import annotations
 
