@@ -571,11 +571,16 @@ def remove_stale_scratch(root: str | os.PathLike | None = None) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not: an orphan's may never be reaped where pid 1 does not wait)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
         return True
-    return True
 

@@ -124,7 +124,7 @@ def _kill_forkserver_then_hang(pid_file: str) -> float:
 
 def test_a_reward_that_kills_the_forkserver_leaves_no_worker_behind(tmp_path):
     pid_file = tmp_path / "worker.pid"
-    with RewardPool(RewardPoolConfig(num_workers=1, timeout_s=2.0, start_method="forkserver")) as p:
+    with RewardPool(RewardPoolConfig(num_workers=1, timeout_s=5.0, start_method="forkserver")) as p:
         assert p.call(_kill_forkserver_then_hang, str(pid_file)) == 0.0
         worker = int(pid_file.read_text())
         left = _gone_within([worker], 20.0)
