@@ -331,10 +331,10 @@ def _check_entry(e: Any, where: str) -> dict[str, Any]:
             raise RecordInvalid(f"{where}: field 'file' must be a name step_<8 digits>.safetensors inside the record "
                                 f"directory, got {f!r:.80}")
         _hashes(e, "tensors", where)
-    _need(e, "loss", str, where, optional=True)
-    _need(e, "loss_value", (int, float), where, optional=True)
-    _need(e, "weights_sha256", str, where, optional=True)
+    loss = _need(e, "loss", str, where, optional=True)
+    _need(e, "loss_value", (int, float), where, optional=loss is None)
     _hashes(e, "weights", where, optional=True)
+    _need(e, "weights_sha256", str, where, optional="weights" not in e)
     return e
 
 
