@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -453,6 +454,37 @@ def test_unprivileged_fallback_cannot_signal_the_callers_processes_or_outlive_th
     assert not survivors, "a setsid'd program outlived the call"
 
 
+def _stat(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _pgid(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[2]) if len(fields) > 2 else -1
+
+
+def _group_of(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and pgid > 0
+            and (f := _stat(int(e))) and int(f[2]) == pgid and f[0] not in (b"Z", b"X")]
+
+
+def _cmdline_has(text: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
 def _live_named(comm: str) -> list[int]:
     return [p for p in _procs_named(comm) if not _is_zombie(p)]
 
@@ -470,16 +502,34 @@ def test_closing_its_pipes_does_not_switch_off_the_timeout(layers):
     """EOF on stdout and stderr is not the program's end: the wall clock still holds, the group is reaped."""
     cfg = sandbox.SandboxConfig(**{**_cfg(layers).__dict__, "timeout_s": 2.0})
     marker = "rlx" + secrets.token_hex(4)
+    groups: set[int] = set()  # the init's process group: its command line names this caller's scratch dir
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            groups.update(_pgid(p) for p in _cmdline_has(f"{sandbox.SCRATCH_PREFIX}{os.getpid()}-"))
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     t0 = time.monotonic()
-    res = sandbox.run_python(UNHOOK + _named(marker) + "import os, time\nos.close(1); os.close(2)\ntime.sleep(45)\n",
-                             cfg=cfg)
-    wall = time.monotonic() - t0
+    try:
+        res = sandbox.run_python(
+            UNHOOK + _named(marker) + "import os, time\nos.close(1); os.close(2)\ntime.sleep(45)\n", cfg=cfg)
+    finally:
+        wall = time.monotonic() - t0
+        stop.set()
+        watcher.join(10.0)
     left = _wait_gone(marker, 10.0)
-    for pid in left:
+    deadline = time.monotonic() + 10.0
+    while (in_group := [p for g in groups for p in _group_of(g)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left + in_group:
         os.kill(pid, signal.SIGKILL)
     assert wall < 20.0, f"run_python(timeout_s=2) took {wall:.1f} s"  # before: 45 s
     assert res.timed_out and res.returncode == -signal.SIGKILL
-    assert not left, "a process of the sandbox survived the timeout"
+    assert groups, "never saw the sandbox's init"
+    assert not left and not in_group, "a process of the sandbox survived the timeout"
 
 
 def test_a_sandbox_dies_with_its_caller(tmp_path):
