@@ -458,17 +458,21 @@ class AgentProxy:
             self._pool = None
         self._jobs.clear()
 
+    def _worker_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.cfg.template_threads,
+                                                                   thread_name_prefix="agent-proxy-template")
+            return self._pool
+
     async def _off_loop(self, session_id: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on a worker thread; jobs of one session run one at a time (a job stays counted until its
         thread is done, even when the request that started it was cancelled)."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.cfg.template_threads,
-                                                               thread_name_prefix="agent-proxy-template")
         lock = self._jobs.setdefault(session_id, asyncio.Lock())
         await lock.acquire()
         loop = asyncio.get_running_loop()
         try:
-            job = self._pool.submit(fn, *args)
+            job = self._worker_pool().submit(fn, *args)
         except BaseException:
             lock.release()
             raise
@@ -610,10 +614,11 @@ class AgentProxy:
             if time.monotonic() >= deadline:
                 raise ProxyError(408, f"session {session_id!r} did not end in time; call /rl/end_session first")
             await asyncio.sleep(0.02)
-        rows = await self._off_loop(session_id, functools.partial(
-            export_rows, s.interactions, discount=discount, style=style, drop_retry_orphans=drop_retry_orphans))
         self._jobs.pop(session_id, None)
-        return rows
+        # off the loop, but not through the session's job lock: export may run on the trainer's loop while the
+        # server runs on its own (serve_in_thread), and the session has ended, so no chat job of it starts again
+        return await asyncio.wrap_future(self._worker_pool().submit(functools.partial(
+            export_rows, s.interactions, discount=discount, style=style, drop_retry_orphans=drop_retry_orphans)))
 
     # ------------------------------------------------------------------ chat completions
     def _template(self, messages: list[dict], tools: list | None) -> list[int]:
