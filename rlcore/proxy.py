@@ -54,6 +54,10 @@ class Args:
     header_timeout_s: float = 60.0
     """A connection that has not sent a complete request head this many seconds after it opened (or after the
     first byte of a later request's head) is answered 408 and closed (slow-header clients; docs/agents.md)."""
+    max_messages: int = 4096
+    """Most messages (and tools) one chat request may carry (more is a 400)."""
+    max_session_bytes: int = 1 << 30
+    """Request-body bytes one session may send in all (past it a 413)."""
 
     def __post_init__(self) -> None:
         from rlcore.inference.connection import check_header_timeout
@@ -75,6 +79,7 @@ async def serve(args: Args) -> None:
         host=args.host, port=args.port, admin_key=args.admin_key, template_mode=args.template_mode,
         engine_max_tokens=args.engine_max_tokens, capacity_gating=args.capacity_gating,
         max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
+        max_messages=args.max_messages, max_session_bytes=args.max_session_bytes,
     )
     async with client, AgentProxy(client, tokenizer, cfg) as proxy:
         print(f"rlcore proxy: serving {proxy.base_url} for {client.live_servers()}", flush=True)

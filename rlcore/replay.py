@@ -11,6 +11,11 @@ tensor (loss, a parameter, or a record tensor that no longer matches its hash).
 ``--objective`` trains another objective on the identical samples (a controlled ablation: the sampling noise is
 gone, only the loss differs); nothing is compared then. From Python: ``replay(dir, loss_fn=my_loss_fn)``.
 
+A record is data, never code: the whole record is checked before anything runs (regular files of the record
+directory only, every field typed and bounded, config classes from an allow-list), and the experiment file it
+names is imported only when it lies in this checkout's ``experiments/`` directory; any other file runs only when
+the caller names it with ``--experiment``. Exit codes: 0 match, 1 mismatch, 2 bad input, 3 the experiment raised.
+
 Run:    python -m rlcore.replay /tmp/rec
         python -m rlcore.replay /tmp/rec --objective gspo            # or MODULE:FUNCTION / FILE.py:FUNCTION
 Format and guarantees: docs/replay.md.
@@ -21,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import stat
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +57,10 @@ class ReplayArgs:
     A name in rlcore.objectives.OBJECTIVES (ppo, grpo, dapo, gspo, sapo, cispo; default config) or
     MODULE:FUNCTION / FILE.py:FUNCTION, a function of the recorded config returning a loss_fn(logp, mb)."""
     experiment: str = ""
-    """Experiment file to import instead of the recorded path (a record moved to another checkout)."""
+    """Experiment file to import instead of the recorded path: a record moved to another checkout, or one naming a
+    file outside this checkout's experiments/ (which replay never imports on the record's word)."""
     threads: int = 0
-    """torch CPU threads; 0 uses the recorded count (bit-for-bit needs the same count)."""
+    """torch CPU threads, at most 1024; 0 uses the recorded count (bit-for-bit needs the same count)."""
 
 
 class ReplayMismatch(Exception):
@@ -72,6 +80,40 @@ class ReplayResult:
     losses: list[float]
     sha256: str
     checked: bool
+
+
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_EXPERIMENT_FAILED = 0, 1, 2, 3
+"""``rlcore-replay``'s exit codes (docs/replay.md)."""
+
+
+class ExperimentFailed(Exception):
+    """The experiment's own code raised while replaying (``step`` None: while building the initial state)."""
+
+    def __init__(self, step: int | None, err: BaseException):
+        self.step, self.err = step, err
+        where = f"step {step}" if step is not None else "init_state/build_loss_fn"
+        super().__init__(f"the experiment raised at {where}: {type(err).__name__}: {err}")
+
+
+def trusted_experiments_dir() -> Path:
+    """``experiments/`` of the checkout this rlcore was imported from: the only place a record's own
+    ``experiment.file`` is imported from (any other file needs ``--experiment``)."""
+    return Path(__file__).resolve().parent.parent / "experiments"
+
+
+def recorded_experiment(header: dict[str, Any]) -> Path:
+    """The experiment file ``record.json`` names, if it lies in :func:`trusted_experiments_dir`; else ValueError
+    naming the file and the fix (the record cannot choose code to run)."""
+    named = header["experiment"]["file"]
+    trusted = trusted_experiments_dir().resolve()
+    path = Path(named)
+    resolved = path.resolve() if path.is_absolute() else None
+    if resolved is None or resolved.parent != trusted or resolved.suffix != ".py":
+        raise ValueError(
+            f"record.json names the experiment file {named!r:.200}, which is not in {trusted}; replay imports a "
+            "record's experiment only from there (a record is data and never chooses code to run): pass "
+            "--experiment PATH if you trust that file")
+    return resolved
 
 
 def load_experiment(path: str | Path) -> ModuleType:
@@ -155,22 +197,48 @@ def replay(
     With ``loss_fn`` (or ``objective``, see :class:`ReplayArgs`) the same batches train that loss instead and
     nothing but the initial weights is compared. ``out`` receives one line per trained step and the final hash.
     """
+    # the whole record is checked before any code runs: fields, file names, regular files
     header = record.read_header(root)
     entries = record.read_entries(root)
+    for e in entries:
+        if e["file"] is not None:
+            path = record.step_path(root, e)
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                raise record.RecordInvalid(f"{path}: the step file of entry {e['entry']} is missing") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise record.RecordInvalid(f"{path}: the step file of entry {e['entry']} is not a regular file "
+                                           "(a symlink, FIFO, device or directory)")
+    final = record.read_final(root)
+    n_threads = threads or int(header["threads"])
+    if not 1 <= n_threads <= record.MAX_THREADS:
+        raise ValueError(f"--threads {threads} must be in [1, {record.MAX_THREADS}] (or 0 for the recorded count)")
+    exp_path = Path(experiment) if experiment else recorded_experiment(header)
+    if exp_path.exists() and not exp_path.is_file():
+        raise ValueError(f"experiment file {str(exp_path)!r} is not a regular file")
     if header["torch"] != torch.__version__:
         out(f"warning: recorded with torch {header['torch']}, replaying with {torch.__version__}; "
             "bit-for-bit holds only for the same torch build")
-    torch.set_num_threads(threads or int(header["threads"]))
-    mod = load_experiment(experiment or header["experiment"]["file"])
+    mod = load_experiment(exp_path)
     cfg = record.config_from_json(header["config"], experiment=mod)
-    state = mod.init_state(cfg)
+    torch.set_num_threads(n_threads)
+    try:
+        state = mod.init_state(cfg)
+    except Exception as e:  # noqa: BLE001 - the experiment's own code: reported with its traceback, exit 3
+        raise ExperimentFailed(None, e) from e
     digest, per = record.weights_sha256(state.model)
     if digest != header["initial_weights"]["sha256"]:
         name = record.first_difference(header["initial_weights"]["tensors"], per)
         raise ReplayMismatch(None, f"initial weights differ from the record in tensor '{name}' (model directory changed?)")
     checked = loss_fn is None and not objective
-    if loss_fn is None:
-        loss_fn = resolve_objective(objective, cfg) if objective else mod.build_loss_fn(cfg)
+    if loss_fn is None and objective:
+        loss_fn = resolve_objective(objective, cfg)
+    elif loss_fn is None:
+        try:
+            loss_fn = mod.build_loss_fn(cfg)
+        except Exception as e:  # noqa: BLE001
+            raise ExperimentFailed(None, e) from e
     steps: list[int] = []
     losses: list[float] = []
     for e in entries:
@@ -182,8 +250,11 @@ def replay(
         if rng is not None:
             torch.set_rng_state(rng)
         state = dataclasses.replace(state, version=int(e["version"]))
-        state, m = mod.train_batch(state, batch, loss_fn, cfg)
-        loss = float(m["train/loss"])
+        try:
+            state, m = mod.train_batch(state, batch, loss_fn, cfg)
+            loss = float(m["train/loss"])
+        except Exception as e2:  # noqa: BLE001 - e.g. a recorded batch of shapes the experiment cannot train
+            raise ExperimentFailed(e["step"], e2) from e2
         steps.append(e["step"])
         losses.append(loss)
         verdict = ""
@@ -200,7 +271,6 @@ def replay(
         out(f"step {e['step']:6d}  version {e['version']:6d}  rows {e['rows']:4d}  loss {loss:+.9e} "
             f"({loss.hex()}){verdict}")
     digest, per = record.weights_sha256(state.model)
-    final = record.read_final(root)
     if checked and final is not None and final["weights_sha256"] != digest:
         raise ReplayMismatch(state.step, f"final weights differ in tensor '{record.first_difference(final['weights'], per)}'")
     out(f"final weights sha256 {digest}" + ("  (matches the record)" if checked and final is not None else ""))
@@ -208,20 +278,29 @@ def replay(
 
 
 def main(args: ReplayArgs) -> int:
-    """Run :func:`replay`; 0 when everything matches (or an ablation ran), 1 at the first difference (a replayed
-    value, or a record file that no longer matches its hash), 2 for bad input (no record, no experiment file)."""
+    """Run :func:`replay` and map the outcome to an exit code (docs/replay.md):
+
+    - 0 (``EXIT_OK``): everything matches, or an ablation ran;
+    - 1 (``EXIT_MISMATCH``): the first difference: a replayed loss or weight, or a record tensor that no longer
+      matches its hash (``MISMATCH at step N: ...``);
+    - 2 (``EXIT_BAD_INPUT``): no record there, a malformed or unsafe record (the file, line and field are named),
+      an experiment file that is missing or not in this checkout's experiments/ (pass ``--experiment``), bad
+      arguments;
+    - 3 (``EXIT_EXPERIMENT_FAILED``): the experiment's own code raised (its traceback is printed).
+    """
     try:
         replay(args.record, objective=args.objective, experiment=args.experiment, threads=args.threads)
-    except ReplayMismatch as e:
+    except (ReplayMismatch, record.RecordCorrupt) as e:
         print(f"replay: MISMATCH at {e}", file=sys.stderr, flush=True)
-        return 1
-    except record.RecordCorrupt as e:
-        print(f"replay: MISMATCH at {e}", file=sys.stderr, flush=True)
-        return 1
-    except (FileNotFoundError, ValueError, AttributeError, ImportError, KeyError) as e:
+        return EXIT_MISMATCH
+    except ExperimentFailed as e:
+        traceback.print_exception(e.err, file=sys.stderr)
         print(f"replay: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+        return EXIT_EXPERIMENT_FAILED
+    except (FileNotFoundError, ValueError, AttributeError, ImportError, KeyError, OSError) as e:
+        print(f"replay: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
 
 
 def cli(argv: list[str] | None = None) -> None:

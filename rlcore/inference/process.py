@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import logging
 import os
 import re
 import shutil
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+_log = logging.getLogger(__name__)
 SHM_WEIGHTS_PREFIX = "rlcore-weights-"
 """File-name prefix of published weight files: ``rlcore-weights-<trainer pid>-v<version>.safetensors``."""
 _PR_SET_PDEATHSIG = 1
@@ -107,13 +109,29 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_orphan_shm_weights(root: str | os.PathLike) -> list[Path]:
-    """Delete weight files under ``root`` whose trainer process no longer exists (a trainer killed mid-publish)."""
+    """Delete weight files under ``root`` whose trainer process no longer exists (a trainer killed mid-publish).
+
+    Best effort, never raises: ``root`` (``/dev/shm``) is shared with every local user, so a name may belong to a
+    file or directory this process cannot remove or read (another user's, a FIFO, a socket, a directory where a
+    file was expected) or carry a number that is no pid. Such entries are skipped (and listed at debug level);
+    a publish goes on whatever was planted there.
+    """
     gone = []
-    pat = re.compile(re.escape(SHM_WEIGHTS_PREFIX) + r"(\d+)-v")
-    for f in Path(root).glob(f"{SHM_WEIGHTS_PREFIX}*"):
+    pat = re.compile(re.escape(SHM_WEIGHTS_PREFIX) + r"(\d{1,10})-v")
+    try:
+        candidates = list(Path(root).glob(f"{SHM_WEIGHTS_PREFIX}*"))
+    except OSError as e:
+        _log.debug("orphan sweep: cannot list %s (%s)", root, e)
+        return gone
+    for f in candidates:
         m = pat.match(f.name)
-        if m and not _pid_alive(int(m.group(1))) and _remove(f):
-            gone.append(f)
+        if not m or not 0 < int(m.group(1)) < 2**31:
+            continue
+        try:
+            if not _pid_alive(int(m.group(1))) and _remove(f):
+                gone.append(f)
+        except (OSError, ValueError, OverflowError) as e:  # planted: not ours to remove, or not removable
+            _log.debug("orphan sweep: left %s in place (%s: %s)", f, type(e).__name__, e)
     return gone
 
 

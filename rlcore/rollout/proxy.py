@@ -33,13 +33,21 @@ Endpoints: ``POST /v1/chat/completions`` (session key; streaming SSE or not), ``
 
 Concurrency: the session store is guarded by a lock, so the in-process methods (``start_session``,
 ``set_reward``, ``end_session``, ``export``) may be called from any thread while the HTTP server runs on
-its own loop (``serve_in_thread``) or on the caller's loop (``async with proxy``).
+its own loop (``serve_in_thread``) or on the caller's loop (``async with proxy``). The work whose cost the request
+chooses — JSON decoding, schema validation, chat templating and tokenising, finding the parent interaction,
+decoding and parsing the reply, exporting — runs on ``ProxyConfig.template_threads`` worker threads, never on the
+event loop, and at most one such job per session at a time; the session lock is never held across it. So one
+session's huge body delays only that session (docs/agents.md, "Trust model"). Limits per request:
+``max_body_bytes``, ``max_messages``; per session: ``max_session_bytes``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import copy
+import functools
 import hmac
 import json
 import logging
@@ -118,6 +126,15 @@ class ProxyConfig:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     """A connection that has not sent a complete request head this many seconds after it opened (or after the
     first byte of a later request's head) is answered 408 and closed (``rlcore.inference.connection``)."""
+    max_messages: int = 4096
+    """Most messages (and most tools) one chat request may carry; more is a 400 naming this field, answered before
+    the body is validated or templated."""
+    max_session_bytes: int = 1 << 30
+    """Request-body bytes one session may send over its life (its chat calls, rewards); past it a 413 naming this
+    field. Bounds what one agent can make the proxy parse, template and keep."""
+    template_threads: int = 4
+    """Worker threads that validate, template, tokenise and decode (off the event loop; one job per session at a
+    time, so one session holds at most one of them)."""
 
     def __post_init__(self):
         if self.template_mode not in ("hf", "concat"):
@@ -129,6 +146,12 @@ class ProxyConfig:
             raise ValueError("ProxyConfig.admin_key is empty: set a secret key")
         if self.max_body_bytes < 1024:
             raise ValueError(f"ProxyConfig.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_messages < 1 or self.template_threads < 1:
+            raise ValueError(f"ProxyConfig.max_messages and template_threads must be >= 1, got {self.max_messages}, "
+                             f"{self.template_threads}")
+        if self.max_session_bytes < self.max_body_bytes:
+            raise ValueError(f"ProxyConfig.max_session_bytes ({self.max_session_bytes}) must be >= max_body_bytes "
+                             f"({self.max_body_bytes})")
         check_header_timeout(self.header_timeout_s, "ProxyConfig.header_timeout_s")
 
 
@@ -159,6 +182,8 @@ class _Session:
     interactions: OrderedDict[str, Interaction] = field(default_factory=OrderedDict)
     ended: bool = False
     last_active: float = field(default_factory=time.monotonic)
+    bytes_in: int = 0
+    """Request-body bytes received so far (``ProxyConfig.max_session_bytes``)."""
 
 
 # ----------------------------------------------------------------------------------------- message helpers
@@ -382,6 +407,8 @@ class AgentProxy:
         self.stats: dict[str, int] = {"proxy/prefix_mismatch": 0, "proxy/completions": 0}
         """Counters: completions served, and those whose re-rendered history differed from the sampled tokens."""
         self._runner: web.AppRunner | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._jobs: dict[str, asyncio.Lock] = {}  # one off-loop job per session at a time (loop thread only)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.port = cfg.port
@@ -426,6 +453,36 @@ class AgentProxy:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._jobs.clear()
+
+    def _worker_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.cfg.template_threads,
+                                                                   thread_name_prefix="agent-proxy-template")
+            return self._pool
+
+    async def _off_loop(self, session_id: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a worker thread; jobs of one session run one at a time (a job stays counted until its
+        thread is done, even when the request that started it was cancelled)."""
+        lock = self._jobs.setdefault(session_id, asyncio.Lock())
+        await lock.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            job = self._worker_pool().submit(fn, *args)
+        except BaseException:
+            lock.release()
+            raise
+
+        def done(_: concurrent.futures.Future) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(lock.release)
+
+        job.add_done_callback(done)
+        return await asyncio.wrap_future(job)
 
     async def __aenter__(self) -> AgentProxy:
         return await self.start()
@@ -493,6 +550,7 @@ class AgentProxy:
         for sid, s in list(self._sessions.items()):
             if now - s.last_active > self.cfg.session_timeout_s:
                 del self._sessions[sid]
+                self._jobs.pop(sid, None)
                 log.warning("agent proxy: session %s idle for > %s s, dropped", sid, self.cfg.session_timeout_s)
         self._keys = {k: sid for k, sid in self._keys.items() if sid in self._sessions}
 
@@ -556,7 +614,11 @@ class AgentProxy:
             if time.monotonic() >= deadline:
                 raise ProxyError(408, f"session {session_id!r} did not end in time; call /rl/end_session first")
             await asyncio.sleep(0.02)
-        return export_rows(s.interactions, discount=discount, style=style, drop_retry_orphans=drop_retry_orphans)
+        self._jobs.pop(session_id, None)
+        # off the loop, but not through the session's job lock: export may run on the trainer's loop while the
+        # server runs on its own (serve_in_thread), and the session has ended, so no chat job of it starts again
+        return await asyncio.wrap_future(self._worker_pool().submit(functools.partial(
+            export_rows, s.interactions, discount=discount, style=style, drop_retry_orphans=drop_retry_orphans)))
 
     # ------------------------------------------------------------------ chat completions
     def _template(self, messages: list[dict], tools: list | None) -> list[int]:
@@ -584,17 +646,52 @@ class AgentProxy:
         log.warning("agent proxy: templated conversation has fewer than %d eos tokens; re-templating", k)
         return full, "hf", full
 
-    def _find_parent(self, s: _Session, messages: list[dict]) -> Interaction | None:
+    def _find_parent(self, earlier: list[Interaction], messages: list[dict]) -> Interaction | None:
         best: Interaction | None = None
-        for it in s.interactions.values():
+        for it in earlier:
             if _is_prefix(it.messages + [it.output_message], messages):
                 if best is None or len(it.messages) >= len(best.messages):
                     best = it
         return best
 
-    async def chat(self, session_id: str, body: dict) -> dict[str, Any]:
+    async def chat(self, session_id: str, body: dict | bytes) -> dict[str, Any]:
         """One chat completion for a session: validate (the shared schema) → template → agenerate → parse →
-        record. Returns the ChatCompletion JSON (with ``logprobs`` when asked for)."""
+        record. ``body`` is the decoded JSON or the raw request bytes. Returns the ChatCompletion JSON (with
+        ``logprobs`` when asked for). Everything but the generation runs off the event loop (``_off_loop``)."""
+        return (await self._chat(session_id, body))[0]
+
+    async def _chat(self, session_id: str, body: dict | bytes) -> tuple[dict[str, Any], dict]:
+        """``chat`` and the decoded request body."""
+        prep = await self._off_loop(session_id, self._prepare, session_id, body)
+        req, prompt, sampling = prep["req"], prep["prompt"], prep["sampling"]
+        try:
+            resp = await self.client.agenerate(ModelRequest(input_ids=prompt, sampling=sampling, rid=session_id))
+        except EngineRejected as e:  # the engine refused this request's values: the caller's to fix, never retried
+            if e.status != 400:
+                raise ProxyError(502, f"generation failed: {e}") from e
+            raise ProxyError(400, f"the engine refused the request: {e}") from e
+        except EngineError as e:
+            raise ProxyError(502, f"generation failed: {e}") from e
+        return await self._off_loop(session_id, self._finish, session_id, prep, resp, req), prep["body"]
+
+    def _decode_body(self, body: dict | bytes) -> dict:
+        if isinstance(body, (bytes, bytearray)):
+            body = parse_body(bytes(body))  # 400 for invalid JSON, NaN/Infinity, lone surrogates
+            if body is None:
+                body = {}
+        if not isinstance(body, dict):
+            raise ProxyError(400, "body: a JSON object is required")
+        return body
+
+    def _prepare(self, session_id: str, body: dict | bytes) -> dict[str, Any]:
+        """Validate, find the parent, template and tokenise (a worker thread; the session lock is held only for
+        the lookups, never for the templating)."""
+        body = self._decode_body(body)
+        for key in ("messages", "tools"):
+            items = body.get(key)
+            if isinstance(items, list) and len(items) > self.cfg.max_messages:
+                raise ProxyError(400, f"{key}: {len(items)} entries, more than ProxyConfig.max_messages "
+                                      f"({self.cfg.max_messages}); send a shorter conversation or raise it", key)
         req = validate(ChatRequest, body)
         check_supported(req)
         if req.n != 1:
@@ -603,8 +700,10 @@ class AgentProxy:
             raise ProxyError(400, "max_tokens and max_completion_tokens: give only one (max_tokens is deprecated)",
                              "max_tokens")
         ignored = set(req.model_extra or {}) | {k for k in _IGNORED if k in req.model_fields_set}
-        for key in sorted(ignored - self._warned):
-            self._warned.add(key)
+        with self._lock:
+            new = sorted(ignored - self._warned)
+            self._warned.update(new)
+        for key in new:
             log.warning("agent proxy: ignoring unsupported chat completion argument %r", key)
         messages, tools = req.template_messages(), req.template_tools()
         with self._lock:
@@ -612,14 +711,16 @@ class AgentProxy:
             if s.ended:
                 raise ProxyError(400, f"session {session_id!r} has ended; start a new session")
             s.last_active = time.monotonic()
-            parent = self._find_parent(s, messages)
+            earlier = list(s.interactions.values())  # recorded interactions never change their messages
+        parent = self._find_parent(earlier, messages)
         prompt, mode, rendered = self._prompt_ids(messages, tools, parent)
         mismatch = None
         if parent is not None:
             sampled = parent.prompt_ids + _strip_stop(list(parent.response.output_tokens), self.stop_ids)
             mismatch = _first_difference(rendered, sampled)
             if mismatch is not None:
-                self.stats["proxy/prefix_mismatch"] += 1
+                with self._lock:
+                    self.stats["proxy/prefix_mismatch"] += 1
                 log.warning(
                     "agent proxy: session %s: the chat template re-renders the history differently from the "
                     "sampled tokens (from token %d of %d); %s", session_id, mismatch, len(sampled),
@@ -652,14 +753,12 @@ class AgentProxy:
             repetition_penalty=req.repetition_penalty,
             min_new_tokens=req.min_tokens,
         )
-        try:
-            resp = await self.client.agenerate(ModelRequest(input_ids=prompt, sampling=sampling, rid=session_id))
-        except EngineRejected as e:  # the engine refused this request's values: the caller's to fix, never retried
-            if e.status != 400:
-                raise ProxyError(502, f"generation failed: {e}") from e
-            raise ProxyError(400, f"the engine refused the request: {e}") from e
-        except EngineError as e:
-            raise ProxyError(502, f"generation failed: {e}") from e
+        return {"req": req, "body": body, "messages": messages, "parent": parent, "prompt": prompt, "mode": mode,
+                "mismatch": mismatch, "stops": stops, "sampling": sampling}
+
+    def _finish(self, session_id: str, prep: dict[str, Any], resp: ModelResponse, req: ChatRequest) -> dict[str, Any]:
+        """Decode and parse the reply, record the interaction, build the ChatCompletion JSON (a worker thread)."""
+        prompt, mode, stops, parent = prep["prompt"], prep["mode"], prep["stops"], prep["parent"]
         out_ids = list(resp.output_tokens)
         text = self.tokenizer.decode(_strip_stop(out_ids, self.stop_ids), skip_special_tokens=True)
         if stops and mode == "hf":
@@ -683,10 +782,10 @@ class AgentProxy:
         iid = f"chatcmpl-{uuid.uuid4().hex}"
         with self._lock:
             s = self._session(session_id)
-            it = Interaction(id=iid, messages=messages, output_message=normalize_message(message),
+            it = Interaction(id=iid, messages=prep["messages"], output_message=normalize_message(message),
                              prompt_ids=prompt, response=resp, template_mode=mode,
                              parent=parent.id if parent is not None and parent.id in s.interactions else None,
-                             prefix_mismatch=mismatch)
+                             prefix_mismatch=prep["mismatch"])
             if it.parent is not None:
                 s.interactions[it.parent].children.append(iid)
             s.interactions[iid] = it
@@ -743,15 +842,25 @@ class AgentProxy:
             return web.json_response({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}},
                                      status=500)
 
-    async def _json(self, request: web.Request) -> dict:
-        if not request.can_read_body:
-            return {}
-        body = parse_body(await request.read())  # 400 for invalid JSON, NaN/Infinity, lone surrogates
-        if body is None:
-            return {}
-        if not isinstance(body, dict):
-            raise ProxyError(400, "body: a JSON object is required")
-        return body
+    async def _raw(self, request: web.Request, session_id: str | None = None) -> bytes:
+        """The request body (aiohttp caps it at ``max_body_bytes``), counted against the session's
+        ``max_session_bytes`` when ``session_id`` is given."""
+        raw = await request.read() if request.can_read_body else b""
+        if session_id is not None:
+            with self._lock:
+                s = self._session(session_id)
+                if s.bytes_in + len(raw) > self.cfg.max_session_bytes:
+                    raise ProxyError(413, f"session {session_id!r}: request bodies over ProxyConfig.max_session_bytes "
+                                          f"({self.cfg.max_session_bytes} bytes in all); start a new session",
+                                     "max_session_bytes")
+                s.bytes_in += len(raw)
+        return raw
+
+    async def _json(self, request: web.Request, session_id: str | None = None) -> dict:
+        raw = await self._raw(request, session_id)
+        if len(raw) <= 1 << 16:  # small: decoding it costs less than the thread hop
+            return self._decode_body(raw)
+        return await self._off_loop(session_id or "", self._decode_body, raw)
 
     def _is_admin_key(self, key: str | None) -> bool:
         """Constant-time comparison with the admin key (no timing hint of how much of a guess matched)."""
@@ -772,9 +881,9 @@ class AgentProxy:
 
     async def _h_chat(self, request: web.Request) -> web.StreamResponse:
         sid = self._session_of(request)
-        body = await self._json(request)
+        raw = await self._raw(request, sid)  # decoded off the event loop, with the rest of the preparation
         try:  # a client that leaves mid-generation has it cancelled (the engine request is aborted), unrecorded
-            result = await sse.while_connected(self.chat(sid, body), request)
+            result, body = await sse.while_connected(self._chat(sid, raw), request)
         except ConnectionResetError:
             return web.Response(status=499)
         if not body.get("stream"):
@@ -814,7 +923,7 @@ class AgentProxy:
 
     async def _h_reward(self, request: web.Request) -> web.Response:
         sid = self._session_of(request)
-        body = await self._json(request)
+        body = await self._json(request, sid)
         self.set_reward(sid, body.get("reward"), body.get("interaction_id"))  # type: ignore[arg-type]
         return web.json_response({"message": "success"})
 

@@ -28,6 +28,11 @@ line is appended; a torn last line is ignored by :func:`read_entries`. With chec
 cuts the record back to it on resume, so the record is always the history of the surviving run.
 
 Concurrency: one owner (the training loop) calls the recorder, between ``prepare_batch`` and ``publish_weights``.
+
+Trust: a record is data. The readers here open only regular files inside the record directory (no symlink, FIFO or
+device; step files only by the name pattern ``step_<8 digits>.safetensors``), check every field's type and range,
+and rebuild config classes only from an allow-list (dataclasses of ``rlcore`` modules or of the experiment module
+the caller loaded); anything else raises :class:`RecordInvalid` naming the file, line and field.
 """
 
 from __future__ import annotations
@@ -38,13 +43,18 @@ import importlib
 import json
 import os
 import platform
+import re
+import stat
+import sys
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file
 from torch import Tensor
 
 from rlcore.training import models
@@ -58,6 +68,16 @@ RNG_KEY = "rng/torch"
 EXPERIMENT = "__experiment__"
 """Module name stored for config classes defined in the recorded experiment file (``__main__`` when run as a
 script); replay resolves them in the experiment file it loads."""
+MAX_THREADS = 1024
+"""Largest thread count a record (or ``--threads``) may ask for (100000 crashed torch)."""
+STEP_FILE = re.compile(r"step_\d{8}\.safetensors")
+"""The only names an index line's ``file`` may hold (a plain name inside the record directory)."""
+_INT64 = 2**63
+
+
+class RecordInvalid(ValueError):
+    """A record file is not what rlcore writes: not a regular file of the record directory, malformed JSON, a field
+    of the wrong type or out of range, or a config class outside the allow-list (``rlcore-replay`` exits 2)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -129,27 +149,87 @@ def config_to_json(cfg: Any, *, experiment_module: str | None = None) -> Any:
 
 
 def config_from_json(obj: Any, *, experiment: Any = None) -> Any:
-    """Rebuild what :func:`config_to_json` wrote; ``experiment`` is the module that ``__experiment__`` names."""
+    """Rebuild what :func:`config_to_json` wrote; ``experiment`` is the module that ``__experiment__`` names.
+
+    Only dataclasses are built, and only from an allow-list: classes defined in ``experiment`` (stored under
+    ``__experiment__``) and classes defined in ``rlcore`` modules. A ``__type__`` naming anything else (``os:system``,
+    a class of another package, a dunder path) raises :class:`RecordInvalid`; so does a field the class does not
+    have or a plain field (``int``, ``float``, ``str``, ``bool``) holding another JSON type.
+    """
+    return _from_json(obj, experiment, "config")
+
+
+def _from_json(obj: Any, experiment: Any, where: str) -> Any:
     if isinstance(obj, list):
-        return [config_from_json(x, experiment=experiment) for x in obj]
+        return [_from_json(x, experiment, f"{where}[{i}]") for i, x in enumerate(obj)]
     if not isinstance(obj, dict):
         return obj
     if "__tuple__" in obj:
-        return tuple(config_from_json(x, experiment=experiment) for x in obj["__tuple__"])
+        items = obj["__tuple__"]
+        if not isinstance(items, list) or len(obj) != 1:
+            raise RecordInvalid(f"{where}: a __tuple__ entry holds exactly one list, got {obj!r:.80}")
+        return tuple(_from_json(x, experiment, f"{where}[{i}]") for i, x in enumerate(items))
     if "__type__" not in obj:
-        return {k: config_from_json(v, experiment=experiment) for k, v in obj.items()}
-    mod_name, qual = obj["__type__"].split(":")
+        return {k: _from_json(v, experiment, f"{where}.{k}") for k, v in obj.items()}
+    cls = _config_class(obj["__type__"], experiment, where)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kw = {}
+    hints = _type_hints(cls)
+    for k, v in obj.items():
+        if k == "__type__":
+            continue
+        if k not in fields:
+            raise RecordInvalid(f"{where}.{k}: {cls.__qualname__} has no field {k!r} (the record was not written for "
+                                "this code, or was edited)")
+        want = hints.get(k)
+        ok = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}.get(want)  # type: ignore[call-overload]
+        if ok is not None and (not isinstance(v, ok) or (want is not bool and isinstance(v, bool))):
+            raise RecordInvalid(f"{where}.{k}: {cls.__qualname__}.{k} is a {want.__name__}, the record holds "
+                                f"{type(v).__name__} {v!r:.60}")
+        kw[k] = _from_json(v, experiment, f"{where}.{k}")
+    try:
+        return cls(**kw)
+    except (TypeError, ValueError) as e:
+        raise RecordInvalid(f"{where}: {cls.__qualname__}(...) refused the record's values: {e}") from None
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - a forward reference it cannot resolve: only the class's own checks apply
+        return {}
+
+
+def _config_class(name: Any, experiment: Any, where: str) -> type:
+    """The dataclass ``"module:QualName"`` names, if the allow-list has it (no module is imported from a record
+    except ``rlcore``'s own)."""
+    if not isinstance(name, str) or name.count(":") != 1:
+        raise RecordInvalid(f"{where}.__type__: 'module:QualName' expected, got {name!r:.80}")
+    mod_name, qual = name.split(":")
+    parts = qual.split(".")
+    if not all(p.isidentifier() and not p.startswith("__") for p in parts):
+        raise RecordInvalid(f"{where}.__type__: {qual!r} is not a class name")
     if mod_name == EXPERIMENT:
         if experiment is None:
             raise ValueError(f"config class {qual} lives in the experiment file; pass experiment=<its module>")
-        mod = experiment
+        mod, home = experiment, experiment.__name__
+    elif (mod_name == "rlcore" or mod_name.startswith("rlcore.")) and all(
+            p.isidentifier() and not p.startswith("__") for p in mod_name.split(".")):
+        try:
+            mod = sys.modules.get(mod_name) or importlib.import_module(mod_name)
+        except ImportError as e:
+            raise RecordInvalid(f"{where}.__type__: no module {mod_name!r} in this rlcore ({e})") from None
+        home = mod_name
     else:
-        mod = importlib.import_module(mod_name)
+        raise RecordInvalid(
+            f"{where}.__type__: {name!r} is outside the allow-list; a record rebuilds only dataclasses of rlcore "
+            "modules and of the experiment file (a record is data: it never names code to run)")
     cls: Any = mod
-    for part in qual.split("."):
-        cls = getattr(cls, part)
-    kw = {k: config_from_json(v, experiment=experiment) for k, v in obj.items() if k != "__type__"}
-    return cls(**kw)
+    for part in parts:
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == home):
+        raise RecordInvalid(f"{where}.__type__: {name!r} is not a config dataclass defined in {home}")
+    return cls
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,33 +237,142 @@ def config_from_json(obj: Any, *, experiment: Any = None) -> Any:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def read_regular(path: str | os.PathLike, what: str) -> bytes:
+    """The bytes of ``path``, opened once without following a symlink and refused unless it is a regular file
+    (a FIFO would block the reader forever, a device never ends); :class:`RecordInvalid` names ``what``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise RecordInvalid(f"{path}: cannot open the {what} ({e.strerror}); a record holds only regular files, "
+                            "no symlinks") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordInvalid(f"{path}: the {what} is not a regular file (a FIFO, device, socket or directory)")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def _json(raw: bytes | str, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RecordInvalid(f"{where}: nested too deeply to be a record") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise RecordInvalid(f"{where}: not valid JSON ({e})") from None
+
+
+def _need(obj: Any, key: str, types: type | tuple[type, ...], where: str, *, lo: int | None = None,
+          hi: int | None = None, optional: bool = False) -> Any:
+    """``obj[key]`` checked to be of ``types`` (bool is no int here) and, for ints, in ``[lo, hi]``."""
+    if not isinstance(obj, dict):
+        raise RecordInvalid(f"{where}: a JSON object is expected, got {type(obj).__name__}")
+    if key not in obj:
+        if optional:
+            return None
+        raise RecordInvalid(f"{where}: field {key!r} is missing")
+    v = obj[key]
+    bad = not isinstance(v, types) or (isinstance(v, bool) and bool not in (types if isinstance(types, tuple)
+                                                                               else (types,)))
+    if not bad and isinstance(v, int) and not isinstance(v, bool):
+        bad = (lo is not None and v < lo) or (hi is not None and v > hi)
+    if bad:
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        rng = f" in [{lo}, {hi}]" if lo is not None or hi is not None else ""
+        raise RecordInvalid(f"{where}: field {key!r} must be {names}{rng}, got {v!r:.80}")
+    return v
+
+
+def _hashes(obj: Any, key: str, where: str, *, optional: bool = False) -> None:
+    d = _need(obj, key, dict, where, optional=optional)
+    if d is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in d.items()):
+        raise RecordInvalid(f"{where}: field {key!r} must map tensor names to sha256 strings")
+
+
 def read_header(root: str | os.PathLike) -> dict[str, Any]:
-    """``record.json`` of a record directory (raises with the fix when it is not one)."""
+    """``record.json`` of a record directory, its fields checked (raises with the fix when it is not one)."""
     path = Path(root) / HEADER
-    if not path.is_file():
-        raise FileNotFoundError(f"{root!r} is not a record directory (no {HEADER}); write one with --record DIR")
-    header = json.loads(path.read_text())
+    try:
+        raw = read_regular(path, HEADER)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{str(root)!r} is not a record directory (no {HEADER}); write one with --record DIR"
+                                ) from None
+    header = _json(raw, str(path))
+    if not isinstance(header, dict):
+        raise RecordInvalid(f"{path}: a JSON object is expected")
     if header.get("format") != FORMAT:
         raise ValueError(f"{path}: format {header.get('format')!r} is not {FORMAT!r}; replay it with the rlcore that wrote it")
+    where = str(path)
+    _need(header, "torch", str, where)
+    _need(header, "threads", int, where, lo=1, hi=MAX_THREADS)
+    _need(_need(header, "experiment", dict, where), "file", str, f"{where}: experiment")
+    _need(header, "config", (dict, list, str, int, float, bool, type(None)), where)
+    init = _need(header, "initial_weights", dict, where)
+    _need(init, "sha256", str, f"{where}: initial_weights")
+    _hashes(init, "tensors", f"{where}: initial_weights")
     return header
 
 
+def _check_entry(e: Any, where: str) -> dict[str, Any]:
+    _need(e, "entry", int, where, lo=0, hi=_INT64 - 1)
+    _need(e, "step", int, where, lo=0, hi=_INT64 - 1)
+    _need(e, "version", int, where, lo=0, hi=_INT64 - 1)
+    _need(e, "rows", int, where, lo=0, hi=_INT64 - 1)
+    prompts = _need(e, "prompts", list, where, optional=True)
+    if prompts is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in prompts):
+        raise RecordInvalid(f"{where}: field 'prompts' must be a list of ints")
+    f = _need(e, "file", (str, type(None)), where)
+    if f is not None:
+        if not STEP_FILE.fullmatch(f):
+            raise RecordInvalid(f"{where}: field 'file' must be a name step_<8 digits>.safetensors inside the record "
+                                f"directory, got {f!r:.80}")
+        _hashes(e, "tensors", where)
+    loss = _need(e, "loss", str, where, optional=True)
+    _need(e, "loss_value", (int, float), where, optional=loss is None)
+    _hashes(e, "weights", where, optional=True)
+    _need(e, "weights_sha256", str, where, optional="weights" not in e)
+    return e
+
+
 def read_entries(root: str | os.PathLike) -> list[dict[str, Any]]:
-    """The complete lines of ``steps.jsonl`` in order (a torn last line from a crash is ignored)."""
+    """The complete lines of ``steps.jsonl`` in order, each checked (a torn last line from a crash is ignored)."""
     path = Path(root) / INDEX
-    if not path.is_file():
+    try:
+        text = read_regular(path, INDEX).decode("utf-8", errors="strict")
+    except FileNotFoundError:
         return []
-    text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise RecordInvalid(f"{path}: not UTF-8 ({e})") from None
     lines = text.split("\n")
     if not text.endswith("\n"):
         lines = lines[:-1]  # the line a kill tore
-    return [json.loads(line) for line in lines if line.strip()]
+    return [_check_entry(_json(line, f"{path}:{i + 1}"), f"{path}:{i + 1}")
+            for i, line in enumerate(lines) if line.strip()]
 
 
 def read_final(root: str | os.PathLike) -> dict[str, Any] | None:
-    """``final.json`` (None when the run did not close its recorder)."""
+    """``final.json`` (None when the run did not close its recorder), its fields checked."""
     path = Path(root) / FINAL
-    return json.loads(path.read_text()) if path.is_file() else None
+    try:
+        final = _json(read_regular(path, FINAL), str(path))
+    except FileNotFoundError:
+        return None
+    _need(final, "weights_sha256", str, str(path))
+    _hashes(final, "weights", str(path))
+    return final
+
+
+def step_path(root: str | os.PathLike, entry: Mapping[str, Any]) -> Path:
+    """Where an index line's step file is: a plain ``step_<8 digits>.safetensors`` name inside ``root``."""
+    name = entry.get("file")
+    if not isinstance(name, str) or not STEP_FILE.fullmatch(name):
+        raise RecordInvalid(f"entry {entry.get('entry')}: field 'file' {name!r:.80} is not a step file name of the "
+                            "record directory")
+    return Path(root) / name
 
 
 class RecordCorrupt(ValueError):
@@ -197,9 +386,19 @@ class RecordCorrupt(ValueError):
 def load_step(root: str | os.PathLike, entry: Mapping[str, Any]) -> tuple[dict[str, Tensor], Tensor | None]:
     """The batch dict and the RNG state of one entry, each tensor checked against its recorded sha256.
 
-    Raises :class:`RecordCorrupt` naming the step and the tensor when the file does not match its index line.
+    Raises :class:`RecordCorrupt` naming the step and the tensor when the file does not match its index line, and
+    :class:`RecordInvalid` when it is not a regular file of the record or not a safetensors file.
     """
-    tensors = load_file(str(Path(root) / entry["file"]))
+    path = step_path(root, entry)
+    try:
+        raw = read_regular(path, "step file")
+    except FileNotFoundError:
+        raise RecordInvalid(f"{path}: the step file of entry {entry.get('entry')} is missing") from None
+    try:
+        tensors = load_safetensors(raw)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+        raise RecordCorrupt(entry["step"], f"step {entry['step']} (entry {entry['entry']}): {entry['file']} is not a "
+                                           f"safetensors file ({type(e).__name__}: {e}); the record is corrupt") from None
     want = entry["tensors"]
     got = {k: tensor_sha256(v) for k, v in tensors.items()}
     bad = first_difference(want, got)
@@ -399,6 +598,7 @@ def _module_of(cfg: Any) -> str | None:
 __all__ = [
     "FORMAT",
     "RecordCorrupt",
+    "RecordInvalid",
     "Recorder",
     "config_from_json",
     "config_to_json",
@@ -407,6 +607,8 @@ __all__ = [
     "read_entries",
     "read_final",
     "read_header",
+    "read_regular",
+    "step_path",
     "tensor_sha256",
     "weights_sha256",
 ]

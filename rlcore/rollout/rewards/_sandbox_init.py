@@ -22,6 +22,8 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
+_PROC_TITLE = b"sandbox-init"
+"""What ``/proc/1/cmdline`` shows inside the sandbox (the init's own argv holds host paths and the uid)."""
 
 
 def _libc():
@@ -77,8 +79,9 @@ def _build_root(libc, spec: dict) -> None:
     _mount(libc, "proc", at("/proc"), "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     scratch = at(spec["scratch"])
     os.makedirs(scratch)
-    _mount(libc, "tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV,
-           f"size={spec['scratch_mb']}m,mode=0700,uid={uid},gid={uid}")
+    # no uid=/gid= options: /proc/self/mountinfo shows them (as host ids under a user namespace); chown instead
+    _mount(libc, "tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={spec['scratch_mb']}m,mode=0700")
+    os.chown(scratch, uid, uid)
     for name in os.listdir(spec["inputs"]):
         shutil.copyfile(os.path.join(spec["inputs"], name), os.path.join(scratch, name))
         os.chown(os.path.join(scratch, name), uid, uid)
@@ -100,6 +103,40 @@ def _report(spec: dict, **fields) -> None:
         pass
 
 
+def _die_with_parent(libc, parent: int, alive_fd: int = -1) -> None:
+    """SIGKILL this process when its parent dies (set again after every uid change, which clears it) and exit at
+    once when the parent is already gone (it died before the prctl).
+
+    Gone means ``getppid() != parent``; pid 1 of a new pid namespace always reads 0 there, so it passes
+    ``alive_fd`` instead: the read end of a pipe whose only write end the parent holds (EOF once it died).
+    """
+    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    if alive_fd >= 0:
+        os.set_blocking(alive_fd, False)
+        try:
+            gone = os.read(alive_fd, 1) == b""
+        except BlockingIOError:
+            gone = False
+        if gone:
+            os._exit(1)
+    elif os.getppid() != parent:
+        os._exit(1)
+
+
+def _retitle(libc) -> None:
+    """Overwrite this process's argv in memory (what ``/proc/<pid>/cmdline`` reads) with ``_PROC_TITLE``: the
+    spec on the command line names host paths (the project, the scratch dir) and the sandbox uid."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49 of stat)
+    except (OSError, IndexError, ValueError):
+        return
+    if end - start > len(_PROC_TITLE):
+        ctypes.memset(start, 0, end - start)
+        ctypes.memmove(start, _PROC_TITLE, len(_PROC_TITLE))
+
+
 def _close_io(spec: dict) -> None:
     """Drop this process's copies of the program's stdio and passed fds (so EOF follows the program's death)."""
     for fd in spec["pass_fds"]:
@@ -111,7 +148,7 @@ def _close_io(spec: dict) -> None:
     os.close(null)
 
 
-def _drop_and_run(libc, spec: dict, *, namespaced: bool) -> None:
+def _drop_and_run(libc, spec: dict, *, namespaced: bool, alive_fd: int = -1) -> None:
     """Drop privileges, fork the runner, reap until it exits, report its status; never returns."""
     uid, root = spec["uid"], os.getuid() == 0
     if root:
@@ -120,12 +157,16 @@ def _drop_and_run(libc, spec: dict, *, namespaced: bool) -> None:
         os.setresuid(uid, uid, uid)
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
-    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    _die_with_parent(libc, spec["parent"], alive_fd)
+    if alive_fd >= 0:
+        os.close(alive_fd)
     os.set_inheritable(spec["status_fd"], False)
     env = dict(spec["env"], TMPDIR=spec["scratch"])
+    me = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
+            _die_with_parent(libc, me)  # fork clears it; the program dies with this process in the fallback too
             os.chdir(spec["scratch"])
             os.execve(spec["python"], [spec["python"], "-I", "-S", "_runner.py"], env)
         except OSError as e:
@@ -155,6 +196,9 @@ def _init_main(spec: dict) -> None:
     # pid 1 from inside the namespace unless pid 1 handles it.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     libc = _libc()
+    # The caller runs the sandbox in a session of its own (so one killpg reaches all of it); without this, a caller
+    # killed past its own timeout (a reward-pool worker) would leave the sandbox running and its scratch dir behind.
+    _die_with_parent(libc, spec["parent"])
     root = os.getuid() == 0
     flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
     if not spec["allow_network"]:
@@ -180,15 +224,20 @@ def _init_main(spec: dict) -> None:
         Path("/proc/self/uid_map").write_text(f"{spec['uid']} {uid} 1")
         Path("/proc/self/gid_map").write_text(f"{spec['uid']} {gid} 1")
     _report(spec, isolation="namespaces")
+    alive_r, alive_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(alive_w)
+            _die_with_parent(libc, 0, alive_r)
+            _retitle(libc)
             _build_root(libc, spec)
             # not root: the mapped uid is already ours, and execve as a non-0 uid clears every capability
-            _drop_and_run(libc, spec, namespaced=True)
+            _drop_and_run(libc, spec, namespaced=True, alive_fd=alive_r)
         except BaseException as e:  # noqa: BLE001 - report and fail closed
             _report(spec, error=f"sandbox setup failed: {type(e).__name__}: {e}")
             os._exit(1)
+    os.close(alive_r)  # alive_w stays open until this process exits
     _close_io(spec)
     os.waitpid(pid, 0)
     os._exit(0)

@@ -6,6 +6,11 @@ up to ``timeout_s``. A reward that raises, returns something other than a real n
 ``as_reward``), kills its process or runs past the timeout yields ``cfg.default`` (0.0), increments ``errors`` / ``timeouts`` and logs a warning with the
 sample id; a hung or dead worker is killed and replaced. The run always goes on.
 
+Killing is by pidfd (no pid-reuse race) and reaches the worker's own process group, so a reward's children die
+with it; it works when the worker's parent (the forkserver) was killed by a reward, which leaves
+``Process.is_alive()`` reporting a live worker dead. A sandbox a reward started dies with its worker (parent-death
+signal), and its scratch dir is removed when the worker is replaced.
+
 Concurrency: ``call`` is thread-safe and blocks one thread; ``acall`` runs it on a private thread
 pool so an asyncio loop is never blocked. ``fn`` must be picklable (a module-level function).
 """
@@ -18,13 +23,18 @@ import logging
 import math
 import multiprocessing as mp
 import numbers
+import os
 import pickle
 import queue
+import select
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from rlcore.rollout.rewards import sandbox
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +86,10 @@ def as_reward(value: Any, fn: Any = None) -> float:
 
 def _serve(conn) -> None:
     """Worker loop: receive ``(fn, args, kwargs)``, reply ``(ok, value_or_message)``; ``None`` stops."""
+    try:  # a process group of its own: killing the worker reaches whatever a reward started
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     while True:
         try:
             msg = conn.recv()
@@ -100,12 +114,35 @@ class _Worker:
         self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
         self.proc.start()
         child.close()
+        self.pid = self.proc.pid
+        try:  # the worker waits on its pipe now, so this names it (and keeps naming it after it exits)
+            self._pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # no pidfd (not Linux >= 5.3): Process.kill, which needs a live parent
+            self._pidfd = -1
+
+    def _exited(self, timeout_s: float) -> bool:
+        return bool(select.select([self._pidfd], [], [], timeout_s)[0])
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        """SIGKILL the worker and its process group and wait (<= 5 s) for it to exit."""
+        if self._pidfd >= 0:
+            if not self._exited(0):
+                try:  # alive, so its group id (= its pid) cannot have been reused
+                    os.killpg(self.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                try:
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+                self._exited(5.0)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        elif self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=5)
         self.conn.close()
+        sandbox.remove_stale_scratch()  # the dirs of sandboxes that died with this worker
 
 
 class RewardPool:

@@ -15,9 +15,15 @@ Chain of processes (docs/rollout.md, "Sandbox guarantees", has the attack -> res
   nothing outside owns a file it may write. Not root: a user namespace maps the caller's uid to ``cfg.uid``.
 - **filesystem**: the new root is a read-only tmpfs holding only /usr (and /bin, /lib symlinks), the interpreter's
   prefix, /etc/ld.so.cache, /dev/{null,zero,full,random,urandom} and /proc; the scratch dir (cwd, TMPDIR) is the
-  only writable place. The project, /etc/passwd, /root, /home, /work and /tmp of the host are not there.
+  only writable place, mounted at ``/scratch`` (no ``uid=`` option in ``/proc/self/mountinfo``). The project,
+  /etc/passwd, /root, /home, /work and /tmp of the host are not there.
 - **pid namespace**: the user's program is never pid 1; when it exits (or at the timeout) pid 1 exits and the
   kernel kills every process left in the namespace, so nothing outlives the call and nothing holds stdout open.
+  ``/proc`` is the namespace's own; pid 1 rewrites its argv (``/proc/1/cmdline`` reads ``sandbox-init``).
+- **lifetime**: the deadline is the wall clock whatever the program does to its pipes; at it the init's process
+  group is SIGKILLed and waited for. The init, pid 1 and the program each die with their parent
+  (``PR_SET_PDEATHSIG``), so a caller killed mid-call (a reward-pool worker) takes its sandboxes along; host
+  scratch dirs are ``<tmp>/rlcore-sandbox-<caller pid>-*`` and ``remove_stale_scratch`` removes a dead caller's.
 - **network namespace**: only a loopback that is down; ``allow_network=True`` keeps the host's network.
 - **seccomp** (x86_64, aarch64): execve/execveat, fork/vfork and non-thread clone fail with EPERM (clone3 with ENOSYS, so
   threads fall back to clone); kill/tgkill only to itself, tkill, ptrace, process_vm_*, pidfd_*, unshare, setns,
@@ -44,6 +50,7 @@ import secrets
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -58,6 +65,11 @@ _warned_fallback = False
 
 NAMESPACE_LAYERS = ("uid", "mount", "pid", "net", "ipc")
 """Layers a run has when namespaces are available (``SandboxResult.isolation``)."""
+SCRATCH = "/scratch"
+"""The scratch dir (cwd, TMPDIR) inside the sandbox's own root; in the fallback it is the host dir itself."""
+SCRATCH_PREFIX = "rlcore-sandbox-"
+"""Host scratch dirs are ``<tempdir>/rlcore-sandbox-<caller pid>-<random>``: the pid lets any later caller
+remove those of a caller that died without cleaning up (``remove_stale_scratch``)."""
 
 
 class SandboxSetupError(RuntimeError):
@@ -362,7 +374,8 @@ def spawn(code: str, *, cfg: SandboxConfig = SandboxConfig(), stdin=subprocess.P
                "RLIMIT_FSIZE": (cfg.max_file_mb << 20,) * 2, "RLIMIT_CORE": (0, 0),
                "RLIMIT_NOFILE": (cfg.max_open_files,) * 2, "RLIMIT_NPROC": (nproc, nproc)}
     seccomp = _seccomp_program(cfg.allow_network) if cfg.seccomp else None
-    base = tempfile.mkdtemp(prefix="rlcore-sandbox-")
+    remove_stale_scratch()
+    base = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     status_r, status_w = os.pipe()
     proc = None
     try:
@@ -380,7 +393,8 @@ def spawn(code: str, *, cfg: SandboxConfig = SandboxConfig(), stdin=subprocess.P
         exe = os.path.realpath(sys.executable)
         prefixes = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(
             os.path.dirname(exe)))} - {"/", "/usr"})
-        spec = {"root": os.path.join(base, "root"), "inputs": inputs, "scratch": base, "uid": uid,
+        spec = {"root": os.path.join(base, "root"), "inputs": inputs, "scratch": SCRATCH, "uid": uid,
+                "parent": os.getpid(),
                 "python": exe, "prefixes": prefixes, "scratch_mb": cfg.scratch_mb, "status_fd": status_w,
                 "pass_fds": list(pass_fds), "allow_network": cfg.allow_network,
                 "require_isolation": cfg.require_isolation, "namespaces": cfg.namespaces, "fresh_uid": fresh_uid,
@@ -467,8 +481,106 @@ def run_python(code: str, *, stdin: str = "", cfg: SandboxConfig = SandboxConfig
     layers the run had and the uid it ran as. Raises ``SandboxSetupError`` when the sandbox cannot be built.
     """
     with spawn(code, cfg=cfg) as box:
-        out, err, timed_out = _read_all(box.proc, stdin.encode(), box.started + cfg.timeout_s,
-                                        cfg.max_output_bytes)
-        box.proc.wait()
+        deadline = box.started + cfg.timeout_s
+        out, err, timed_out = _read_all(box.proc, stdin.encode(), deadline, cfg.max_output_bytes)
+        if not timed_out:  # EOF on both pipes is not the end: a program may close them and go on running
+            try:
+                box.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        if timed_out:
+            box.kill()
+            box.proc.wait()
+            _wait_group_gone(box.proc.pid, 5.0)
+        else:
+            box.proc.wait()
         return box.result(out, err, timed_out, cfg)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            out.append(int(entry))
+    return out
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait (at most ``timeout_s``) until no live process of group ``pgid`` is left; True when none is.
+
+    Processes of a killed group exit asynchronously; the sandbox's pid 1 is reaped by the host's init, not by
+    the caller, so this watches ``/proc`` instead of waiting on pids.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        if not _group_members(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def remove_stale_scratch(root: str | os.PathLike | None = None) -> list[str]:
+    """Remove the scratch dirs under ``root`` (default: the temp dir) of callers that no longer run.
+
+    A caller SIGKILLed inside ``spawn`` (a reward-pool worker past its timeout) never reaches its cleanup; its
+    sandbox dies with it (parent-death signal), and the next ``spawn`` in any process of this uid, or the pool
+    that killed it, removes its dir. Only dirs owned by this uid and named ``rlcore-sandbox-<pid>-*`` with ``pid``
+    gone are touched (a symlink is never followed). Returns the removed paths.
+    """
+    root = os.fspath(root) if root is not None else tempfile.gettempdir()
+    gone = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return gone
+    me = os.getuid()
+    for name in names:
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        pid, _, rest = name[len(SCRATCH_PREFIX):].partition("-")
+        if not (pid.isdigit() and rest and 0 < int(pid) < 2**31) or _alive(int(pid)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != me:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            gone.append(path)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not: an orphan's may never be reaped where pid 1 does not wait)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 

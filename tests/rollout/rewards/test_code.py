@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -48,8 +49,11 @@ def test_isolation_env_and_cwd():
     finally:
         del os.environ["RLCORE_SECRET_FOR_TEST"]
     lines = res.stdout.splitlines()
-    assert lines[0] == "None" and "rlcore-sandbox-" in lines[1] and lines[2] == "1"
-    assert not os.path.exists(os.path.join(lines[1], "made_here.txt"))  # temp dir removed
+    # the scratch dir: /scratch in the sandbox's own root, the host dir itself in the fallback
+    assert lines[0] == "None" and lines[2] == "1"
+    assert lines[1] == sandbox.SCRATCH or "rlcore-sandbox-" in lines[1]
+    left = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"rlcore-sandbox-{os.getpid()}-")]
+    assert not left and not os.path.exists(os.path.join(lines[1], "made_here.txt"))  # temp dir removed
 
 
 def test_bad_inputs_name_the_field():

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -451,3 +452,132 @@ def test_unprivileged_fallback_cannot_signal_the_callers_processes_or_outlive_th
     assert "raised" not in out and out["timed_out"], out
     assert "setsid Operation not permitted" in out["stdout"], out
     assert not survivors, "a setsid'd program outlived the call"
+
+
+def _stat(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _pgid(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[2]) if len(fields) > 2 else -1
+
+
+def _group_of(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and pgid > 0
+            and (f := _stat(int(e))) and int(f[2]) == pgid and f[0] not in (b"Z", b"X")]
+
+
+def _cmdline_has(text: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def _live_named(comm: str) -> list[int]:
+    return [p for p in _procs_named(comm) if not _is_zombie(p)]
+
+
+def _wait_gone(comm: str, timeout_s: float) -> list[int]:
+    """Processes named ``comm`` still live after waiting up to ``timeout_s`` (they exit asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := _live_named(comm)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@pytest.mark.parametrize("layers", ["all-layers", "namespaces-only"])
+def test_closing_its_pipes_does_not_switch_off_the_timeout(layers):
+    """EOF on stdout and stderr is not the program's end: the wall clock still holds, the group is reaped."""
+    cfg = sandbox.SandboxConfig(**{**_cfg(layers).__dict__, "timeout_s": 2.0})
+    marker = "rlx" + secrets.token_hex(4)
+    groups: set[int] = set()  # the init's process group: its command line names this caller's scratch dir
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            groups.update(_pgid(p) for p in _cmdline_has(f"{sandbox.SCRATCH_PREFIX}{os.getpid()}-"))
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    t0 = time.monotonic()
+    try:
+        res = sandbox.run_python(
+            UNHOOK + _named(marker) + "import os, time\nos.close(1); os.close(2)\ntime.sleep(45)\n", cfg=cfg)
+    finally:
+        wall = time.monotonic() - t0
+        stop.set()
+        watcher.join(10.0)
+    left = _wait_gone(marker, 10.0)
+    deadline = time.monotonic() + 10.0
+    while (in_group := [p for g in groups for p in _group_of(g)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left + in_group:
+        os.kill(pid, signal.SIGKILL)
+    assert wall < 20.0, f"run_python(timeout_s=2) took {wall:.1f} s"  # before: 45 s
+    assert res.timed_out and res.returncode == -signal.SIGKILL
+    assert groups, "never saw the sandbox's init"
+    assert not left and not in_group, "a process of the sandbox survived the timeout"
+
+
+def test_a_sandbox_dies_with_its_caller(tmp_path):
+    """The sandbox has a session of its own (one killpg reaches all of it), so a caller SIGKILLed mid-call must
+    take it down through the parent-death signal; the next call removes the dead caller's scratch dir."""
+    marker = "rlx" + secrets.token_hex(4)
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    program = UNHOOK + _named(marker) + "import time\nprint('running', flush=True)\ntime.sleep(60)\n"
+    caller = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, tempfile\ntempfile.tempdir = sys.argv[2]\nfrom rlcore.rollout.rewards import sandbox\n"
+         "sandbox.run_python(sys.argv[1], cfg=sandbox.SandboxConfig(timeout_s=60.0))", program, str(scratch_root)],
+        env={**os.environ, "PYTHONPATH": str(PROJECT)})
+    try:
+        deadline = time.monotonic() + 60.0
+        while not _live_named(marker) and time.monotonic() < deadline and caller.poll() is None:
+            time.sleep(0.05)
+        assert _live_named(marker), "the sandboxed program never started"
+    finally:
+        caller.kill()
+        caller.wait()
+    left = _wait_gone(marker, 20.0)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the sandbox outlived its caller"
+    stale = [str(p) for p in scratch_root.iterdir()]
+    assert len(stale) == 1 and f"-{caller.pid}-" in stale[0]
+    assert sandbox.remove_stale_scratch(scratch_root) == stale and list(scratch_root.iterdir()) == []
+
+
+def test_proc_shows_no_host_path_and_no_uid():
+    """/proc/1/cmdline (the init's argv held the spec) and /proc/self/mountinfo (the scratch dir's host path and a
+    uid= option) inside the sandbox name nothing of the host beyond what the sandbox's own tree shows."""
+    _needs_namespaces()
+    res = sandbox.run_python(
+        "import json, os\nprint(json.dumps({'cmdline': open('/proc/1/cmdline', 'rb').read().decode(errors='replace'),"
+        " 'mountinfo': open('/proc/self/mountinfo').read(), 'cwd': os.getcwd(), 'uid': os.getuid()}))",
+        cfg=FAST)
+    assert res.ok, res.stderr
+    seen = json.loads(res.stdout)
+    import re
+    import tempfile
+
+    for text in (seen["cmdline"], seen["mountinfo"]):
+        for leak in (str(PROJECT), "_sandbox_init", "rlcore-sandbox-", tempfile.gettempdir() + "/"):
+            assert leak not in text, (leak, text)
+        assert not re.search(r"(?<![a-z])[ug]id=", text), text  # the scratch tmpfs had uid=/gid= options
+        if os.getuid() == 0:  # a fresh uid per run (a user namespace maps the caller's, which /proc may show)
+            assert not re.search(rf"\b{seen['uid']}\b", text), text
+    assert seen["cwd"] == sandbox.SCRATCH
