@@ -99,7 +99,12 @@ _PUSH_CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
 def dumps_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     """``[(name, tensor)]`` → base64 text of a ``ForkingPickler`` pickle (SGLang's ``MultiprocessingSerializer``
     format, ``output_str=True``). CUDA tensors travel as IPC handles, CPU tensors as named shared-memory
-    segments (their storage is moved to shared memory once, in place)."""
+    segments (their storage is moved to shared memory once, in place).
+
+    Each call counts one more reference on every CPU storage's file (torch's reduction does; a torch receiver gives
+    it back when it maps the file, :func:`loads_named_tensors` maps it privately and does not): the file then lives
+    until the sender's shared-memory manager exits. Publish from buffers kept for the run (as
+    ``weight_sync.flat_publish_views`` does) so that this stays one file per buffer."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing as tmp

@@ -511,3 +511,39 @@ def test_control_timeouts_are_capped_so_two_calls_cannot_hold_the_workers_for_da
 
     status, out, _ = serve(engine, run)
     assert status == 400 and "timeout_s" in out["error"]["message"] and t > control.MAX_TIMEOUT_S, out
+
+
+def test_rlcores_transports_send_the_run_key_to_the_tensor_route(engine):
+    """``EngineClient`` and ``CoalescingHTTP`` attach ``X-Rlcore-Ipc-Key`` to ``/update_weights_from_tensor`` (and
+    only there), so a trainer publishing through either reaches an engine it started."""
+    from aiohttp import web
+
+    from rlcore.inference.client import ClientConfig, EngineClient
+    from rlcore.inference.coalesce import CoalescingHTTP
+    from rlcore.inference.server import make_app
+
+    target = dict(engine.model.named_parameters())["model.norm.weight"]
+    snap, before = _snapshot(engine), engine.version
+
+    async def run():
+        runner = web.AppRunner(make_app(engine), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            a = tensor_ipc.dumps_named_tensors([("model.norm.weight", target.detach() + 2.0)])
+            status, body = await CoalescingHTTP(url).handle("/update_weights_from_tensor", {
+                "serialized_named_tensors": [a], "weight_version": "61"})
+            b = tensor_ipc.dumps_named_tensors([("model.norm.weight", target.detach() + 3.0)])
+            async with EngineClient([url], ClientConfig(retries=0)) as c:
+                acks = await c.update_weights_from_tensor(b, 62)
+            return status, body, acks
+        finally:
+            await runner.cleanup()
+
+    status, body, acks = asyncio.run(run())
+    assert status == 200 and body["success"], body
+    assert engine.version == 62 and all(a["success"] for a in acks.values()), acks
+    assert torch.equal(target, snap["model.norm.weight"] + 5.0)
+    engine.update_weights_from_state_dict(snap, version=before)

@@ -1,5 +1,6 @@
 """Weights handed to an engine process without serialising their bytes (mode="tensor", SGLang's
-``/update_weights_from_tensor``), and the allow-list unpickler that guards the endpoint.
+``/update_weights_from_tensor``), and the payload reader that guards the endpoint (it reads the pickle as data,
+never unpickles it).
 
 On CPU the tensors travel as named shared-memory segments; on CUDA as CUDA IPC handles (the GPU test at the end).
 With bf16 parameters and float32 masters, what is published is the bf16 parameters (upcast to the publish dtype):
