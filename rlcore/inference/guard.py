@@ -116,8 +116,15 @@ def _origin_host(origin: str) -> str | None:
     return parts.netloc
 
 
+OPEN_PATHS = ("/health", "/metrics")
+"""Path prefixes whose GETs pass unchecked (as ``--api-key`` leaves them open): probes of any ``Host``, and
+nothing a page could learn or change through them."""
+
+
 def guard_problem(request: web.Request) -> tuple[int, str] | None:
     """``(status, message)`` when ``request`` must be refused (see the module docstring), else None."""
+    if request.method in ("GET", "HEAD") and request.path.startswith(OPEN_PATHS):
+        return None
     host = request.headers.get("Host")
     loopback = _local_address_is_loopback(request)
     if loopback and host is not None and not is_loopback_name(host):
