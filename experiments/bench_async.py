@@ -284,9 +284,11 @@ class ProcessEngine:
     def _call(self, path: str, body: dict | None = None, timeout: float = 600.0) -> Any:
         import urllib.request
 
+        from rlcore.inference import guard  # the run key: this process started the engine
+
         req = urllib.request.Request(self.address + path, method="GET" if body is None else "POST",
                                      data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **guard.ipc_headers()})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
         return json.loads(raw) if raw else {}

@@ -1,8 +1,11 @@
 """Serve an HF causal LM with the embedded engine over SGLang's HTTP protocol.
 
 Run:    rlcore-serve --model /path/to/hf_dir --host 127.0.0.1 --port 30000      (or python -m rlcore.serve ...)
-Then:   curl -s localhost:30000/generate -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8},
-        "return_logprob": true}'
+Then:   curl -s localhost:30000/generate -H 'Content-Type: application/json' \
+          -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}, "return_logprob": true}'
+
+Without ``--api-key`` the server binds a loopback address only (another ``--host`` is refused at start-up); what a
+local user, a browser page and a peer with the key can do is in docs/engine.md, "Trust model".
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class ServeConfig:
     model: str
     """Local HF model directory (config.json + *.safetensors; a tokenizer there enables text I/O)."""
     host: str = "127.0.0.1"
-    """Bind address; keep 127.0.0.1 unless the network is trusted or ``--api-key`` is set."""
+    """Bind address. Without ``--api-key`` only a loopback address (127.0.0.1, ::1, localhost) is accepted."""
     api_key: str = ""
     """Require ``Authorization: Bearer <key>`` on every endpoint but /health (SGLang's ``--api-key``; clients:
     ``ClientConfig.api_key``, or the openai client's ``api_key``). Empty: no authentication."""
@@ -99,6 +102,25 @@ class ServeConfig:
         from rlcore.inference.connection import check_header_timeout
 
         check_header_timeout(self.header_timeout_s, "--header-timeout-s")
+        if not self.api_key and not is_loopback_bind(self.host):
+            raise ValueError(
+                f"--host {self.host} is not a loopback address and no --api-key is set: anyone who reaches the port "
+                "could generate, load weights from this host's files and pause the engine. Set --api-key KEY "
+                "(clients send 'Authorization: Bearer KEY'), or bind --host 127.0.0.1"
+            )
+
+
+def is_loopback_bind(host: str) -> bool:
+    """Whether binding ``host`` listens on loopback only (``127.0.0.0/8``, ``::1``, ``localhost``); ``0.0.0.0``,
+    ``::`` and any interface address are not."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def build_app(engine: Engine, cfg: ServeConfig) -> web.Application:
@@ -158,9 +180,6 @@ def main(cfg: ServeConfig) -> None:
     )
     sock = listening_socket(cfg.host, cfg.port)
     print(f"[rlcore.serve] {cfg.model} on http://{cfg.host}:{sock.getsockname()[1]}", flush=True)
-    if not cfg.api_key and cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"[rlcore.serve] WARNING: bound to {cfg.host} without --api-key: anyone who reaches this port can "
-              "generate, load weights from this host's files and pause the engine", flush=True)
     with engine:
         asyncio.run(serve_app(build_app(engine, cfg), sock, cfg.header_timeout_s))
 

@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from rlcore.inference import guard
 from rlcore.inference.engine import Engine
 from rlcore.inference.lora import adapter_name
 from rlcore.inference.protocol import ModelRequest, ModelResponse
@@ -264,6 +265,8 @@ class EngineClient:
             kw: dict[str, Any] = {"timeout": timeout}
             if method == "POST":
                 kw["json"] = payload or {}
+            if endpoint.strip("/") in guard.IPC_ROUTES:  # the run key, only to the routes that need it
+                kw["headers"] = guard.ipc_headers()
             async with self._session().request(method, server.url + endpoint, **kw) as resp:
                 text = await resp.text()
                 try:

@@ -25,6 +25,8 @@ from typing import Any
 
 import aiohttp
 
+from rlcore.inference import guard
+
 _GET = frozenset({"health", "health_generate", "get_model_info", "v1/models"})
 
 
@@ -56,6 +58,8 @@ class CoalescingHTTP:
         kw: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=self.timeout_s)}
         if method == "POST":
             kw["json"] = payload or {}
+        if endpoint.strip("/") in guard.IPC_ROUTES:  # the run key, only to the routes that need it
+            kw["headers"] = guard.ipc_headers()
         async with aiohttp.ClientSession(headers=self.headers) as sess, sess.request(method, self.url + endpoint,
                                                                                     **kw) as resp:
             text = await resp.text()

@@ -2,21 +2,24 @@
 continue / abort, memory release for colocated training, health, model and server info.
 
 Each handler is ``async (engine, payload) -> (status, json body)``; ``server.ROUTES`` maps endpoint names to them.
-Blocking work (disk loads, group rendezvous, broadcast receives) runs on the engine's bounded control pool
-(``Engine.arun_control``) with the request's ``timeout_s``; pause / continue / abort / memory commands are awaited
-on the engine's loop without a thread.
+Blocking work (disk loads, decoding a tensor payload, group rendezvous, broadcast receives) runs on the engine's
+bounded control pool (``Engine.arun_control``) with the request's ``timeout_s``; pause / continue / abort / memory
+commands are awaited on the engine's loop without a thread. A weight load whose ``timeout_s`` passes is either
+stopped before its commit (answer: weights unchanged) or, when its commit already began, awaited and answered as
+it ended (``weights.CommitGate``): the answer never says "unchanged" about weights that change after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rlcore.inference import tensor_ipc
+from rlcore.inference import tensor_ipc, weights
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
 from rlcore.inference.protocol import BadRequest, SamplingParams, json_float, json_int, json_version
 
@@ -24,8 +27,12 @@ RETRY_AFTER_S = 1
 """``Retry-After`` of a 503 (queue full, control workers busy)."""
 GROUP_TIMEOUT_S = 60.0
 """Default ``timeout_s`` of ``/init_weights_update_group``: a rendezvous that has not completed by then fails."""
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""Largest ``timeout_s`` accepted (a week): torch's rendezvous timeouts overflow a C int of milliseconds past ~24 days."""
+MAX_TIMEOUT_S = 900.0
+"""Largest ``timeout_s`` accepted (15 minutes). A call holds one of the engine's few control workers until it ends,
+so a large value lets a couple of calls (a rendezvous with a master that never answers) block every weight load
+for that long. A load that may take longer passes no ``timeout_s`` (it then runs to its end)."""
+MAX_LORA_NAME = 256
+"""Longest ``lora_name`` accepted (characters)."""
 
 
 def _err(status: int, message: str) -> tuple[int, dict]:
@@ -142,6 +149,36 @@ async def _control(engine: Engine, fn, *args: Any, timeout_s: float | None) -> A
         raise TimeoutError(f"did not complete within timeout_s={timeout_s}") from None
 
 
+async def _load(engine: Engine, fn: Callable[..., Any], *args: Any, timeout_s: float | None, **kw: Any) -> Any:
+    """A weight load ``fn(*args, gate=gate, **kw)`` on the engine's control pool, with ``timeout_s`` kept truthful.
+
+    When the deadline passes the gate is abandoned: if that wins, the load never commits and ``TimeoutError`` says
+    nothing was loaded; if its commit already began, the load is awaited to its end and its own outcome returned
+    (or raised). ``EngineBusy`` when every control worker is taken."""
+    gate = weights.CommitGate()
+    task = asyncio.ensure_future(engine.arun_control(functools.partial(fn, *args, gate=gate, **kw)))
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+    except asyncio.TimeoutError:
+        if not gate.abandon():
+            return await task  # committing or committed: report what happened
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # it ends with Abandoned; nobody asks
+        raise TimeoutError(f"did not complete within timeout_s={timeout_s}; the load was stopped before its "
+                           "commit") from None
+
+
+def _unchanged(what: str, engine: Engine, e: Exception) -> tuple[int, dict]:
+    """The answer to a failed weight load: 400 "unchanged" unless the commit failed midway (500, says so)."""
+    if isinstance(e, weights.PartialCommit):
+        return 500, {"success": False, "message": f"{what} failed: {e}", "num_paused_requests": 0,
+                     "error": {"message": str(e)}}
+    return 400, {
+        "success": False,
+        "message": f"{what} failed (weights unchanged, version {engine.version}): {e}",
+        "num_paused_requests": 0,
+    }
+
+
 async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
     path = p.get("model_path")
     if not isinstance(path, str) or not path:
@@ -150,17 +187,15 @@ async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
         return _err(400, "load_format must be 'auto' or 'safetensors'")
     version = json_version(p.get("weight_version"), "weight_version")
     timeout_s = _timeout(p, None)
+    partial = _flag(p, "allow_partial")
     n = await engine.aabort() if _flag(p, "abort_all_requests") else 0
     try:
-        await _control(engine, engine.update_weights_from_disk, path, version, timeout_s=timeout_s)
+        await _load(engine, engine.update_weights_from_disk, path, version, timeout_s=timeout_s,
+                    allow_partial=partial)
     except EngineBusy:
         raise
     except (EngineError, OSError, TimeoutError) as e:  # nothing was loaded: the weights and version are unchanged
-        return 400, {
-            "success": False,
-            "message": f"update_weights_from_disk failed (weights unchanged, version {engine.version}): {e}",
-            "num_paused_requests": 0,
-        }
+        return _unchanged("update_weights_from_disk", engine, e)
     return 200, {
         "success": True,
         "message": f"loaded {path} as version {engine.version}",
@@ -170,7 +205,10 @@ async def _update_from_disk(engine: Engine, p: dict) -> tuple[int, dict]:
 
 async def _update_from_tensor(engine: Engine, p: dict) -> tuple[int, dict]:
     """SGLang's ``/update_weights_from_tensor``: tensors shared by a process on this host (CUDA IPC handles or
-    shared-memory descriptors, :mod:`rlcore.inference.tensor_ipc`); only metadata crosses HTTP."""
+    shared-memory file names, :mod:`rlcore.inference.tensor_ipc`); only metadata crosses HTTP. The payload is
+    decoded on a control worker, never on the event loop. Over HTTP it is answered only to a peer holding the run
+    key (``server.make_app``, :mod:`rlcore.inference.guard`). A subset of the model's tensors may be sent (SGLang's
+    bucketed updates); an empty payload is refused."""
     ser = p.get("serialized_named_tensors")
     if not isinstance(ser, list) or len(ser) != 1 or not isinstance(ser[0], (str, bytes)):
         return _err(
@@ -187,19 +225,17 @@ async def _update_from_tensor(engine: Engine, p: dict) -> tuple[int, dict]:
     version = json_version(p.get("weight_version"), "weight_version")
     timeout_s = _timeout(p, None)
     n = await engine.aabort() if _flag(p, "abort_all_requests") else 0
+
+    def decode_and_load(data: str | bytes, version: int | None, *, gate: weights.CommitGate) -> None:
+        # the mapped tensors die with this frame: the sender may reuse its buffer once we answer
+        engine.update_weights_from_tensors(tensor_ipc.loads_named_tensors(data), version, gate=gate)
+
     try:
-        named = tensor_ipc.loads_named_tensors(ser[0])
-        await _control(engine, engine.update_weights_from_tensors, named, version, timeout_s=timeout_s)
+        await _load(engine, decode_and_load, ser[0], version, timeout_s=timeout_s)
     except EngineBusy:
         raise
     except (tensor_ipc.TensorIPCError, EngineError, OSError, TimeoutError) as e:
-        return 400, {
-            "success": False,
-            "message": f"update_weights_from_tensor failed (weights unchanged, version {engine.version}): {e}",
-            "num_paused_requests": 0,
-        }
-    finally:
-        named = None  # drop the mapped tensors now (the sender may reuse its buffer once we answer)
+        return _unchanged("update_weights_from_tensor", engine, e)
     return 200, {"success": True, "message": f"loaded {len(ser)} tensor payload as version {engine.version}",
                  "num_paused_requests": n}
 
@@ -226,7 +262,7 @@ async def _init_group(engine: Engine, p: dict) -> tuple[int, dict]:
     group = p.get("group_name", "update_weight_group")
     if not isinstance(group, str):
         return _err(400, "group_name must be a string")
-    timeout_s = _timeout(p, GROUP_TIMEOUT_S)
+    timeout_s = _timeout(p, GROUP_TIMEOUT_S) if p.get("timeout_s") is not None else GROUP_TIMEOUT_S
     args = (addr, port, rank_offset, world_size, backend, group, timeout_s)
     try:  # the rendezvous itself times out after timeout_s; the extra second covers thread start-up
         await _control(engine, engine.init_weights_update_group, *args, timeout_s=timeout_s + 1.0)
@@ -266,10 +302,12 @@ async def _update_distributed(engine: Engine, p: dict) -> tuple[int, dict]:
         await engine.aabort()
     args = (names, dtypes, shapes, group, version)
     try:
-        await _control(engine, engine.update_weights_from_distributed, *args, timeout_s=timeout_s)
+        await _load(engine, engine.update_weights_from_distributed, *args, timeout_s=timeout_s)
     except EngineBusy:
         raise
-    except EngineError as e:
+    except weights.PartialCommit as e:
+        return 500, {"success": False, "message": str(e), "error": {"message": str(e)}}
+    except (EngineError, TimeoutError) as e:
         return 400, {"success": False, "message": str(e)}
     return _ok(f"received {len(names)} tensors; version {engine.version}")
 
@@ -455,6 +493,8 @@ def _lora_name(p: dict) -> str:
     name = p.get("lora_name")
     if not isinstance(name, str) or not name:
         raise BadRequest("lora_name must be a non-empty string (the adapter's name, e.g. 'policy-v3')")
+    if len(name) > MAX_LORA_NAME:
+        raise BadRequest(f"lora_name has {len(name)} characters; at most {MAX_LORA_NAME}")
     return name
 
 
@@ -474,7 +514,7 @@ async def _load_lora(engine: Engine, p: dict) -> tuple[int, dict]:
         return _err(400, "pinned must be true or false")
     version = json_version(p.get("weight_version"), "weight_version")
     try:
-        await _control(engine, engine.load_lora_adapter, name, path, version, timeout_s=_timeout(p, None))
+        await _load(engine, engine.load_lora_adapter, name, path, version, timeout_s=_timeout(p, None))
     except EngineBusy:
         raise
     except (EngineError, OSError, TimeoutError) as e:  # nothing was applied: weights, adapters and version unchanged
@@ -488,7 +528,7 @@ async def _unload_lora(engine: Engine, p: dict) -> tuple[int, dict]:
     name = _lora_name(p)
     version = json_version(p.get("weight_version"), "weight_version")
     try:
-        await _control(engine, engine.unload_lora_adapter, name, version, timeout_s=_timeout(p, None))
+        await _load(engine, engine.unload_lora_adapter, name, version, timeout_s=_timeout(p, None))
     except EngineBusy:
         raise
     except (EngineError, TimeoutError) as e:

@@ -48,11 +48,20 @@ import torch
 from torch import nn
 
 from rlcore.inference.protocol import EngineError
+from rlcore.inference.weights import _open_regular, check_values
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 """Prefix of every tensor name in a PEFT adapter file (the PEFT model wraps the HF model twice)."""
+MAX_RANK = 1 << 16
+"""Largest LoRA rank ``r`` accepted."""
+MAX_ALPHA = 1e6
+"""Largest ``|lora_alpha|`` accepted (scalings past it only overflow the merge)."""
+MAX_NAME = 256
+"""Longest adapter name accepted (characters)."""
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest ``adapter_config.json`` read (bytes)."""
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 
 
@@ -122,14 +131,19 @@ class LoraAdapter:
                 f"adapter_config.json: bias={cfg['bias']!r} is not supported (trained biases are not "
                 "merged; train with bias='none')"
             )
-        try:
-            r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-        except (KeyError, TypeError, ValueError):
-            raise EngineError("adapter_config.json needs integer 'r' and number 'lora_alpha'") from None
-        if r < 1 or not math.isfinite(alpha):
+        r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+        if type(r) is not int or not 1 <= r <= MAX_RANK:
             raise EngineError(
-                f"adapter_config.json: r must be >= 1 and lora_alpha finite, got r={r}, alpha={alpha}"
+                f"adapter_config.json: r must be an integer in [1, {MAX_RANK}] (not a bool or a float), got {r!r}"
             )
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
+            math.isfinite(alpha) and abs(alpha) <= MAX_ALPHA
+        ):
+            raise EngineError(
+                f"adapter_config.json: lora_alpha must be a finite number with |lora_alpha| <= {MAX_ALPHA:g}, "
+                f"got {alpha!r}"
+            )
+        alpha = float(alpha)
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
@@ -202,11 +216,26 @@ def read_adapter(path: str | os.PathLike) -> LoraAdapter:
             f"lora_path {str(p)!r} lacks {missing}; save the adapter with peft's save_pretrained "
             "(safetensors) or rlcore.inference.lora.write_peft_adapter"
         )
+    cfg_fd = _open_regular(str(cfg_file), str(p))  # checked on the open descriptor: a FIFO cannot stall us
     try:
-        config = json.loads(cfg_file.read_text())
-        tensors = load_file(str(weights), device="cpu")
+        w_fd = _open_regular(str(weights), str(p))
+    except BaseException:
+        os.close(cfg_fd)
+        raise
+    try:
+        with os.fdopen(cfg_fd, "rb", closefd=False) as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise EngineError(f"lora_path {str(p)!r}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(raw)
+        tensors = load_file(f"/proc/self/fd/{w_fd}", device="cpu")
+    except EngineError:
+        raise
     except Exception as e:  # JSONDecodeError, SafetensorError, OSError
         raise EngineError(f"lora_path {str(p)!r}: unreadable adapter ({type(e).__name__}: {e})") from None
+    finally:
+        os.close(cfg_fd)
+        os.close(w_fd)
     if not isinstance(config, dict):
         raise EngineError(f"lora_path {str(p)!r}: {CONFIG_FILE} is not a JSON object")
     return LoraAdapter.from_peft(tensors, config)
@@ -323,15 +352,17 @@ class LoraSlots:
             w = self._linear(p).weight
             if adapter is not None and p in adapter.modules:
                 a, b = adapter.modules[p]
-                pairs.append((w, merge_weight(base[p], a, b, adapter.scaling)))
+                merged = merge_weight(base[p], a, b, adapter.scaling)
+                check_values(f"{p}.weight (merged with the adapter)", merged)  # finite factors can overflow
+                pairs.append((w, merged))
             else:
                 pairs.append((w, base[p]))
         return pairs, new_base
 
     def stage_load(self, name: str, path: str, adapter: LoraAdapter):
         """Check ``adapter`` against the model and stage it as the applied adapter (see the class docstring)."""
-        if not isinstance(name, str) or not name:
-            raise EngineError("lora_name must be a non-empty string")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+            raise EngineError(f"lora_name must be a non-empty string of at most {MAX_NAME} characters")
         if name in self.loaded:
             raise EngineError(
                 f"LoRA adapter {name!r} is already loaded; unload it first or pick another lora_name"

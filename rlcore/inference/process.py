@@ -421,6 +421,9 @@ def engine_process(cfg: EngineProcessConfig) -> Iterator[EngineProcess]:
     pdeathsig = threading.current_thread() is threading.main_thread()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads))
     env.update(cfg.env)
+    from rlcore.inference import guard
+
+    env.setdefault(guard.IPC_KEY_ENV, guard.ipc_key())  # the run key: this process may hand it tensors
     try:
         proc = subprocess.Popen(
             cfg.command(os.getpid(), read_fd, pdeathsig), env=env, pass_fds=(read_fd,), stdin=subprocess.DEVNULL,

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rlcore.inference import control, openai_api
+from rlcore.inference import control, guard, openai_api
 from rlcore.inference.control import RETRY_AFTER_S, _err, error_status
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
 from rlcore.inference.protocol import (
@@ -509,7 +509,9 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 """Where ``make_app`` stores the engine on the application."""
 
 GET_ROUTES = ("health", "health_generate", "get_model_info", "get_server_info", "server_info", "get_weight_version",
-              "v1/models", "flush_cache", "release_memory_occupation", "resume_memory_occupation")
+              "v1/models")
+"""Routes answered on GET: none of them changes state (``flush_cache`` and the memory routes, which SGLang also
+answers on GET, take POST only here, so a link or an ``<img>`` on a web page cannot trigger them)."""
 POST_ROUTES = (
     "generate",
     "pause_generation",
@@ -627,14 +629,31 @@ def api_key_middleware(api_key: str):
     return require_key
 
 
-def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE, api_key: str | None = None) -> web.Application:
+def make_app(
+    engine: Engine,
+    *,
+    client_max_size: int = CLIENT_MAX_SIZE,
+    api_key: str | None = None,
+    ipc_key: str | None = None,
+) -> web.Application:
     """aiohttp application serving ``engine`` with SGLang's endpoints and the OpenAI-compatible
     ``/v1/completions`` and ``/v1/chat/completions`` (the engine must be started). Bodies over
     ``client_max_size`` bytes get a JSON 413. ``api_key``: require it as a Bearer token on every endpoint but
-    ``/health`` (:func:`api_key_middleware`); None or empty: no authentication (bind to loopback)."""
+    ``/health`` (:func:`api_key_middleware`); None or empty: no authentication (bind to loopback).
+
+    Every request passes ``guard.request_guard`` first (loopback ``Host``, no foreign ``Origin``, JSON bodies only:
+    browsers and rebound DNS names are refused). ``/update_weights_from_tensor`` also needs the run key in
+    ``X-Rlcore-Ipc-Key`` (``ipc_key``, default ``guard.ipc_key()``: the key this process inherited or made), unless
+    the server has an ``api_key`` (then the Bearer token authenticates it); without either it is a 403."""
+    run_key = guard.ipc_key() if ipc_key is None else ipc_key
 
     def route(ep: str):
         async def view(request: web.Request) -> web.StreamResponse:
+            if ep in guard.IPC_ROUTES and not api_key and not guard.has_ipc_key(request, run_key):
+                return _json(_err(403, (
+                    f"/{ep} maps memory the caller names, so it needs the run key: send it in "
+                    f"{guard.IPC_KEY_HEADER} (rlcore's clients do, for servers started by rlcore.inference.process, "
+                    f"which hands it over in {guard.IPC_KEY_ENV}), or start the server with --api-key"))[1], 403)
             try:
                 payload = await read_json(request, client_max_size)
             except _TooLarge as e:
@@ -652,8 +671,8 @@ def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE, api_key:
 
         return view
 
-    app = web.Application(client_max_size=client_max_size,
-                          middlewares=[api_key_middleware(api_key)] if api_key else [])
+    middlewares = [guard.request_guard(), *([api_key_middleware(api_key)] if api_key else [])]
+    app = web.Application(client_max_size=client_max_size, middlewares=middlewares)
     for ep in GET_ROUTES:
         app.router.add_get("/" + ep, route(ep))
     for ep in POST_ROUTES:

@@ -18,6 +18,9 @@ import torch
 from rlcore.inference.lora import LoraAdapter
 from rlcore.inference.protocol import EngineError
 from rlcore.inference.weights import (
+    Abandoned,
+    CommitGate,
+    check_complete,
     check_specs,
     commit_weights,
     hf_ignored_keys,
@@ -41,8 +44,11 @@ class WeightUpdates:
     def _call(self, fn, timeout: float | None = None) -> Any:  # provided by Engine
         raise NotImplementedError
 
-    def _commit(self, staged: list[tuple[torch.Tensor, torch.Tensor]], version: int | None) -> None:
-        """Run by the loop thread between two forward passes: copy the staged tensors in, bump the scheduler's
+    def _commit(
+        self, staged: list[tuple[torch.Tensor, torch.Tensor]], version: int | None, gate: CommitGate | None = None
+    ) -> None:
+        """Run by the loop thread between two forward passes: unless ``gate`` says the caller gave up
+        (``Abandoned``: nothing is written), copy the staged tensors in, bump the scheduler's
         epoch and set ``version`` (when given). Then, by ``EngineConfig.kv_after_update``: ``recompute``: retracted
         requests drop the blocks they kept now and running rows theirs at the next ``Scheduler.step``; all are
         prefilled again (``stats["reprefill_requests"]``, ``stats["reprefill_tokens"]``, counted by
@@ -50,7 +56,12 @@ class WeightUpdates:
         weights (``stats["kv_kept_requests"]``, ``stats["kv_kept_tokens"]``); each request's ``epoch`` stays the one
         its prompt was prefilled under, so no new request joins those blocks (``Scheduler.join_live``)."""
         s = self._s
-        commit_weights(staged)
+        _claim(gate)
+        try:
+            commit_weights(staged)
+        except EngineError:
+            s.epoch += 1  # some tensors may have changed: no KV computed before may be reused
+            raise
         s.epoch += 1
         if version is not None:
             s.version = int(version)
@@ -65,16 +76,23 @@ class WeightUpdates:
         s.stats["weight_loads"] += 1
 
     def update_weights_from_state_dict(
-        self, state_dict: dict[str, torch.Tensor], version: int | None = None
+        self, state_dict: dict[str, torch.Tensor], version: int | None = None, *, gate: CommitGate | None = None
     ) -> None:
         """Copy HF-named tensors into the model (cast to the engine dtype) and set ``version``; atomic: every
-        name, shape and dtype is checked first (``weights.stage_weights``), a failed load changes nothing. Refused
-        while a LoRA adapter is loaded (``load_lora_adapter``)."""
+        name, shape, dtype and value is checked first (``weights.stage_weights``), a failed load changes nothing.
+        Refused while a LoRA adapter is loaded (``load_lora_adapter``). ``gate``: see ``weights.CommitGate``."""
         with self._lora.full_load():
             staged = stage_weights(self.model, state_dict.items())
-            self._call(lambda: self._commit(staged, version))
+            self._call(lambda: self._commit(staged, version, gate))
 
-    def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
+    def update_weights_from_disk(
+        self,
+        path: str | os.PathLike,
+        version: int | None = None,
+        *,
+        allow_partial: bool = False,
+        gate: CommitGate | None = None,
+    ) -> None:
         """Load every ``*.safetensors`` file of an HF model directory (or one file) and set ``version``.
 
         The files are read and checked on the calling thread (generation continues meanwhile); the loop thread
@@ -82,18 +100,22 @@ class WeightUpdates:
         ``from_pretrained`` (``weights.read_hf_checkpoint``): a hub MoE checkpoint's per-expert tensors load into
         transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``. The names ``from_pretrained`` ignores
         are skipped (``hf_ignored_keys``: an older conversion's per-layer ``rotary_emb.inv_freq``, DeepSeek-V3's MTP
-        layer). A failed load (bad path, unknown name, wrong shape, two keys for one parameter) changes nothing.
-        Refused while a LoRA adapter is loaded.
+        layer). A failed load (bad path, unknown name, wrong shape, two keys for one parameter, a NaN, inf or huge
+        value) changes nothing. A checkpoint that lacks parameters of the model is refused unless
+        ``allow_partial`` (a new version over partly old weights would be mislabelled). Refused while a LoRA adapter
+        is loaded. ``gate``: see ``weights.CommitGate``.
         """
         with self._lora.full_load():
             known = named_tensors(self.model)  # one walk of the model for the whole load
             staged = stage_weights(
                 self.model, read_hf_checkpoint(self.model, path, skip=hf_ignored_keys(self.model), known=known), known
             )
-            self._call(lambda: self._commit(staged, version))
+            if not allow_partial:
+                check_complete(self.model, staged, f"the checkpoint at {os.fspath(path)!r}")
+            self._call(lambda: self._commit(staged, version, gate))
 
     def update_weights_from_tensors(
-        self, named: Sequence[tuple[str, torch.Tensor]], version: int | None = None
+        self, named: Sequence[tuple[str, torch.Tensor]], version: int | None = None, *, gate: CommitGate | None = None
     ) -> None:
         """Copy tensors that another process shares with this one (CUDA IPC or shared memory, see
         :mod:`rlcore.inference.tensor_ipc`) into the model and set ``version``; atomic like a disk load.
@@ -102,7 +124,7 @@ class WeightUpdates:
         buffers as soon as the call returns."""
         with self._lora.full_load():
             staged = stage_weights(self.model, named)
-            self._call(lambda: self._commit(staged, version))
+            self._call(lambda: self._commit(staged, version, gate))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         staged.clear()  # drop the references to the sender's memory
@@ -136,6 +158,8 @@ class WeightUpdates:
         shapes: list[list[int]],
         group_name: str = "update_weight_group",
         version: int | None = None,
+        *,
+        gate: CommitGate | None = None,
     ) -> None:
         """Receive ``names`` by ``broadcast(src=0)`` in order into staging buffers, then load them all and set
         ``version``. Names, dtypes and shapes are checked before anything is received (so a bad request fails
@@ -158,7 +182,7 @@ class WeightUpdates:
             received.append((n, buf))
         with self._lora.full_load():
             staged = stage_weights(self.model, received)
-            self._call(lambda: self._commit(staged, version))
+            self._call(lambda: self._commit(staged, version, gate))
 
     # -- LoRA adapters (rlcore.inference.lora: merged into the live weights from a kept base copy) -----------------
 
@@ -173,7 +197,12 @@ class WeightUpdates:
         return self._lora.applied
 
     def load_lora_adapter(
-        self, name: str, adapter: str | os.PathLike | LoraAdapter, version: int | None = None
+        self,
+        name: str,
+        adapter: str | os.PathLike | LoraAdapter,
+        version: int | None = None,
+        *,
+        gate: CommitGate | None = None,
     ) -> dict[str, str]:
         """Load an adapter (a PEFT directory or an in-memory ``LoraAdapter``) and apply it; returns the loaded set.
 
@@ -185,12 +214,25 @@ class WeightUpdates:
         A failed load (bad path, unknown module, wrong shape, name already loaded) changes nothing.
         """
         return self._lora.load(name, adapter, lambda staged, done: self._call(
-            lambda: (self._commit(staged, version) if staged else None, done())))
+            lambda: self._commit_lora(staged, done, version, gate)))
 
-    def unload_lora_adapter(self, name: str, version: int | None = None) -> dict[str, str]:
+    def _commit_lora(self, staged: list, done: Any, version: int | None, gate: CommitGate | None) -> None:
+        _claim(gate)
+        if staged:
+            self._commit(staged, version)
+        done()
+
+    def unload_lora_adapter(
+        self, name: str, version: int | None = None, *, gate: CommitGate | None = None
+    ) -> dict[str, str]:
         """Unload an adapter; returns the loaded set. Unloading the applied one applies the newest remaining adapter,
         or copies the base weights back (exactly) when none is left; committed between two forward passes, with
         ``version`` set when given. Unloading a superseded adapter changes no weight (nor the version). Unknown names
         raise."""
         return self._lora.unload(name, lambda staged, done: self._call(
-            lambda: (self._commit(staged, version) if staged else None, done())))
+            lambda: self._commit_lora(staged, done, version, gate)))
+
+
+def _claim(gate: CommitGate | None) -> None:
+    if gate is not None and not gate.claim():
+        raise Abandoned("the caller stopped waiting (timeout_s) before the commit; nothing was loaded")

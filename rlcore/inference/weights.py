@@ -1,9 +1,11 @@
 """Weight plumbing of the engine: reading safetensors, staging and checking loads, the weight-update group.
 
-Loads are atomic: ``stage_weights`` checks every name, shape and dtype and builds the new tensors off to the
-side (on the calling thread, while the engine keeps generating); only then does the engine's loop thread
-``commit_weights`` them, between two forward passes. A load that fails anywhere before the commit changes
-nothing: the weights and the version stay as they were.
+Loads are atomic: ``stage_weights`` checks every name, shape, dtype and value (finite, bounded) and builds the
+new tensors off to the side (on the calling thread, while the engine keeps generating); only then does the
+engine's loop thread ``commit_weights`` them, between two forward passes, with copies that allocate nothing. A load
+that fails anywhere before the commit changes nothing: the weights and the version stay as they were; a caller
+that stops waiting either prevents the commit or learns its outcome (``CommitGate``). Files are opened once and
+checked on the open descriptor (``opened_safetensors``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import copy
 import functools
 import inspect
 import json
+import math
 import os
 import re
 import stat
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -99,45 +103,103 @@ def parse_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def _regular_file(f: str, path: str) -> str:
-    """``f`` if it is a regular file (symlinks followed), else ``EngineError``. A FIFO, device or socket could
-    block its reader forever, and safetensors opens files while holding the GIL: one such file named by a request
-    would freeze the whole server."""
+def _open_regular(f: str, path: str) -> int:
+    """An open, read-only descriptor of ``f`` that is checked to be a regular file (``fstat`` of the descriptor
+    itself, so a FIFO or device swapped in after a path check is still caught), else ``EngineError``.
+
+    Opened with ``O_NONBLOCK``: opening a FIFO for reading would otherwise wait for a writer, and safetensors opens
+    files while holding the GIL, so one FIFO named by a request froze the whole server. Symlinks are followed (an
+    HF hub snapshot is a directory of links into its blob store); what is read is the file the descriptor holds."""
     try:
-        mode = os.stat(f).st_mode
+        fd = os.open(f, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError) as e:
         raise EngineError(f"model_path {path!r}: {f!r} cannot be read ({e}); pass an HF model directory") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        os.close(fd)
+        raise EngineError(f"model_path {path!r}: {f!r} cannot be read ({e})") from None
     if not stat.S_ISREG(mode):
+        os.close(fd)
         raise EngineError(
             f"model_path {path!r}: {f!r} is not a regular file (a FIFO, device or socket); pass an HF model "
             "directory whose weights are ordinary *.safetensors files"
         )
+    return fd
+
+
+def _fd_path(fd: int) -> str:
+    """A path that opens exactly the file ``fd`` holds (Linux: ``/proc/self/fd/N``), for readers that take paths."""
+    return f"/proc/self/fd/{fd}"
+
+
+def _regular_file(f: str, path: str) -> str:
+    """``f`` if it is a regular file (opened and ``fstat``-ed, see ``_open_regular``), else ``EngineError``."""
+    os.close(_open_regular(f, path))
     return f
 
 
-def safetensors_files(path: str | os.PathLike) -> list[str]:
-    """The safetensors files of ``path`` (a directory, sharded through its index or not, or one file); each is a
-    regular file (checked before anything opens it)."""
-    p = os.fspath(path)
-    if os.path.isfile(p):
-        return [p]
-    if not os.path.isdir(p):
-        raise EngineError(f"model_path {p!r} does not exist; pass an HF model directory with *.safetensors")
+def _safetensors_names(p: str, read_index: Callable[[str], str]) -> list[str]:
+    """The safetensors files of the directory ``p`` (through its index when it has one)."""
     index = os.path.join(p, "model.safetensors.index.json")
     if os.path.lexists(index):
-        _regular_file(index, p)
         try:
-            with open(index) as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
+            names = sorted(set(json.loads(read_index(index))["weight_map"].values()))
+        except EngineError:
+            raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise EngineError(f"model_path {p!r}: model.safetensors.index.json is unreadable ({e})") from None
-        return [_regular_file(os.path.join(p, n), p) for n in names]
+        if not all(isinstance(n, str) for n in names):
+            raise EngineError(f"model_path {p!r}: model.safetensors.index.json names a file that is not a string")
+        return [os.path.join(p, n) for n in names]
     files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
     if not files:
         raise EngineError(
             f"model_path {p!r} has no *.safetensors files; save with save_pretrained(safe_serialization=True)"
         )
-    return [_regular_file(f, p) for f in files]
+    return files
+
+
+def _read_small(f: str, path: str, limit: int = 64 << 20) -> str:
+    fd = _open_regular(f, path)
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise EngineError(f"model_path {path!r}: {f!r} is larger than {limit} bytes")
+    return data.decode("utf-8")
+
+
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors files of ``path`` (a directory, sharded through its index or not, or one file); each is a
+    regular file (checked before anything reads it). Readers use :func:`opened_safetensors`, which keeps the
+    checked files open."""
+    p = os.fspath(path)
+    if os.path.isfile(p):
+        return [_regular_file(p, p)]
+    if not os.path.isdir(p):
+        raise EngineError(f"model_path {p!r} does not exist; pass an HF model directory with *.safetensors")
+    return [_regular_file(f, p) for f in _safetensors_names(p, lambda i: _read_small(i, p))]
+
+
+@contextlib.contextmanager
+def opened_safetensors(path: str | os.PathLike) -> Iterator[list[tuple[str, str]]]:
+    """Open every safetensors file of ``path`` once (``_open_regular``: a regular file, checked on the open
+    descriptor) and yield ``[(file name, path of the open descriptor)]``; every read goes through the second path,
+    so a file swapped for a FIFO or a link after the check is never what is read. Closed on exit."""
+    p = os.fspath(path)
+    with contextlib.ExitStack() as stack:
+        def keep(f: str) -> tuple[str, str]:
+            fd = _open_regular(f, p)
+            stack.callback(os.close, fd)
+            return f, _fd_path(fd)
+
+        if os.path.isdir(p):
+            names = _safetensors_names(p, lambda i: _read_small(i, p))
+        elif os.path.lexists(p):
+            names = [p]
+        else:
+            raise EngineError(f"model_path {p!r} does not exist; pass an HF model directory with *.safetensors")
+        yield [keep(f) for f in names]
 
 
 def read_safetensors(
@@ -150,9 +212,14 @@ def read_safetensors(
     """
     from safetensors import safe_open
 
-    for f in safetensors_files(path):
+    with opened_safetensors(path) as files:
+        yield from _read_each(path, files, skip, safe_open)
+
+
+def _read_each(path: Any, files: list[tuple[str, str]], skip: Callable[[str], bool] | None, safe_open: Any):
+    for f, fd_path in files:
         try:
-            with safe_open(f, framework="pt", device="cpu") as fh:
+            with safe_open(fd_path, framework="pt", device="cpu") as fh:
                 for k in fh.keys():
                     if skip is None or not skip(k):
                         yield k, fh.get_tensor(k)
@@ -270,11 +337,17 @@ def read_hf_checkpoint(
             f"({type(e).__name__}: {e}); pass an HF model directory saved with save_pretrained"
         )
 
-    files = safetensors_files(path)
+    with opened_safetensors(path) as files:
+        yield from _read_plan(model, path, files, skip, known, unreadable, safe_open)
+
+
+def _read_plan(model, path, files, skip, known, unreadable, safe_open) -> Iterator[tuple[str, torch.Tensor]]:
+    """``read_hf_checkpoint`` over files opened by ``opened_safetensors`` (``(name, descriptor path)`` pairs)."""
+    opened = dict(files)
     where: dict[str, str] = {}
-    for f in files:
+    for f, fd_path in files:
         try:
-            with safe_open(f, framework="pt", device="cpu") as fh:
+            with safe_open(fd_path, framework="pt", device="cpu") as fh:
                 keys = list(fh.keys())
         except Exception as e:  # SafetensorError, OSError, ...: not a model file
             raise unreadable(f, e) from None
@@ -313,7 +386,7 @@ def read_hf_checkpoint(
             f = where[key]
             try:
                 if f not in handles:
-                    handles[f] = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+                    handles[f] = stack.enter_context(safe_open(opened[f], framework="pt", device="cpu"))
                 return handles[f].get_tensor(key)
             except Exception as e:  # noqa: BLE001 — a truncated or corrupt file
                 raise unreadable(f, e) from None
@@ -451,16 +524,43 @@ def check_specs(
         )
 
 
+MAX_ABS_WEIGHT = 1e6
+"""Largest magnitude a loaded floating-point value may have. No trained LLM weight comes near it (they are O(1),
+norm scales and biases O(100)); a value past it is a corrupt or hostile checkpoint, and with a few of them a bf16
+forward overflows to inf/NaN and every request fails. NaN and inf are refused too, after the cast to the engine's
+dtype (a float32 value past 65504 becomes inf in a float16 engine)."""
+
+
+def check_values(name: str, t: torch.Tensor, bound: float = MAX_ABS_WEIGHT) -> None:
+    """Raise ``EngineError`` unless every value of the floating-point tensor ``t`` is finite and ``|x| <= bound``
+    (one ``aminmax`` reduction, which propagates NaN and copies nothing: ~3 GB/s on one CPU core, 7x a
+    ``vector_norm(inf)``). Integer tensors pass."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t.detach())
+    m = float(torch.maximum(hi, -lo).float())
+    if m <= bound:
+        return
+    what = "NaN" if math.isnan(m) else "inf" if math.isinf(m) else f"a value of magnitude {m:.3g}"
+    raise EngineError(
+        f"weight {name!r} holds {what} (in the engine's dtype {str(t.dtype).removeprefix('torch.')}); loaded values "
+        f"must be finite with |x| <= {bound:g} (weights.MAX_ABS_WEIGHT); nothing was loaded"
+    )
+
+
 @torch.no_grad()
 def stage_weights(
     model: nn.Module, items: Iterable[tuple[str, torch.Tensor]], known: dict[str, torch.Tensor] | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Check and convert a whole load before anything is written; returns ``(live tensor, new value)`` pairs.
 
-    Every name, shape and dtype is checked (``check_specs``); the values are cast to the live tensors' dtypes
-    (kept on their own device: ``commit_weights`` moves them). Tied aliases may both be sent (a checkpoint with
-    ``lm_head.weight`` and ``embed_tokens.weight``) when they are equal. Raises ``EngineError`` on the first
-    problem, having changed nothing. ``known``: ``named_tensors(model)`` when the caller has it.
+    Every name, shape and dtype is checked (``check_specs``), every value is finite and bounded after the cast to
+    the live tensor's dtype (``check_values``); the values are cast to the live tensors' dtypes, made contiguous and
+    kept on their own device, so that ``commit_weights`` only copies (it allocates nothing: an out-of-memory error
+    happens here, before any weight changed, not halfway through the commit). Tied aliases may both be sent (a
+    checkpoint with ``lm_head.weight`` and ``embed_tokens.weight``) when they are equal. Raises ``EngineError`` on
+    the first problem (a failed cast or allocation too), having changed nothing. An empty load is refused.
+    ``known``: ``named_tensors(model)`` when the caller has it.
     """
     known = named_tensors(model) if known is None else known
     staged: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
@@ -469,7 +569,11 @@ def stage_weights(
             raise EngineError(f"weight {name!r} is a {type(t).__name__}, not a tensor")
         check_specs(model, [(name, t.dtype, tuple(t.shape))], known)  # one walk of the model per load, not per tensor
         p = known[name]
-        new = t.detach().to(dtype=p.dtype)
+        try:
+            new = t.detach().to(dtype=p.dtype).contiguous()
+            check_values(name, new)
+        except RuntimeError as e:  # e.g. out of memory while casting on a device
+            raise EngineError(f"staging {name!r} failed ({type(e).__name__}: {e}); nothing was loaded") from None
         key = id(p)
         if key in staged and not torch.equal(staged[key][2], new):
             raise EngineError(
@@ -477,14 +581,74 @@ def stage_weights(
                 "checkpoint; send one of them (or untie the model)"
             )
         staged[key] = (name, p, new)
+    if not staged:
+        raise EngineError("the load holds no tensors; send at least one")
     return [(p, new) for _, p, new in staged.values()]
+
+
+def check_complete(model: nn.Module, staged: list[tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
+    """Raise ``EngineError`` unless ``staged`` writes every parameter of ``model`` (tied ones count once; buffers
+    are not required: a checkpoint need not hold computed ones such as rotary frequencies). A partial checkpoint
+    under a new version would label old weights as new."""
+    have = {id(p) for p, _ in staged}
+    missing = [n for n, p in model.named_parameters() if id(p) not in have]
+    if missing:
+        raise EngineError(
+            f"{what} lacks {len(missing)} of the model's parameters, e.g. {missing[:3]}; send a complete "
+            "checkpoint (or allow_partial: true to load a subset on purpose)"
+        )
+
+
+class CommitGate:
+    """Decides, once, between a staged load's commit and its caller giving up (a ``timeout_s`` that passed).
+
+    The loop thread calls ``claim()`` right before it copies anything in; the waiting side calls ``abandon()`` when
+    it stops waiting. Whichever comes first wins: after a successful ``abandon`` the load never commits (its
+    ``claim`` fails and the load raises :class:`Abandoned`), so an answer "weights unchanged" stays true; when
+    ``abandon`` fails the commit has begun and the waiting side must report its outcome instead."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "open"
+
+    def claim(self) -> bool:
+        """True (and the gate is closed for ``abandon``) unless the load was abandoned."""
+        with self._lock:
+            if self._state == "open":
+                self._state = "committing"
+            return self._state == "committing"
+
+    def abandon(self) -> bool:
+        """True (and the load will not commit) unless its commit already began."""
+        with self._lock:
+            if self._state == "open":
+                self._state = "abandoned"
+            return self._state == "abandoned"
+
+
+class Abandoned(EngineError):
+    """A staged load whose caller gave up before the commit: nothing was written."""
+
+
+class PartialCommit(EngineError):
+    """A commit that failed after writing some tensors: the weights are partly updated (the version is not)."""
 
 
 @torch.no_grad()
 def commit_weights(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy staged values into the live tensors (in place, so CUDA graphs stay valid)."""
-    for p, new in pairs:
-        p.copy_(new.to(device=p.device))
+    """Copy staged values into the live tensors (in place, so CUDA graphs stay valid). Allocates nothing: the
+    values are already in the live dtype and contiguous (``stage_weights``), and ``copy_`` moves them across
+    devices directly. Raises :class:`PartialCommit` if a copy fails after others were written."""
+    for k, (p, new) in enumerate(pairs):
+        try:
+            p.copy_(new)
+        except RuntimeError as e:
+            if k == 0:
+                raise EngineError(f"the commit failed before writing anything ({e}); nothing was loaded") from None
+            raise PartialCommit(
+                f"the commit failed after writing {k} of {len(pairs)} tensors ({e}): the weights are partly "
+                "updated under the old version; load a complete checkpoint again"
+            ) from None
 
 
 def move_tensors(model: torch.nn.Module, device: torch.device) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from rlcore.inference import guard
 from rlcore.inference.engine import Engine, EngineConfig
 from tests.inference.conftest_tokenizer import char_chat_tokenizer
 from tests.inference.test_openai_api import Server, tiny_engine
@@ -113,8 +114,8 @@ def request(url: str, case: dict, subs: dict[str, Any]) -> tuple[int, bytes]:
     data = None
     if case["method"] == "POST":
         data = case["raw"].encode() if "raw" in case else json.dumps(_fill(case.get("body", {}), subs)).encode()
-    req = urllib.request.Request(url + case["path"], data=data, method=case["method"],
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **guard.ipc_headers()}  # the run key, as rlcore's clients send it
+    req = urllib.request.Request(url + case["path"], data=data, method=case["method"], headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, r.read()

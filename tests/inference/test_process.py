@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -296,8 +298,14 @@ def test_all_or_nothing_load_under_concurrent_generation(model_dir):
         from safetensors.torch import save_file
 
         save_file(part, str(path))
-        try:
-            control.update_weights_from_disk(str(path), 7)
+        try:  # a partial checkpoint is refused unless asked for on purpose (allow_partial)
+            with pytest.raises(engine_client.EngineError, match="lacks"):
+                control.update_weights_from_disk(str(path), 7)
+            partial = {"model_path": str(path), "weight_version": "7", "allow_partial": True}
+            req = urllib.request.Request(ep.address + "/update_weights_from_disk", data=json.dumps(partial).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert r.status == 200
         finally:
             path.unlink()
         gen.set_version(7)

@@ -1,5 +1,6 @@
 """Weights handed to an engine process without serialising their bytes (mode="tensor", SGLang's
-``/update_weights_from_tensor``), and the allow-list unpickler that guards the endpoint.
+``/update_weights_from_tensor``), and the payload reader that guards the endpoint (it reads the pickle as data,
+never unpickles it).
 
 On CPU the tensors travel as named shared-memory segments; on CUDA as CUDA IPC handles (the GPU test at the end).
 With bf16 parameters and float32 masters, what is published is the bf16 parameters (upcast to the publish dtype):
@@ -48,8 +49,10 @@ def test_round_trip_keeps_names_shapes_and_values():
     "payload, match",
     [
         ("not base64!!", "base64"),
-        (base64.b64encode(b"\x80\x04garbage").decode(), "could not be unpickled"),
-        (base64.b64encode(pickle.dumps({"a": 1})).decode(), "list of \\(name, tensor\\)"),
+        (base64.b64encode(b"\x80\x04garbage").decode(), "could not be parsed"),
+        (base64.b64encode(pickle.dumps({"a": 1})).decode(), "opcode EMPTY_DICT"),
+        (base64.b64encode(pickle.dumps([("a", 1)])).decode(), "list of \\(name, tensor\\)"),
+        (base64.b64encode(pickle.dumps([])).decode(), "holds no tensors"),
         (base64.b64encode(pickle.dumps([("a", eval)])).decode(), "builtins.eval"),
     ],
 )
