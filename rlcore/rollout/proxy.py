@@ -65,7 +65,7 @@ import torch
 from aiohttp import web
 
 from rlcore.data import trajectory
-from rlcore.inference import sse
+from rlcore.inference import guard, sse
 from rlcore.inference.chat import (
     INT64,
     ChatRequest,
@@ -423,7 +423,7 @@ class AgentProxy:
         return self.url + "/v1"
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=self.cfg.max_body_bytes)
+        app = web.Application(middlewares=[guard.request_guard(), self._errors], client_max_size=self.cfg.max_body_bytes)
         r = app.router
         for prefix in ("/v1", ""):
             r.add_post(prefix + "/chat/completions", self._h_chat)

@@ -603,7 +603,7 @@ def test_logprobs_answered_and_unsupported_fields_refused_like_serve(tok):
             assert e.value.param == param
         raw = urllib.request.Request(proxy.base_url + "/chat/completions", data=b'{"messages": [{"role": "user", '
                                      b'"content": "\\ud800"}]}', method="POST",
-                                     headers={"Authorization": f"Bearer {key}"})
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(raw, timeout=30)
         assert e.value.code == 400
@@ -622,7 +622,8 @@ def test_set_reward_after_end_and_non_finite_rewards_are_refused(tok):
         c.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
         for literal in (b"NaN", b"Infinity", b"-Infinity"):
             req = urllib.request.Request(proxy.url + "/rl/set_reward", data=b'{"reward": ' + literal + b"}",
-                                         method="POST", headers={"Authorization": f"Bearer {key}"})
+                                         method="POST", headers={"Authorization": f"Bearer {key}",
+                                                                  "Content-Type": "application/json"})
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(req, timeout=30)
             assert e.value.code == 400 and "reward" in e.value.read().decode()
@@ -664,7 +665,7 @@ def test_bad_values_are_400s_naming_the_field_not_502s_or_truthy_strings(tok):
         assert admin_post(proxy, "/rl/set_version", {"version": 5}).json() == {"version": 5}
         assert post(proxy.base_url + "/chat/completions", {"messages": hi}, key).status_code == 200
         lower = urllib.request.Request(proxy.url + "/rl/end_session", data=b"{}", method="POST",
-                                       headers={"Authorization": f"bearer {key}"})  # the scheme is case-insensitive
+                                       headers={"Content-Type": "application/json", "Authorization": f"bearer {key}"})  # the scheme is case-insensitive
         with urllib.request.urlopen(lower, timeout=30) as r:
             assert r.status == 200
         bad = admin_post(proxy, "/export_trajectories", {"session_id": sid, "drop_retry_orphans": "no"})
@@ -676,3 +677,20 @@ def test_bad_values_are_400s_naming_the_field_not_502s_or_truthy_strings(tok):
         bad = post(proxy.base_url + "/chat/completions", {"messages": hi}, key)
         assert bad.status_code == 400 and "top_p must be in (0, 1]" in bad.json()["error"]["message"]
         assert len(refusing.prompts) == 1  # asked once: a 400 is not retried
+
+
+def test_the_proxy_refuses_cross_site_and_rebound_requests(tok):
+    """The request guard (rlcore.inference.guard) fronts the proxy too: a form-typed body is a 415, a foreign
+    Origin or a rebound Host a 403, and nothing behind them runs (no session is started)."""
+    eng = IdsEngine([tok.encode("a", add_special_tokens=False)], tok.eos_token_id)
+    with AgentProxy(EngineClient(eng, CCFG), tok, ProxyConfig(admin_key=ADMIN)).serve_in_thread() as proxy:
+        cases = (({"Content-Type": "text/plain"}, 415), ({"Content-Type": "application/json",
+                  "Origin": "https://evil.example"}, 403), ({"Content-Type": "application/json",
+                  "Host": f"evil.example:{proxy.port}"}, 403))
+        for headers, status in cases:
+            req = urllib.request.Request(proxy.url + "/rl/start_session", data=b'{"task_id": "t"}', method="POST",
+                                         headers={"Authorization": f"Bearer {ADMIN}", **headers})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            assert e.value.code == status, headers
+        assert proxy._task_counts == {}  # refused before the handler ran
