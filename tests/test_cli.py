@@ -19,6 +19,7 @@ import tyro
 from rlcore import launch, proxy, replay, serve
 from rlcore.launch import cli as launch_cli
 from rlcore.launch import ray_cluster as ray_launch
+from rlcore.training import online
 
 try:
     import tomllib
@@ -43,7 +44,9 @@ COMMANDS = {
         ["--alloc", "--model", "--address", "--strategy", "--num-cpus", "-- SCRIPT [FLAGS]"],
     ),
     "rlcore-replay": ("rlcore.replay", replay.ReplayArgs, ["DIR", "--objective", "--threads"]),
+    "rlcore-online": ("rlcore.online", online.OnlineConfig, ["--model", "--db", "--admin-key", "--batch-sessions"]),
 }
+SUBCOMMAND = {"rlcore-online": ["serve"]}  # commands whose flags belong to a subcommand
 
 
 def _flags(cls: type) -> list[str]:
@@ -61,7 +64,7 @@ def test_console_script_help(name, monkeypatch, capsys):
     """The installed wrapper's call: ``load()()`` with ``sys.argv = [name, '--help']`` exits 0 and lists every
     field of the config as a flag, with its docstring."""
     monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    monkeypatch.setattr(sys, "argv", [name, *SUBCOMMAND.get(name, []), "--help"])
     target = EntryPoint(name=name, value=SCRIPTS[name], group="console_scripts").load()
     with pytest.raises(SystemExit) as e:
         target()
@@ -77,15 +80,16 @@ def test_console_script_help(name, monkeypatch, capsys):
         "rlcore-launch": "Print an sbatch script",
         "rlcore-ray-launch": "Placement-group strategy",
         "rlcore-replay": "Record directory written by",
+        "rlcore-online": "Policy: 'countdown-tiny'",
     }[name]
     assert first_doc_words in out
 
 
 def test_python_m_help_in_subprocesses():
     """``python -m <module> --help`` still works for every command and shows the same flags."""
-    for module, _, key_flags in COMMANDS.values():
+    for name, (module, _, key_flags) in COMMANDS.items():
         res = subprocess.run(
-            [sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+            [sys.executable, "-m", module, *SUBCOMMAND.get(name, []), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
             env={**__import__("os").environ, "COLUMNS": "200"},
         )  # fmt: skip
         assert res.returncode == 0, (module, res.stderr[-2000:])
