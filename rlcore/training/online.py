@@ -28,7 +28,8 @@ Endpoints (``Authorization: Bearer <key>``):
 ``GET  /health``                      none         ``{"status": "ok"}``
 ====================================  ===========  ==========================================================
 
-Trust model: the admin key is the operator's (it issues and revokes agent keys and reads every statistic); an agent
+Trust model: every request passes rlcore's request guard first (``rlcore.inference.guard``: JSON bodies only, no
+cross-site Origin, no rebound Host); the admin key is the operator's (it issues and revokes agent keys and reads every statistic); an agent
 key opens sessions and sees only its own; a session key reaches only its own session. A revoked agent key also
 stops every session it opened. Binding anything but loopback needs an explicit admin key.
 """
@@ -57,6 +58,7 @@ import torch
 from aiohttp import web
 
 from rlcore.data import microbatch
+from rlcore.inference import guard
 from rlcore.inference.chat import OpenAIError, ProxyError, chat_chunk, finite, parse_body
 from rlcore.inference.connection import start_server
 from rlcore.inference.protocol import ModelResponse
@@ -377,7 +379,7 @@ class OnlineService:
 
     # ------------------------------------------------------------------ HTTP
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=32 * 2**20)
+        app = web.Application(middlewares=[guard.request_guard(), self._errors], client_max_size=32 * 2**20)
         r = app.router
         r.add_post("/admin/keys", self._h_key_create)
         r.add_post("/admin/keys/revoke", self._h_key_revoke)
@@ -413,10 +415,7 @@ class OnlineService:
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kw))
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
-        if request.method == "POST" and request.can_read_body:
-            ctype = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
-            if ctype and ctype != "application/json":
-                raise ProxyError(415, f"Content-Type {ctype!r}: send application/json")
+        if request.method == "POST" and request.can_read_body:  # its Content-Type was checked by the guard
             body = parse_body(await request.read())
             if body is None:
                 return {}

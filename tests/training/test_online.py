@@ -164,7 +164,7 @@ def test_service_keys_isolation_training_and_stats(tmp_path: Path):
         b = _call(svc, "POST", "/admin/keys", admin, {"name": "b"})[1]["api_key"]
         assert _call(svc, "POST", "/rl/start_session", None, {"task_id": "t"})[0] == 401
         assert _call(svc, "POST", "/rl/start_session", admin, {"task_id": "t"})[0] == 401  # admin is no agent
-        assert _call(svc, "POST", "/admin/keys", admin, {"name": "a"}, ctype="text/plain")[0] == 415
+        assert _call(svc, "POST", "/admin/keys", admin, {"name": "a"}, ctype="text/plain")[0] == 415  # the guard
         w0 = [p.detach().clone() for p in svc.state.model.parameters()]
         ids = [_play(svc, a, "q1", float(i % 2), stream=(i == 0))[0] for i in range(4)]
         ids += [_play(svc, b, "q2", float(i % 2))[0] for i in range(2)]
