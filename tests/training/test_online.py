@@ -340,8 +340,9 @@ def test_agent_reward_rises_within_minutes(tmp_path: Path):
         assert agent.returncode == 0, agent.stderr[-3000:]
         windows = [json.loads(x) for x in agent.stdout.splitlines() if '"reward"' in x]
         (tmp_path / "curve.jsonl").write_text(agent.stdout)
-        assert len(windows) >= 4, agent.stdout
-        assert windows[-1]["reward"] > windows[0]["reward"] + 0.05, windows
+        assert len(windows) >= 6, agent.stdout
+        first, last = (sum(w["reward"] for w in ws) / 3 for ws in (windows[:3], windows[-3:]))
+        assert last > first + 0.03, windows  # the recorded run: 0.135 -> 0.189 (docs/agents.md "Online RL")
     finally:
         os.killpg(svc.pid, signal.SIGKILL)
         svc.wait(30)
