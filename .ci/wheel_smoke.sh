@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The built wheel installs and works outside the checkout (issue 21.2). Used by .ci/run and tests/test_wheel.py.
+# The built wheel installs and works outside the checkout. Used by .ci/run and tests/test_wheel.py.
 #
 #   bash .ci/wheel_smoke.sh [SRC] [WORK]     # SRC: the source tree (default: this checkout); WORK: scratch dir
 #

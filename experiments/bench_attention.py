@@ -1,7 +1,7 @@
 """Packed causal attention for the train step: torch's varlen flash kernel (what rlcore runs) vs cuDNN's ragged SDPA.
 
 Why: at Qwen2.5-3B shapes the default train step spends 21% of its time in flash-attention-2's varlen forward and
-backward, at ~200 TFLOP/s against ~480 for the whole step (docs/benchmarks.md, session 8). torch 2.11 / 2.13 ship
+backward, at ~200 TFLOP/s against ~480 for the whole step (docs/benchmarks.md). torch 2.11 / 2.13 ship
 cuDNN's ragged attention (``aten::_cudnn_attention_forward`` with ``cum_seq_q`` / ``cum_seq_k``) but
 ``torch.nn.attention.varlen`` keeps it switched off. This measures whether it is faster and equal before the train
 step uses it.
@@ -193,7 +193,7 @@ def triton_varlen_attention(q, k, v, cu, max_len: int, scale: float, config=None
 TUNE_FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 3)]
 # dK/dV entries may carry a fifth number: KernelConfig.dkdv_head_split (the group's query heads over that many
 # programs per key tile; for the few long sequences of a 16k pack)
-# (64, 128, 8, 4) is left out: on the H200 it did not come back within 100 s (sessions 11 and 12).
+# (64, 128, 8, 4) is left out: on the H200 it did not come back within 100 s.
 TUNE_DKDV = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3, 2), (64, 128, 8, 3, 4)]
 TUNE_DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 TUNE_FUSED = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3, 2), (64, 128, 8, 3, 4)]

@@ -8,7 +8,7 @@ For each (tokens, hidden) at V = 151,936 (Qwen2.5 vocabulary), bf16: peak extra 
 (torch.cuda.max_memory_allocated minus what was allocated before the call: inputs and upstream grads; the
 weight/hidden grads the call produces are counted; ``workspace`` subtracts them), median time of forward+backward, and max |d logp|,
 |d entropy| against an fp32 computation from the same bf16 inputs. Naive is skipped where its estimated
-footprint does not fit. Targets (issue 7): triton <= 2 GB extra at 16k tokens, >= 35x less than naive, and
+footprint does not fit. Targets: triton <= 2 GB extra at 16k tokens, >= 35x less than naive, and
 time <= 1.2x naive.
 
 Run:    python experiments/bench_kernel.py --out /tmp/bench_kernel.json           # one H100/H200, ~2-4 min

@@ -539,7 +539,7 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
 
 
 def bench_memory_7b(cfg: Config, batch) -> dict:
-    """Item 4: an RL step with a recomputed proximal forward at Qwen2.5-7B shapes, the fixed budget (16k) per
+    """an RL step with a recomputed proximal forward at Qwen2.5-7B shapes, the fixed budget (16k) per
     micro-batch, on one GPU with activation checkpointing. Tries the defaults + checkpointing first, then
     cheaper variants if one does not fit; every attempt is recorded."""
     from rlcore.training import train_state
@@ -645,11 +645,11 @@ def sections_table(cfg: Config, batch) -> dict:
         "hf_attn": r(V("transformers sdpa attention + block-causal mask", attention="hf")),
         "triton_attention": r(
             V("this repository's Triton varlen attention (kernels/varlen_attention.py) explicitly (the CUDA default "
-              "since session 12: ModelConfig.attention_kernel='auto')", model_cfg=mc(attention_kernel="triton"))
+              "through ModelConfig.attention_kernel='auto')", model_cfg=mc(attention_kernel="triton"))
         ),
         "flash_attention": r(
             V("flash-attention-2 (torch varlen_attn) instead of the Triton varlen attention (the default before "
-              "session 12)", model_cfg=mc(attention_kernel="flash"))
+              "2026-12-02)", model_cfg=mc(attention_kernel="flash"))
         ),
         "activation_ckpt": r(V("activation checkpointing", model_cfg=mc(activation_checkpointing=True))),
         "profile_default": r(V("none; plus one profiled step", profile=True)),

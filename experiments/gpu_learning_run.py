@@ -30,7 +30,7 @@ the float32 trainer shows here; a warning names the likely cause if staleness-0 
 ``--offpolicy.warn-threshold`` nats.
 
 Run (2 x H200, ~9 min):  python experiments/gpu_learning_run.py --out-dir $OUT/learn
-Issue 16's one-GPU check (~5 min): python experiments/gpu_learning_run.py --runs dppo:0 dppo:4 --minutes 0.75 \
+The one-GPU asynchronous check (~5 min): python experiments/gpu_learning_run.py --runs dppo:0 dppo:4 --minutes 0.75 \
                                      --eval-every-s 20 --eval-prompts 300 --out-dir $OUT/learn
 Smoke (CPU, ~30 s):      python experiments/gpu_learning_run.py --smoke
 Writes: OUT_DIR/sft/ (model), OUT_DIR/rl_<run>.json (curves), OUT_DIR/summary.json, OUT_DIR/curves.png.
@@ -154,7 +154,7 @@ class Config:
     batches_in_flight: int = 0
     """Batches of B groups the rollout keeps in flight at once (the controller's ``max_concurrent`` / B);
     0: every batch the staleness gate admits, eta + 1, as in the CPU main job and bench_trl (at eta = 0 that is
-    one). 1 at eta = 4 keeps one batch generating beside the trainer (the default before session 14)."""
+    one). 1 at eta = 4 keeps one batch generating beside the trainer (the default before)."""
     eval_prompts: int = 1000
     """Held-out prompts for the greedy success curve."""
     eval_every_s: float = 15.0
@@ -174,13 +174,13 @@ class Config:
     """thread: the engine in a thread of the run's process (in-process transport, bf16 state-dict publish).
     process (default): the engine in its own OS process on the same device (rlcore.serve over HTTP on 127.0.0.1,
     the same client as for SGLang; weights by CUDA IPC on GPU, /dev/shm on CPU), so it shares no GIL with the
-    trainer. On one H200 (session 14, docs/benchmarks.md) this layout with every batch in flight and the KV kept
+    trainer. On one H200 (docs/benchmarks.md) this layout with every batch in flight and the KV kept
     consumed 1.35-1.43x the samples/s at eta = 4 as at eta = 0; the thread layout 0.99x."""
     gpu_share: Literal["auto", "overlap", "exclusive"] = "auto"
     """overlap: the engine generates beside the update. exclusive: the engine holds its requests (an in-place
     pause, KV kept) while the trainer updates and publishes (``weight_sync.hold_generation``), so two processes'
     time-sliced CUDA contexts take the GPU in turns instead of slice by slice, and the engine decodes every batch
-    in flight together. auto: exclusive for an engine process on a CUDA device (session 16 on one H200: 919
+    in flight together. auto: exclusive for an engine process on a CUDA device (one H200, 2026-12-03: 919
     samples/s at eta = 4 against 601 with overlap and 523 at eta = 0), overlap otherwise (on a CPU each process
     has cores of its own; an engine thread shares the trainer's CUDA context, where kernels can run side by side)."""
 

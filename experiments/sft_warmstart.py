@@ -11,7 +11,7 @@ Smoke:  python experiments/sft_warmstart.py --max-steps 20 --out-dir /tmp/countd
 Expect: deterministic for a given torch build (one thread by default): on torch 2.13 CPU, seed 0 stops at step 375
         at 30.4% dev / 28.8% held-out greedy success (1,000 prompts each; two runs gave identical weights, sha256
         equal). The committed rlcore/assets/countdown-tiny (rlcore.tiny.COUNTDOWN_TINY_DIR) was made by the same command and seed under the
-        earlier torch build of the first sessions and stopped at step 325 (25.2% dev / 20.8% held-out): CPU kernels
+        earlier torch build (2.9) and stopped at step 325 (25.2% dev / 20.8% held-out): CPU kernels
         of different torch builds sum in different orders, and 300 steps of SGD amplify the last-bit differences,
         so a bit-identical copy of that asset needs that build. It is kept because every main-job measurement in
         README.md and docs/results.md starts from it; nothing here overwrites it (pass --out-dir explicitly to

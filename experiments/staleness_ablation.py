@@ -1,4 +1,4 @@
-"""Staleness ablation (issue 20): does decoupled PPO hold learning as the rollout is allowed to lag?
+"""Staleness ablation: does decoupled PPO hold learning as the rollout is allowed to lag?
 
 One CELL is a short asynchronous GRPO run of the CPU main job's task (Countdown, the 0.1M-parameter warm-started
 model in rlcore.tiny.COUNTDOWN_TINY_DIR, embedded engine in its own thread, torch at 1 thread: a cell fits ONE
@@ -10,9 +10,9 @@ core) for one (eta, objective, seed):
 Objectives (the knob of AReaL's staleness table, Fu et al. 2025, https://arxiv.org/abs/2505.24298):
   naive      coupled PPO: ratio pi_theta / pi_behav against the engine's log-probs, no proximal policy, w = 1
   recompute  decoupled PPO: ratio pi_theta / pi_prox, pi_prox recomputed by a no-grad forward before the
-             update, times the behaviour weight w = pi_prox / pi_behav (spec algorithms.md §5.1, §7)
-  loglinear  decoupled PPO with pi_prox interpolated between pi_behav and pi_theta by version (spec §5.2)
-Each training step takes ppo_n_minibatches = 4 optimizer steps (AReaL's library default, spec §15.4), so from the
+             update, times the behaviour weight w = pi_prox / pi_behav (docs/docs/spec/algorithms.md §5.1, §7)
+  loglinear  decoupled PPO with pi_prox interpolated between pi_behav and pi_theta by version (docs/docs/spec/algorithms.md §5.2)
+Each training step takes ppo_n_minibatches = 4 optimizer steps (AReaL's library default, docs/docs/spec/algorithms.md §15.4), so from the
 second minibatch on pi_theta has moved away from pi_prox and the clip can bind; with one minibatch it never does.
 
 Per cell it records the held-out greedy success curve (vs training seconds and consumed samples) and, per step,
@@ -26,7 +26,7 @@ The sweep driver (--sweep) runs cells as parallel processes pinned one per core,
 one results file and plots final greedy success mean +- spread vs eta per objective (equal wall-clock, and equal
 consumed samples read off the curves at a common sample count) plus the mechanism metrics vs eta.
 
-Run (the full sweep, 7 eta x 3 objectives x 3 seeds = 63 cells, 16 cores: 4 waves of ~2.2 min, ~9 min in all):
+Run (the full sweep, 7 eta x 3 objectives x 3 seeds = 63 cells, 16 cores: 4 rounds of ~2.2 min, ~9 min in all):
     python experiments/staleness_ablation.py --sweep --jobs 16 --seeds 0 1 2 --budget-s 110 \\
         --out-dir runs/staleness_ablation/full
 One cell:   python experiments/staleness_ablation.py --eta 4 --objective recompute --seed 0 --budget-s 110 --out cell.json
@@ -91,7 +91,7 @@ class Config:
     budget_samples: int = 0
     """Stop after this many consumed samples (rows) as well; 0 = no sample budget."""
     ppo_n_minibatches: int = 4
-    """Optimizer steps per training step (AReaL's library default 4, spec §15.4); >= 2 so the clip can bind."""
+    """Optimizer steps per training step (AReaL's library default 4, docs/docs/spec/algorithms.md §15.4); >= 2 so the clip can bind."""
     prompts_per_step: int = 32
     """B: prompt groups per training step."""
     group_size: int = 8

@@ -33,7 +33,7 @@ Replay: python experiments/tiny_cpu.py --record /tmp/rec && python -m rlcore.rep
 Resume: python experiments/tiny_cpu.py --checkpoint-dir /tmp/ck [--resume]   # nothing lost across a kill -9
 LoRA:   python experiments/tiny_cpu.py --lora     # rank-8 adapters only; publishes send the adapter (docs/lora.md)
 Expect: greedy success on 1,000 held-out prompts climbs from ~21% to >= 41% (+20 points) within 2 minutes and to
-        54% (+33) at 10 minutes on an idle CI-kind 2-core Intel box (3,755-4,358 steps, 1.72 cores busy, session 16;
+        54% (+33) at 10 minutes on an idle CI-kind 2-core Intel box (3,755-4,358 steps, 1.72 cores busy;
         a faster AMD box: +20 in 60 s, 61% at 10 minutes); slower CPUs take longer (docs/benchmarks.md). TensorBoard: ``tensorboard --logdir runs`` (``perf/cores_busy``: average cores kept
         busy by all processes).
         With --lora (rank-8 adapters, lr 2e-3): 20.8% -> 33.9% (+13 points) in 5 minutes on a busy 2-core box, full
@@ -392,13 +392,13 @@ def step_config(cfg: Config) -> step.StepConfig:
 
 def build_loss_fn(cfg: Config) -> step.LossFn:
     """The algorithm as a ``loss_fn(logp (b t), mb) -> (loss, metrics)``: the surrogate ``cfg.objective`` on the
-    recomputed proximal log-probs, global token mean (``mb.denom``). ``ℓ^old`` follows spec §4.1: the engine's
+    recomputed proximal log-probs, global token mean (``mb.denom``). ``ℓ^old`` follows docs/docs/spec/algorithms.md §4.1: the engine's
     log-probs for a decoupled objective (behaviour weight pi_prox / pi_behav), the recomputed ones for a coupled one."""
     obj = cfg.objective
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # ℓ^prox: the weights this step starts from. One optimizer step per batch means the training forward runs
-        # exactly those weights, so its detached log-probs ARE the recompute (spec §5.1) without a second forward
+        # exactly those weights, so its detached log-probs ARE the recompute (docs/docs/spec/algorithms.md §5.1) without a second forward
         mb = dataclasses.replace(mb, logp_prox=step.proximal_logp(logp, mb))
         behav = step.old_logp(mb, coupled_recompute=not obj.decoupled)
         args = (logp, mb.logp_prox, behav, mb.adv, mb.loss_mask)

@@ -34,7 +34,7 @@ starts past its sequence's end exits at once):
   overall, at the price of atomics and a dQ that is not bitwise reproducible).
 
 Scheduling: the tile index is the slowest grid axis (the hardware hands out programs in x-fastest order), so
-every wave holds one tile position of all sequences and heads. The forward and dQ kernels run it in reverse
+every round of programs holds one tile position of all sequences and heads. The forward and dQ kernels run it in reverse
 (the last query tiles of the longest sequences, the most work, start first); the dK/dV kernel forward (its
 first key tiles carry the most work). Heads are the fastest axis: the ``G`` query heads sharing a KV head run
 side by side and read the same K / V tiles through L2.
@@ -125,7 +125,7 @@ class KernelConfig:
         if self.dkdv_stages > 3:
             raise ValueError(
                 f"KernelConfig.dkdv_stages={self.dkdv_stages}: the dK/dV kernel hangs or reads out of bounds with "
-                "4 or more pipeline stages (triton 3.6 on an H200, session 12: docs/kernels.md); use 3 or fewer."
+                "4 or more pipeline stages (triton 3.6 on an H200: docs/kernels.md); use 3 or fewer."
             )
         if self.dkdv_head_split < 1:
             raise ValueError(f"KernelConfig.dkdv_head_split={self.dkdv_head_split} must be >= 1.")

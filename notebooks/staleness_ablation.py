@@ -13,7 +13,7 @@
 # ---
 
 # %% [markdown]
-# # Staleness ablation (issue 20): naive vs decoupled PPO as the rollout is allowed to lag
+# # Staleness ablation: naive vs decoupled PPO as the rollout is allowed to lag
 #
 # `experiments/staleness_ablation.py` runs the CPU main job's task (asynchronous GRPO on Countdown with the
 # ~0.1M-parameter warm-started model, embedded engine in its own thread, one core per run) over a grid of
@@ -24,7 +24,7 @@
 # * **recompute**: decoupled PPO (AReaL), ratio against `pi_prox` recomputed by a no-grad forward before the
 #   update, times the detached behaviour weight `pi_prox / pi_behav`;
 # * **loglinear**: decoupled PPO with `pi_prox` interpolated between `pi_behav` and `pi_theta` by version
-#   (spec algorithms.md §5.2; no extra forward).
+#   (docs/docs/spec/algorithms.md §5.2; no extra forward).
 #
 # Every training step takes `ppo_n_minibatches = 4` optimizer steps (AReaL's default), so from the second
 # minibatch on `pi_theta` has left `pi_prox` and the clip can bind. Each run records the held-out greedy
@@ -164,7 +164,7 @@ if not (FULL or RESULTS):
 # `eta` grows, with it the score stays close to the synchronous row up to moderate staleness. Its setting has
 # several minibatches per batch, so the proximal anchor is what keeps the clip meaningful; this sweep uses the
 # same (`ppo_n_minibatches = 4`). The measured verdict for this job is in docs/results.md
-# ("Staleness ablation (issue 20)"). Two things to keep in mind:
+# ("Staleness ablation"). Two things to keep in mind:
 #
 # * how far the rollout actually runs ahead depends on the relative speed of generation and training on one
 #   core; `stale mean` / `stale max` show the staleness each cell really trained on;

@@ -1,4 +1,4 @@
-"""The shell commands a newcomer copies from README.md and docs/quickstart.md run as written (issue 23.7).
+"""The shell commands a newcomer copies from README.md and docs/quickstart.md run as written.
 
 A ```bash block preceded by ``<!-- test_docs: sh -->`` is runnable on a CPU as it stands (smoke-sized); all such
 blocks of one file run IN ORDER in ONE bash session from the repository root, exactly as a user pastes them

@@ -1,4 +1,4 @@
-"""Every public leaf function returns the dtype it is given (issue 13.4).
+"""Every public leaf function returns the dtype it is given.
 
 One sweep over every public function of ``rlcore/objectives`` and ``rlcore/advantages``: called with float64 inputs,
 each returns float64 tensors (metrics included) that match an independent float64 computation (Python floats, one

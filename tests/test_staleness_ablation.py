@@ -1,4 +1,4 @@
-"""The staleness ablation (experiments/staleness_ablation.py, issue 20): its loss knob, its metrics, and a tiny sweep.
+"""The staleness ablation (experiments/staleness_ablation.py): its loss knob, its metrics, and a tiny sweep.
 
 The sweep test runs two ~5 s cells (naive at eta 0, recompute at eta 2; the slow one adds loglinear at eta 2)
 through the CLI driver with ``--jobs 2`` (two parallel pinned processes; run once per session by

@@ -230,7 +230,7 @@ def _tb_scalars(log_dir: Path, tag: str) -> list:
 
 
 def test_tiny_cpu_mismatched_training_temperature_warns(tmp_path, capsys):
-    """Issue 19.3: the engine samples at T = 1, the trainer trains at T = 0.5 -> the step's first forward
+    """the engine samples at T = 1, the trainer trains at T = 0.5 -> the step's first forward
     disagrees with the engine on staleness-0 tokens, and the warning names the temperature as a likely cause."""
     mod = _load("tiny_cpu")
     cfg = dataclasses.replace(mod.SMOKE, train_temperature=0.5, log_dir=str(tmp_path), engine="thread")
@@ -381,7 +381,7 @@ def _body(src: str, fn: str) -> str:
 @pytest.mark.parametrize("name", sorted(SHAPE))
 def test_experiment_reads_rollout_rewards_advantages_loss_fn_train_step_publish(name):
     """grep: the leaves are called in the file itself, in the order of the algorithm, and no name registry or
-    legacy step is consulted (issue 15.3)."""
+    legacy step is consulted."""
     src = (ROOT / "experiments" / f"{name}.py").read_text()
     found = [pat for pat in GONE if re.search(pat, src)]
     assert not found, f"{name}.py still uses {found}"

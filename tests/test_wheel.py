@@ -1,4 +1,4 @@
-"""The built wheel installs and works outside the checkout (issue 21.2).
+"""The built wheel installs and works outside the checkout.
 
 The slow test copies the working tree (tracked and untracked-but-not-ignored files, so no stale ``build/``
 leaks into the wheel) and runs ``.ci/wheel_smoke.sh`` on it, the same script ``.ci/run`` runs: build the

@@ -19,7 +19,7 @@ bit-identical thresholds, so the kept set and the draw do not depend on which on
 * ``sort``, the default on CUDA: one ascending sort of the ordering keys, the masses gathered into that order, an
   int64 cumsum and the cut position. A radix selection was measured **2.4x slower than a sort** on an H200 (256
   rows x 151,936 tokens, torch 2.11: 11.2-11.5 ms per filtered step against 4.6-4.7 ms for the previous sort
-  path, 2.38 vs 1.44 GB extra; ``docs/results/session5/bench_sampling.json``), before its rounds were made
+  path, 2.38 vs 1.44 GB extra), before its rounds were made
   cheaper (``_threshold_radix``); its ``scatter_add_`` histograms serialise on atomics, because nearly all of
   a row's tokens share a few exponent buckets. ``experiments/bench_sampling.py`` times both methods.
 * ``radix``, the default elsewhere: three histogram rounds over the keys, no sort. On a shared 2-core CPU at

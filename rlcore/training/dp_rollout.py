@@ -21,7 +21,7 @@ Skip or step together:
 * a non-finite loss on any rank skips the optimizer step on every rank: ``train_step`` all-reduces the loss sum
   before deciding and FSDP's gradient norm is global; the trainer then publishes as usual, so the version
   bumps on every rank;
-* a skipped batch still counts as consumed by the gate (``max(version, batches consumed)``, issue 16 item 4),
+* a skipped batch still counts as consumed by the gate (``max(version, batches consumed)``),
   so eta + 1 filtered batches in a row never stall generation;
 * a failure of ``prepare_batch`` on rank 0 (timeout, background crash) is sent to every rank and raised there
   too, instead of leaving them blocked in the scatter.

@@ -51,7 +51,7 @@ LossFn = Callable[[Tensor, TokenBatch], tuple[Tensor, Mapping[str, Any]]]
 
 @dataclass(frozen=True)
 class OffPolicyConfig:
-    """Off-policy diagnostics of every RL step (issue 19.3)."""
+    """Off-policy diagnostics of every RL step."""
 
     diagnostics: DiagnosticsConfig = DiagnosticsConfig()
     """Ratio band, staleness buckets, position buckets and quantiles of the mismatch metrics."""

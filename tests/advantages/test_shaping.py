@@ -1,4 +1,4 @@
-"""rlcore.advantages.shaping: DAPO overlong penalty (§18 item 32) and bias/scale/clip order (§2)."""
+"""rlcore.advantages.shaping: DAPO overlong penalty (§18 property 32) and bias/scale/clip order (§2)."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def test_engine_and_trainer_agree_with_transformers(name):
         torch.testing.assert_close(torch.tensor(s.output_logprobs), g[-n:].detach(), atol=1e-4, rtol=0)
 
 
-# ---- architectures the engine adapts at load (issue 17 item 6): batched greedy == HF, log-probs within 2e-5 ------
+# ---- architectures the engine adapts at load: batched greedy == HF, log-probs within 2e-5 ------
 
 NO_IDS = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
 ADAPTED = {

@@ -1,5 +1,5 @@
 """Protocol conformance: request/response shapes recorded from SGLang's and OpenAI's protocol, replayed against
-``rlcore.serve``'s app (issue 17 item 7), and the official ``openai`` client (with its own strict types) driving it.
+``rlcore.serve``'s app, and the official ``openai`` client (with its own strict types) driving it.
 
 The fixtures under ``conformance/`` hold one case per endpoint behaviour: the request, the status and the shape
 of the answer (keys, types, finish_reason forms, meta_info fields, error objects) in a small shape language

@@ -1,7 +1,7 @@
 """One bad request fails alone; control endpoints never starve; errors are errors; weight loads are atomic.
 
-Each test here is a regression test for issue 14 items 3-4, issue 17 items 2-3 and issue 16 item 4 (engine
-side): it fails on the engine and server before those fixes.
+Each test here is a regression test: it fails on the engine and server as they were before the fix it
+guards.
 """
 
 from __future__ import annotations

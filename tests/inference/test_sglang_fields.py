@@ -1,4 +1,4 @@
-"""The /generate fields and endpoints real SGLang clients use (issue 17 item 4), answered as SGLang answers them.
+"""The /generate fields and endpoints real SGLang clients use, answered as SGLang answers them.
 
 Prompt log-probs (``logprob_start_len`` -> ``meta_info.input_token_logprobs``, what ``sgl.select`` and AReaL's
 scoring call read), ``/server_info``, ``n > 1``, ``skip_special_tokens``, memory release / resume for colocated
@@ -63,7 +63,7 @@ def test_default_window_is_the_last_prompt_token_and_scoring_reads_the_tail(engi
     prompt = [3, 9, 4, 17, 5]
     _, dflt = call(engine, "generate", {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True})
     assert dflt["meta_info"]["input_token_logprobs"] == [[None, 5, None]]
-    # AReaL's teacher/ref scoring call (system.md §4.1): the last target_len entries are the targets' log-probs
+    # AReaL's teacher/ref scoring call (docs/docs/spec/system.md §4.1): the last target_len entries are the targets' log-probs
     target_len = 3
     _, sc = call(engine, "generate", {
         "input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True,

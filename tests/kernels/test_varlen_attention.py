@@ -160,7 +160,7 @@ def check_interfaces(device: str) -> None:
         lambda: m.varlen_attention(q.double(), k.double(), v.double(), cu, 20),
         lambda: m.KernelConfig(fwd_block_m=48),
         lambda: m.KernelConfig(dq_warps=3),
-        lambda: m.KernelConfig(dkdv_stages=4),  # hung / read out of bounds on the H200 (session 12)
+        lambda: m.KernelConfig(dkdv_stages=4),  # hung / read out of bounds on the H200
     ]
     for i, call in enumerate(bad_calls):
         with pytest.raises(ValueError):

@@ -1,4 +1,4 @@
-"""DPO / IPO (spec §13.1, §18 item 20)."""
+"""DPO / IPO (docs/docs/spec/algorithms.md §13.1, §18 property 20)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The README's test command and CI run the same, reproducible hypothesis profile (issue 23.1, style rule 16)."""
+"""The README's test command and CI run the same, reproducible hypothesis profile (style rule 16)."""
 
 from __future__ import annotations
 

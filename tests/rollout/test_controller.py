@@ -25,7 +25,7 @@ from rlcore.rollout.rewards.pool import RewardPool, RewardPoolConfig
 
 
 class FakeEngine:
-    """Interruptible fake engine + client in one (the EngineClient contract of spec system.md §3.1).
+    """Interruptible fake engine + client in one (the EngineClient contract of docs/docs/spec/system.md §3.1).
 
     Tokens come one at a time after a random delay. ``pause()`` aborts the running segment: tokens
     so far keep the version pinned at the segment start; the request waits while paused and resumes
@@ -504,7 +504,7 @@ def test_dynamic_bs_with_a_filter_keeps_the_staleness_bound():
     assert s["rollout/rejected"] > 0
 
 
-# ------------------------------------------------------------------ robustness (issue 16.4)
+# ------------------------------------------------------------------ robustness
 def test_all_filtered_dynamic_bs_batches_never_stall_the_gate():
     """eta + 1 (here 4) consecutive all-filtered batches; the trainer skips the publish of an empty batch (as
     gsm8k_grpo does). The gate counts batches handed out, so generation goes on; the bound still holds."""
@@ -574,7 +574,7 @@ def test_default_task_timeout_fails_a_hung_task_alone():
 
     class Hangs(FakeEngine):
         async def agenerate(self, req):
-            if req.input_ids[2] == 3:  # the prompt of item 0 hangs forever in the engine
+            if req.input_ids[2] == 3:  # the first prompt hangs forever in the engine
                 await asyncio.Event().wait()
             return await super().agenerate(req)
 

@@ -218,7 +218,7 @@ def test_gsm8k_rows_carry_a_raw_prompt_for_base_models(tmp_path):
     assert row["messages"][0]["content"] in row["prompt"]
 
 
-# ------------------------------------------------------------------ rewards off the event loop (issue 16.4)
+# ------------------------------------------------------------------ rewards off the event loop
 def test_a_blocking_reward_does_not_delay_another_tasks_generation():
     import time
 

@@ -144,7 +144,7 @@ def test_stats_tracker_reductions():
     assert st.export() == {}  # reset after export
 
 
-# ------------------------------------------------------------------ crash while re-saving (issue 14.5)
+# ------------------------------------------------------------------ crash while re-saving
 @dataclasses.dataclass(frozen=True)
 class _Tagged:
     step: int
@@ -326,7 +326,7 @@ def test_sigkill_at_random_moments_while_saving_many(tmp_path):
     _kill_trials(tmp_path, trials=30, seed=1)
 
 
-# ------------------------------------------------------------------ DCP layout, async saves, old layout (issue 21.5)
+# ------------------------------------------------------------------ DCP layout, async saves, old layout
 def test_save_writes_a_dcp_checkpoint_not_train_pt(tmp_path):
     state, _ = _step(_fresh(1), 0)
     out = checkpoint.save(tmp_path, state)
@@ -418,7 +418,7 @@ def test_async_save_is_waited_for_by_the_next_save(tmp_path):
 
 
 def _legacy_save(root: Path, state, extra: dict) -> Path:
-    """The pre-DCP writer (main before issue 21.5), kept here only to produce ``train.pt``-layout checkpoints."""
+    """The pre-DCP writer (before the DCP layout), kept here only to produce ``train.pt``-layout checkpoints."""
     import json
 
     from torch.distributed.checkpoint.state_dict import (

@@ -1,4 +1,4 @@
-"""One staleness gate for data-parallel ranks (issue 16 item 5): rlcore.training.dp_rollout on 2 gloo ranks.
+"""One staleness gate for data-parallel ranks: rlcore.training.dp_rollout on 2 gloo ranks.
 
 The 2-rank scenarios run once (tests/training/dp_rollout_worker.py, ~10 s on 2 cores), in the torchrun launch that
 the session's two-rank tests share (``two_ranks`` in tests/training/conftest.py); each test below checks one

@@ -1,4 +1,4 @@
-"""Record and replay (issue 19.1): an asynchronous (eta = 2) run of the CPU main job is recorded, then re-run from the
+"""Record and replay: an asynchronous (eta = 2) run of the CPU main job is recorded, then re-run from the
 record with no engine; every loss and the final weights must match bit for bit, a tampered record must fail naming
 the step, and another objective must train on the identical samples."""
 

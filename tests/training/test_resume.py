@@ -1,4 +1,4 @@
-"""Resume that loses nothing (issue 19.2): the CPU main job (eta = 2, a checkpoint after every rollout batch, a
+"""Resume that loses nothing: the CPU main job (eta = 2, a checkpoint after every rollout batch, a
 record of every step) is killed with SIGKILL at random moments and resumed from its last checkpoint, until it
 finishes. Then, on the surviving history (the record, cut back to each checkpoint on resume):
 

@@ -59,7 +59,7 @@ def params(model):
 
 def ppo_loss_fn(obj_cfg=ppo.PPOConfig(), *, masks=(), prox="recompute", version=0, distill_cfg=None):
     """Decoupled PPO from the leaves: proximal log-probs (``mb.logp_prox``, or version interpolation), keep-masks
-    ``(fn, cfg)`` in order whose factors multiply the behaviour weight (spec §7.4), the global denominator of the
+    ``(fn, cfg)`` in order whose factors multiply the behaviour weight (docs/docs/spec/algorithms.md §7.4), the global denominator of the
     aggregation, and an optional distillation term against ``mb.logp_teacher``."""
 
     def loss_fn(logp, mb):
@@ -302,7 +302,7 @@ def test_dict_shift_and_typed_shift_agree_and_missing_inputs_are_named():
 
 
 def test_the_runtime_consults_no_registry():
-    """Issue 15.1: no string or type registry in the runtime; OBJECTIVES / MASKS are a convenience for notebooks and
+    """no string or type registry in the runtime; OBJECTIVES / MASKS are a convenience for notebooks and
     for the ``rlcore-replay --objective NAME`` command line only (rlcore/replay.py, a tool outside the wings)."""
     import re
     from pathlib import Path

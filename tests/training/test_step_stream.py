@@ -1,8 +1,8 @@
-"""``step.device_stream``: an update's CUDA work on a high-priority stream of its own (issue 16, item 3).
+"""``step.device_stream``: an update's CUDA work on a high-priority stream of its own.
 
 On one GPU shared with an engine thread (default stream), the whole update (proximal forward, advantages,
 ``train_step``) in one high-priority block lets the engine's kernels fill its gaps: bench_trl η = 4 / η = 0 gave
-1.23, 1.10, 1.45, 1.15 against 1.07, 1.12, 1.15, 1.16 on one stream (docs/benchmarks.md, session 9). On CPU the
+1.23, 1.10, 1.45, 1.15 against 1.07, 1.12, 1.15, 1.16 on one stream (docs/benchmarks.md). On CPU the
 block changes nothing; the CUDA tests check that the work really runs on that stream, that the result equals the
 one-stream update, and that what the block updates in place is complete when it returns (an engine in another
 stream reads it next).

@@ -1,4 +1,4 @@
-"""The train step at the hardware limit (issue 18, items 3-4), on CPU: host overhead, knobs of ``ModelConfig``.
+"""The train step at the hardware limit, on CPU: host overhead, knobs of ``ModelConfig``.
 
 * The number of aten ops one RL step issues does not grow with the number of sequences (or the padded width)
   at a fixed token count, and the number of host reads of tensor values does not grow with the number of

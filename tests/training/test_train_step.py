@@ -1,7 +1,7 @@
 """``train_step`` against ``torch.func.grad`` of the same leaves on the same packed tokens (float64, tiny Qwen2, CPU).
 
 Part A runs a whole RL step the way the experiments write it (``common.rl_update``: forwards, advantages, an
-explicit leaf ``loss_fn``, ``train_step``): seq-mean aggregations (issue 13.2), mask weights (13.1) and ``ℓ^old``
+explicit leaf ``loss_fn``, ``train_step``): seq-mean aggregations, mask weights (13.1) and ``ℓ^old``
 for the KL reward (13.3). The full objective x mask x agg matrix through the experiment's own loss_fn is
 tests/training/test_composition.py.
 Part B drives the new ``train_step(state, batch, loss_fn)`` directly: micro-batch and DP-split invariance for
@@ -163,7 +163,7 @@ def masked_loss_fn(fn, obj_cfg, mcfg):
     [("ppo", m) for m in MASK_CASES] + [("cispo", "token_clamp"), ("gspo", "token_clamp"), ("ppo_seq", "seq_clamp")],
 )
 def test_mask_weights_reach_the_loss(name, mask_name):
-    """Issue 13.1: keep-masks and their processed weights (TIS clamp, sequence geometric mean) enter the
+    """keep-masks and their processed weights (TIS clamp, sequence geometric mean) enter the
     objective as ``weight=``; the loss and the gradient equal the hand composition. Old step: weight dropped."""
     mcfg = MASK_CASES[mask_name]
     seq = name == "ppo_seq"
@@ -201,7 +201,7 @@ def test_clamp_where_only_a_mask_can_act_raises(fn, obj_cfg):
 
 
 def test_kl_reward_uses_recomputed_logp_when_coupled():
-    """Issue 13.3, spec §4.1: coupled PPO + recompute => ℓ^old is the recomputed tensor (policy == ref at init,
+    """docs/docs/spec/algorithms.md §4.1: coupled PPO + recompute => ℓ^old is the recomputed tensor (policy == ref at init,
     so the k1 KL reward is exactly 0 and the ratio exactly 1); decoupled => ℓ^old = behaviour log-probs."""
     st = common.fresh_state(ref=True)
     tb = step.TokenBatch.from_rollout(common.make_batch(15))

@@ -66,7 +66,7 @@ def test_bad_inputs_name_the_field():
     assert code.score("anything", []) == 0.0
 
 
-# --- forged verdicts (issue 14 item 2): every program below solves nothing and must score 0 ----------------------
+# --- forged verdicts: every program below solves nothing and must score 0 ----------------------
 
 TESTS = ["assert f(2) == 4", "assert f(3) == 9", "assert f(10) == 100"]
 ALL = code.CodeRewardConfig(mode="all", sandbox=FAST)

@@ -1,6 +1,6 @@
 """The sandbox is a boundary: each attack a reward-hacking policy could write is run and must fail.
 
-Several attacks first switch the PEP 578 audit hook off the way issue 14 found it can be done (find the hook
+Several attacks first switch the PEP 578 audit hook off the way it was found it can be done (find the hook
 with ``gc`` and rewrite its defaults), so what is tested is the OS layer below it.
 """
 
