@@ -5,7 +5,7 @@ Smoke:  python experiments/agent.py --model tiny --steps 2 --prompts-per-step 2 
             --agent.max-tokens 8
 Expect: rollout/reward rises like single-turn GRPO's; the agent code never sees a token id or a log-prob.
 
-The agent only receives ``base_url`` and ``api_key`` (docs/docs/spec/system.md §6). rlcore.rollout.proxy sits between
+The agent only receives ``base_url`` and ``api_key`` (docs/spec/system.md §6). rlcore.rollout.proxy sits between
 it and the engine: it applies the chat template, generates through the rollout's EngineClient (so weight pushes
 pause and version-tag the agent's calls like any rollout), and records ids, log-probs and versions. Each episode
 is exported in ``concat`` style: one row per conversation, earlier turns discounted by ``turn_discount``.
@@ -89,7 +89,7 @@ class MathAgent:
 
 @dataclass(frozen=True)
 class Config:
-    """Agentic GRPO run (GRPO baseline of docs/docs/spec/algorithms.md §15.1; reward = the agent's return value)."""
+    """Agentic GRPO run (GRPO baseline of docs/spec/algorithms.md §15.1; reward = the agent's return value)."""
 
     model: str = ""
     """Local HF model directory (its tokenizer needs a chat template), or 'tiny'."""
@@ -102,7 +102,7 @@ class Config:
     agent: AgentConfig = AgentConfig()
     """The agent's own settings."""
     turn_discount: float = 0.9
-    """Reward of turn i = turn_discount**(K-1-i) * final reward (docs/docs/spec/algorithms.md §14.4); only the last turn's row is kept."""
+    """Reward of turn i = turn_discount**(K-1-i) * final reward (docs/spec/algorithms.md §14.4); only the last turn's row is kept."""
     steps: int = 100
     """Training steps."""
     prompts_per_step: int = 64
@@ -174,7 +174,7 @@ def make_loss_fn(cfg: Config) -> step.LossFn:
     """Rejection filter (its processed weight replaces pi_prox / pi_behav) -> decoupled PPO; global token mean."""
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, docs/docs/spec/algorithms.md §4.1
+        behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, docs/spec/algorithms.md §4.1
         keep, weight, m_rs = rejection_lib.process(mb.logp_prox, behav, mb.loss_mask, cfg=cfg.rejection)
         loss, m = ppo.loss(logp, mb.logp_prox, behav, mb.adv, keep, cfg=cfg.objective,
                            denom=mb.denom(cfg.objective.agg), denom_mask=mb.loss_mask,

@@ -6,7 +6,7 @@ Smoke:  python experiments/distill.py --model tiny --teacher tiny --steps 2 --pr
 Expect: distill/reverse_kl (the sampled estimate of KL(student || teacher)) falls; with a real teacher eval
         pass@1 moves towards the teacher's.
 
-Pure KD (rl_weight = 0, the default) minimises the reverse KL with the score-function estimator of docs/docs/spec/algorithms.md §13.4
+Pure KD (rl_weight = 0, the default) minimises the reverse KL with the score-function estimator of docs/spec/algorithms.md §13.4
 (reward log pi_T - log pi_theta on the student's own samples); the GSM8K reward is still computed and logged.
 Teacher and student must share the tokenizer (log-probs are compared token by token). The step has the shape
 of gsm8k_grpo.py: rollout -> rewards -> advantages -> loss_fn (PPO + the distillation term) -> train_step -> publish.
@@ -36,7 +36,7 @@ from rlcore.types import TokenBatch
 
 @dataclass(frozen=True)
 class Config:
-    """On-policy distillation run (GRPO baseline of docs/docs/spec/algorithms.md §15.1 for the optional RL term)."""
+    """On-policy distillation run (GRPO baseline of docs/spec/algorithms.md §15.1 for the optional RL term)."""
 
     model: str = ""
     """Student: local HF model directory, or 'tiny' for a random tiny Qwen2 with a character tokenizer."""
@@ -125,18 +125,18 @@ def reward_fn(completion: str, item: dict) -> float:
 def make_loss_fn(cfg: Config) -> step.LossFn:
     """Rejection filter -> decoupled PPO (the RL term) -> the distillation loss ``rl_weight·RL + kd_weight·KD``.
 
-    The KD term is the reverse KL to the teacher on the student's own samples (docs/docs/spec/algorithms.md §13.4), over every trained token
-    (the rejection filter acts inside the PPO term only, docs/docs/spec/algorithms.md §8),
+    The KD term is the reverse KL to the teacher on the student's own samples (docs/spec/algorithms.md §13.4), over every trained token
+    (the rejection filter acts inside the PPO term only, docs/spec/algorithms.md §8),
     divided by the GLOBAL token count like the PPO term.
     """
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, docs/docs/spec/algorithms.md §4.1
+        behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, docs/spec/algorithms.md §4.1
         keep, weight, m_rs = rejection_lib.process(mb.logp_prox, behav, mb.loss_mask, cfg=cfg.rejection)
         rl_loss, m = ppo.loss(logp, mb.logp_prox, behav, mb.adv, keep, cfg=cfg.objective,
                               denom=mb.denom(cfg.objective.agg), denom_mask=mb.loss_mask,
                               weight=weight)
-        # the KD term covers every trained token: rejection sampling acts inside the surrogate only (docs/docs/spec/algorithms.md §8, §13.4)
+        # the KD term covers every trained token: rejection sampling acts inside the surrogate only (docs/spec/algorithms.md §8, §13.4)
         loss, m_kd = distill_lib.loss(logp, behav, mb.logp_teacher, mb.loss_mask, cfg=cfg.distill, rl_loss=rl_loss,
                                       denom=mb.n_tokens)
         ent = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]

@@ -3,7 +3,7 @@
 Run:    python experiments/dpo.py --model out/sft --log-dir runs/dpo          (IPO: --dpo.loss-type ipo)
 Smoke:  python experiments/dpo.py --model tiny --steps 2 --pairs-per-step 2 --train-limit 4 --eval-limit 2
 Expect: held-out preference accuracy climbs towards 1 and the implicit-reward margin grows; the loss starts at
-        log 2 = 0.693 (policy = reference) for the sigmoid loss (docs/docs/spec/algorithms.md §13.1, §18 property 20).
+        log 2 = 0.693 (policy = reference) for the sigmoid loss (docs/spec/algorithms.md §13.1, §18 property 20).
 
 The pairs share their prompt and all but the last line, so the preference is learned exactly on the final
 answer tokens (a clean test of the objective; swap in real preference data with --data-dir).
@@ -94,7 +94,7 @@ SMOKE = Config(
 
 
 def make_loss_fn(cfg: Config, *, n_pairs: torch.Tensor) -> step.LossFn:
-    """DPO / IPO on interleaved pairs (docs/docs/spec/algorithms.md §13.1): sequence log-probs of policy and reference, the pair loss
+    """DPO / IPO on interleaved pairs (docs/spec/algorithms.md §13.1): sequence log-probs of policy and reference, the pair loss
     divided by ``n_pairs``, the GLOBAL count of valid pairs (micro-batches keep pairs together)."""
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

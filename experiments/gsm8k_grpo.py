@@ -1,4 +1,4 @@
-"""Asynchronous RL on GSM8K: every seed algorithm of docs/docs/spec/algorithms.md §15.2 as a named preset.
+"""Asynchronous RL on GSM8K: every seed algorithm of docs/spec/algorithms.md §15.2 as a named preset.
 
 Run:    python experiments/gsm8k_grpo.py grpo --model /models/qwen2.5-1.5b-instruct --log-dir runs/grpo
         (presets: grpo drgrpo liteppo rloo reinforce_pp reinforce_pp_baseline gspo dapo sapo cispo icepop kpop
@@ -46,7 +46,7 @@ from rlcore.types import TokenBatch
 
 @dataclass(frozen=True)
 class Config:
-    """GSM8K RL run. Defaults are AReaL's shipped GSM8K baseline (docs/docs/spec/algorithms.md §15.1); presets change the §15.2 knobs."""
+    """GSM8K RL run. Defaults are AReaL's shipped GSM8K baseline (docs/spec/algorithms.md §15.1); presets change the §15.2 knobs."""
 
     model: str = ""
     """Local HF model directory, or 'tiny' for a random tiny Qwen2 with a character tokenizer."""
@@ -105,7 +105,7 @@ class Config:
     kl_loss: kl.KLConfig = kl.KLConfig(estimator="k3")
     """Estimator of the KL-in-loss term."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient (docs/docs/spec/algorithms.md §11 ships none: 0 only logs the entropy)."""
+    """Entropy bonus coefficient (docs/spec/algorithms.md §11 ships none: 0 only logs the entropy)."""
     critic: bool = False
     """Train a value model (copy of the policy + zero value head) and use GAE with its values (PPO)."""
     value_loss: value.ValueConfig = value.ValueConfig()
@@ -158,8 +158,8 @@ class Config:
             raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
         self._check_budgets()
         if isinstance(self.objective, sapo.SAPOConfig):
-            # SAPO is coupled (docs/docs/spec/algorithms.md §10.1): its ratio is against ℓ^old, the behaviour log-probs (--prox behav, AReaL's
-            # recipe) or the recomputed ones (--objective.ratio-against prox --prox recompute, docs/docs/spec/algorithms.md §4.1).
+            # SAPO is coupled (docs/spec/algorithms.md §10.1): its ratio is against ℓ^old, the behaviour log-probs (--prox behav, AReaL's
+            # recipe) or the recomputed ones (--objective.ratio-against prox --prox recompute, docs/spec/algorithms.md §4.1).
             against = self.objective.ratio_against
             if against == "behav" and self.prox == "recompute":
                 raise ValueError(
@@ -216,14 +216,14 @@ class Config:
 
     @property
     def masks(self) -> tuple[str, ...]:
-        """The flag groups of the off-policy masks turned on; each compares pi_prox with pi_behav (docs/docs/spec/algorithms.md §8-9)."""
+        """The flag groups of the off-policy masks turned on; each compares pi_prox with pi_behav (docs/spec/algorithms.md §8-9)."""
         return tuple(f"--{f}.*" for f in ("m2po", "rejection", "icepop", "kpop") if getattr(self, f) is not None)
 
     def _check_masks_compare_two_policies(self) -> None:
         """Refuse a mask whose two inputs are the same tensor: it keeps every token and does nothing.
 
         ``--prox behav`` makes pi_prox the behaviour log-probs, and a coupled objective on recomputed log-probs takes
-        pi_old = pi_prox (docs/docs/spec/algorithms.md §4.1); either way the masks would compare a tensor with itself (ratio 1, KL 0).
+        pi_old = pi_prox (docs/spec/algorithms.md §4.1); either way the masks would compare a tensor with itself (ratio 1, KL 0).
         """
         masks = self.masks
         if not masks:
@@ -239,7 +239,7 @@ class Config:
             knob = ("--objective.ratio-against prox" if isinstance(self.objective, sapo.SAPOConfig)
                     else "--objective.no-decoupled")
             raise ValueError(
-                f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (docs/docs/spec/algorithms.md §4.1), so the "
+                f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (docs/spec/algorithms.md §4.1), so the "
                 f"off-policy mask(s) {on} would compare that tensor with itself and keep every token (the mask does "
                 f"nothing); use a decoupled objective (drop {knob}), --prox interpolate, or turn the masks off with "
                 "--no-off-policy-masks"
@@ -247,7 +247,7 @@ class Config:
 
     @property
     def coupled(self) -> bool:
-        """Coupled PPO (docs/docs/spec/algorithms.md §4.1): the ratio is taken against ``ℓ^old`` itself and no behaviour weight applies."""
+        """Coupled PPO (docs/spec/algorithms.md §4.1): the ratio is taken against ``ℓ^old`` itself and no behaviour weight applies."""
         o = self.objective
         return o.ratio_against == "prox" if isinstance(o, sapo.SAPOConfig) else not o.decoupled
 
@@ -274,7 +274,7 @@ def reward_fn(completion: str, item: dict) -> float:
     return math_reward.gsm8k_reward(completion, item)
 
 
-# --- presets: the baseline plus the per-algorithm deltas of docs/docs/spec/algorithms.md §15.2 (a preset is data) ---
+# --- presets: the baseline plus the per-algorithm deltas of docs/spec/algorithms.md §15.2 (a preset is data) ---
 BASE = Config()
 _replace = dataclasses.replace
 PRESETS: dict[str, tuple[str, Config]] = {
@@ -351,7 +351,7 @@ def _mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def prepare_minibatch(cfg: Config, mb: TokenBatch) -> tuple[TokenBatch, dict[str, torch.Tensor]]:
     """Per-minibatch statistics a loss needs before the micro-batch split: M2PO's second moment is a statistic of
-    the whole minibatch (docs/docs/spec/algorithms.md §9), so its keep-mask is computed here, once, on (prox, behav) — both fixed before the
+    the whole minibatch (docs/spec/algorithms.md §9), so its keep-mask is computed here, once, on (prox, behav) — both fixed before the
     update — and ``loss_fn`` narrows each micro-batch's mask by it. With interpolated prox (which moves with the
     current policy) it stays a per-micro-batch statistic inside ``loss_fn``."""
     if cfg.m2po is None or cfg.prox == "interpolate":
@@ -366,14 +366,14 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
     """``loss_fn(logp (b t), mb) -> (loss, metrics)`` of the preset ``cfg`` at weight version ``version``.
 
     proximal log-probs -> keep-masks (M2PO first, as in AReaL, then rejection / IcePop / KPop; the rejection
-    filter's processed weight replaces pi_prox / pi_behav, docs/docs/spec/algorithms.md §7.4) -> the surrogate -> optional KL-in-loss and
+    filter's processed weight replaces pi_prox / pi_behav, docs/spec/algorithms.md §7.4) -> the surrogate -> optional KL-in-loss and
     entropy terms. Every term divides by the GLOBAL count of its aggregation (``mb.denom``) taken BEFORE the
     masks, so rejected tokens stay in the denominator and the split into micro-batches does not matter.
     """
     obj = cfg.objective
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # ℓ^old (docs/docs/spec/algorithms.md §4.1): coupled PPO on recomputed log-probs compares against the recomputed tensor.
+        # ℓ^old (docs/spec/algorithms.md §4.1): coupled PPO on recomputed log-probs compares against the recomputed tensor.
         behav = step.old_logp(mb, coupled_recompute=cfg.prox == "recompute" and cfg.coupled)
         metrics: dict[str, torch.Tensor] = {}
         if cfg.prox == "recompute":
@@ -404,7 +404,7 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
             keep, _, m = kpop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.kpop)
             metrics.update(m)
         denom = mb.denom(obj.agg)
-        counted = mb.loss_mask  # the pre-mask counts: a dropped token leaves the numerator only (docs/docs/spec/algorithms.md §6.4)
+        counted = mb.loss_mask  # the pre-mask counts: a dropped token leaves the numerator only (docs/spec/algorithms.md §6.4)
         if isinstance(obj, gspo.GSPOConfig):
             loss, m = gspo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
         elif isinstance(obj, sapo.SAPOConfig):
@@ -429,7 +429,7 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
 
 
 def critic_loss_fn(cfg: Config) -> step.LossFn:
-    """Clipped value loss (docs/docs/spec/algorithms.md §12) on the pre-update values and the GAE returns; global token mean."""
+    """Clipped value loss (docs/spec/algorithms.md §12) on the pre-update values and the GAE returns; global token mean."""
 
     def loss_fn(values: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return value.loss(values, mb.value_old, mb.returns, mb.loss_mask, cfg=cfg.value_loss, denom=mb.n_tokens)
@@ -489,7 +489,7 @@ def main(cfg: Config) -> dict[str, float]:
                     if shard.skip:
                         continue
                     batch = shard.batch
-                # --- no-grad forwards before the update (docs/docs/spec/algorithms.md §1 steps 2-5) ---
+                # --- no-grad forwards before the update (docs/spec/algorithms.md §1 steps 2-5) ---
                 batch = dataclasses.replace(
                     batch,
                     value_old=step.critic_values(state, batch, cfg=step_cfg) if cfg.critic else None,

@@ -1,4 +1,4 @@
-"""Multi-turn GSM8K: retry with feedback until correct, reward discounted per extra attempt (docs/docs/spec/algorithms.md §14.4).
+"""Multi-turn GSM8K: retry with feedback until correct, reward discounted per extra attempt (docs/spec/algorithms.md §14.4).
 
 Run:    python experiments/multi_turn.py --model /models/qwen2.5-1.5b-instruct --turns.max-turns 3 \
             --turns.turn-discount 0.9 --log-dir runs/multi_turn
@@ -37,7 +37,7 @@ from rlcore.types import TokenBatch
 
 @dataclass(frozen=True)
 class Config:
-    """Retry-with-feedback GRPO run (GRPO baseline of docs/docs/spec/algorithms.md §15.1 plus the turn settings)."""
+    """Retry-with-feedback GRPO run (GRPO baseline of docs/spec/algorithms.md §15.1 plus the turn settings)."""
 
     model: str = ""
     """Local HF model directory, or 'tiny' for a random tiny Qwen2 with a character tokenizer."""
@@ -122,7 +122,7 @@ def make_loss_fn(cfg: Config) -> step.LossFn:
     """Rejection filter (its processed weight replaces pi_prox / pi_behav) -> decoupled PPO; global token mean."""
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, docs/docs/spec/algorithms.md §4.1
+        behav = step.old_logp(mb, coupled_recompute=not cfg.objective.decoupled)  # ℓ^old, docs/spec/algorithms.md §4.1
         keep, weight, m_rs = rejection_lib.process(mb.logp_prox, behav, mb.loss_mask, cfg=cfg.rejection)
         loss, m = ppo.loss(logp, mb.logp_prox, behav, mb.adv, keep, cfg=cfg.objective,
                            denom=mb.denom(cfg.objective.agg), denom_mask=mb.loss_mask,

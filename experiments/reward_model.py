@@ -1,4 +1,4 @@
-"""Bradley–Terry reward model on GSM8K preference pairs (docs/docs/spec/algorithms.md §13.2), critic head on the policy.
+"""Bradley–Terry reward model on GSM8K preference pairs (docs/spec/algorithms.md §13.2), critic head on the policy.
 
 Run:    python experiments/reward_model.py --model out/sft --log-dir runs/rm
 Smoke:  python experiments/reward_model.py --model tiny --steps 2 --pairs-per-step 2 --train-limit 4 --eval-limit 2
@@ -103,7 +103,7 @@ SMOKE = Config(
 
 
 def make_loss_fn(*, n_pairs: float) -> step.LossFn:
-    """Bradley–Terry on interleaved pairs (docs/docs/spec/algorithms.md §13.2): the score is the value head at each row's last real
+    """Bradley–Terry on interleaved pairs (docs/spec/algorithms.md §13.2): the score is the value head at each row's last real
     token; ``-log sigmoid(s_chosen - s_rejected)`` summed and divided by ``n_pairs`` (GLOBAL pair count)."""
 
     def loss_fn(values: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on GSM8K worked solutions: masked NLL on the answer tokens (docs/docs/spec/algorithms.md §13.3).
+"""Supervised fine-tuning on GSM8K worked solutions: masked NLL on the answer tokens (docs/spec/algorithms.md §13.3).
 
 Run:    python experiments/sft.py --model /models/qwen3-1.7b --log-dir runs/sft --export-dir out/sft
 Smoke:  python experiments/sft.py --model tiny --steps 2 --batch-size 2 --train-limit 4 --eval-limit 2
@@ -35,7 +35,7 @@ OPTIM = train_state.OptimConfig(
 
 @dataclass(frozen=True)
 class Config:
-    """SFT run; defaults follow AReaL's gsm8k_sft example (docs/docs/spec/algorithms.md §15.2)."""
+    """SFT run; defaults follow AReaL's gsm8k_sft example (docs/spec/algorithms.md §15.2)."""
 
     model: str = ""
     """Local HF model directory, or 'tiny' for a random tiny Qwen2 with a character tokenizer."""
@@ -114,7 +114,7 @@ def make_row(tok, item: dict) -> dict[str, torch.Tensor]:
 
 
 def make_loss_fn(cfg: Config) -> step.LossFn:
-    """Masked NLL over the answer tokens, divided by the GLOBAL token count (docs/docs/spec/algorithms.md §13.3); entropy logged."""
+    """Masked NLL over the answer tokens, divided by the GLOBAL token count (docs/spec/algorithms.md §13.3); entropy logged."""
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, m = sft_lib.loss(logp, mask=mb.loss_mask, cfg=cfg.sft, denom=float(mb.n_tokens))

@@ -392,13 +392,13 @@ def step_config(cfg: Config) -> step.StepConfig:
 
 def build_loss_fn(cfg: Config) -> step.LossFn:
     """The algorithm as a ``loss_fn(logp (b t), mb) -> (loss, metrics)``: the surrogate ``cfg.objective`` on the
-    recomputed proximal log-probs, global token mean (``mb.denom``). ``ℓ^old`` follows docs/docs/spec/algorithms.md §4.1: the engine's
+    recomputed proximal log-probs, global token mean (``mb.denom``). ``ℓ^old`` follows docs/spec/algorithms.md §4.1: the engine's
     log-probs for a decoupled objective (behaviour weight pi_prox / pi_behav), the recomputed ones for a coupled one."""
     obj = cfg.objective
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # ℓ^prox: the weights this step starts from. One optimizer step per batch means the training forward runs
-        # exactly those weights, so its detached log-probs ARE the recompute (docs/docs/spec/algorithms.md §5.1) without a second forward
+        # exactly those weights, so its detached log-probs ARE the recompute (docs/spec/algorithms.md §5.1) without a second forward
         mb = dataclasses.replace(mb, logp_prox=step.proximal_logp(logp, mb))
         behav = step.old_logp(mb, coupled_recompute=not obj.decoupled)
         args = (logp, mb.logp_prox, behav, mb.adv, mb.loss_mask)

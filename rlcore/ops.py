@@ -8,7 +8,7 @@ Shapes: ``t`` tokens, ``h`` hidden size, ``v`` vocabulary. The LM head is ``s = 
 
     lse = logsumexp(z),  logp = z[y] - lse,  entropy = -sum_v p log p = lse - sum_v p z
 
-Everything is accumulated in float32, whatever the input dtype (docs/docs/spec/algorithms.md §0.2: log-probs in fp32).
+Everything is accumulated in float32, whatever the input dtype (docs/spec/algorithms.md §0.2: log-probs in fp32).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def token_logp(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Ten
     Args:
       logits: ``(..., v)`` any float dtype.
       targets: ``(...)`` integer token ids in ``[0, v)``.
-      temperature: positive scalar dividing the logits (docs/docs/spec/algorithms.md §0.2).
+      temperature: positive scalar dividing the logits (docs/spec/algorithms.md §0.2).
 
     Returns:
       ``(...)`` float32 log-probs (float64 for float64 logits).
@@ -79,7 +79,7 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
 def masked_mean(x: Tensor, mask: Tensor, denom: Tensor | float | None = None) -> Tensor:
     """``masked_sum(x, mask) / denom``; ``denom`` defaults to ``max(mask.sum(), 1)``.
 
-    Pass the minibatch-global token count as ``denom`` when micro-batching (docs/docs/spec/algorithms.md §0.4), so gradients do not
+    Pass the minibatch-global token count as ``denom`` when micro-batching (docs/spec/algorithms.md §0.4), so gradients do not
     depend on how the minibatch was split.
 
     Args:

@@ -1,9 +1,9 @@
 """Typed batches that cross module boundaries: frozen dataclasses of padded tensors with documented shapes.
 
 Shape glossary: ``b`` rows (sequences), ``l`` padded width in token-own alignment, ``t`` padded width in
-predictive alignment (``t == l``; position ``t`` scores token ``t+1``, docs/docs/spec/algorithms.md §0.2).
+predictive alignment (``t == l``; position ``t`` scores token ``t+1``, docs/spec/algorithms.md §0.2).
 
-* :class:`RolloutBatch` is what the rollout side produces (token-own alignment, docs/docs/spec/system.md §1.3). The
+* :class:`RolloutBatch` is what the rollout side produces (token-own alignment, docs/spec/system.md §1.3). The
   rollout wing still hands out ``dict[str, Tensor]``; :meth:`RolloutBatch.from_dict` / :meth:`to_dict` bridge it.
 * :class:`TokenBatch` is what the train step and an experiment's ``loss_fn(logp, mb)`` see: the same rows in
   predictive alignment, plus every per-token input a loss may need as an optional field (proximal, reference
@@ -30,13 +30,13 @@ _ROLL_FILL = {"input_ids": 0, "loss_mask": False, "logprobs": 0.0, "versions": -
 
 
 def _roll_left(x: Tensor, fill: float | int | bool) -> Tensor:
-    """``y[:, t] = x[:, t+1]``, last column ``fill`` (the single predictive shift, docs/docs/spec/algorithms.md §0.2)."""
+    """``y[:, t] = x[:, t+1]``, last column ``fill`` (the single predictive shift, docs/spec/algorithms.md §0.2)."""
     return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
 
 
 @dataclass(frozen=True)
 class RolloutBatch:
-    """Padded rollout rows in token-own alignment (what workflows return; docs/docs/spec/system.md §1.3)."""
+    """Padded rollout rows in token-own alignment (what workflows return; docs/spec/system.md §1.3)."""
 
     input_ids: Tensor
     """(b l) int64: prompt ++ generated (++ tool / feedback) tokens, right-padded."""
@@ -118,7 +118,7 @@ class TokenBatch:
     logp_behav: Tensor | None = None
     """(b t) float: behaviour log-probs of the engine, predictive (spec ``ℓ^beh``)."""
     versions: Tensor | None = None
-    """(b t) int64: version of the token predicted at t, -1 if none (rlcore rolls versions, docs/docs/spec/algorithms.md §5.3)."""
+    """(b t) int64: version of the token predicted at t, -1 if none (rlcore rolls versions, docs/spec/algorithms.md §5.3)."""
     turn_ids: Tensor | None = None
     """(b t) int64: turn index of the token predicted at t, -1 if none."""
     rewards: Tensor | None = None
@@ -150,7 +150,7 @@ class TokenBatch:
 
     @classmethod
     def from_rollout(cls, r: RolloutBatch | Mapping[str, Tensor]) -> TokenBatch:
-        """The single left shift of docs/docs/spec/algorithms.md §0.2: token-own rollout rows -> predictive alignment.
+        """The single left shift of docs/spec/algorithms.md §0.2: token-own rollout rows -> predictive alignment.
 
         ``targets = input_ids[:, t+1]``; ``loss_mask``, ``logprobs`` (-> ``logp_behav``), ``versions`` and
         ``turn_ids`` roll left by one and their last column gets the padding value.

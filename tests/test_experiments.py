@@ -84,7 +84,7 @@ def test_gsm8k_smoke_every_preset(name, data_dir, capsys):
 
 
 def test_presets_mirror_the_recipe_table():
-    """Spot checks of docs/docs/spec/algorithms.md §15.2: the knob that defines each algorithm is set, the rest is baseline."""
+    """Spot checks of docs/spec/algorithms.md §15.2: the knob that defines each algorithm is set, the rest is baseline."""
     p = {k: c for k, (_, c) in GSM.PRESETS.items()}
     base = p["grpo"]
     assert (

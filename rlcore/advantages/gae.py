@@ -1,4 +1,4 @@
-"""Generalised advantage estimation on padded ``(b t)`` predictive-aligned tensors (docs/docs/spec/algorithms.md §4).
+"""Generalised advantage estimation on padded ``(b t)`` predictive-aligned tensors (docs/spec/algorithms.md §4).
 
 GAE (Schulman et al. 2015, https://arxiv.org/abs/1506.02438), per row and over *valid* steps only:
 ``δ_t = ρ_t + γ V_next − V_t``, ``A_t = δ_t + γ λ_b A_next``; masked positions are skipped (they carry the
@@ -40,7 +40,7 @@ class GAEConfig:
     kl_ctl: float = 0.0
     """Coefficient of the KL-in-reward penalty ``−kl_ctl · KL_est(ℓ_old, ℓ_ref)``; needs ``logp_ref`` if > 0."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """KL estimator for the reward penalty (docs/docs/spec/algorithms.md §11)."""
+    """KL estimator for the reward penalty (docs/spec/algorithms.md §11)."""
     mask_no_eos_with_zero: bool = False
     """Give truncated rows zero outcome reward (they still train)."""
 

@@ -1,4 +1,4 @@
-"""Group-relative reward recipes on ``(n g)`` rewards (n prompts × g samples), docs/docs/spec/algorithms.md §14–15.
+"""Group-relative reward recipes on ``(n g)`` rewards (n prompts × g samples), docs/spec/algorithms.md §14–15.
 
 * GRPO (https://arxiv.org/abs/2402.03300): ``(R − mean_g) / (std_g + eps)`` (unbiased std).
 * Dr.GRPO (https://arxiv.org/abs/2503.20783): ``R − mean_g``.

@@ -1,4 +1,4 @@
-"""Batch / group normalisation of rewards and advantages (AReaL's ``NormConfig``, docs/docs/spec/algorithms.md §3).
+"""Batch / group normalisation of rewards and advantages (AReaL's ``NormConfig``, docs/spec/algorithms.md §3).
 
 GRPO's per-prompt standardisation (Shao et al. 2024, https://arxiv.org/abs/2402.03300), Dr.GRPO's
 centring only (Liu et al. 2025, https://arxiv.org/abs/2503.20783), RLOO's leave-one-out baseline
@@ -54,7 +54,7 @@ class NormConfig:
             raise ValueError(f"NormConfig.eps must be >= 0, got {self.eps}")
 
 
-# Recipe presets (docs/docs/spec/algorithms.md §15.2); set ``group_size`` with dataclasses.replace or pass ``group_sizes``.
+# Recipe presets (docs/spec/algorithms.md §15.2); set ``group_size`` with dataclasses.replace or pass ``group_sizes``.
 GRPO = NormConfig(mean_level="group", std_level="group")
 DR_GRPO = NormConfig(mean_level="group", std_level=None)
 LITE_PPO = NormConfig(mean_level="group", std_level="batch")
@@ -92,7 +92,7 @@ def normalize(
     group_sizes: Sequence[int] | Tensor | None = None,
     batch_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
-    """Centre and scale ``x`` by batch or group statistics (docs/docs/spec/algorithms.md §3).
+    """Centre and scale ``x`` by batch or group statistics (docs/spec/algorithms.md §3).
 
     Args:
       x: ``(b,)`` rewards or ``(b t)`` advantages; values off the mask may be garbage (NaN, inf).
@@ -160,7 +160,7 @@ def normalize(
         c = seg_sum(mf, cfg.std_level)
         if cfg.std_unbiased:
             sigma = torch.where(c > 1, (q / (c - 1).clamp(min=1)).sqrt(), torch.ones_like(q))
-            if cfg.std_level == "group":  # a one-row group has σ = 1 (docs/docs/spec/algorithms.md §3), however many tokens it has
+            if cfg.std_level == "group":  # a one-row group has σ = 1 (docs/spec/algorithms.md §3), however many tokens it has
                 rows = seg_sum(torch.ones(b, dtype=torch.float64), "group")
                 sigma = torch.where(rows == 1, torch.ones_like(sigma), sigma)
         else:

@@ -1,4 +1,4 @@
-"""Proximal log-probabilities without a forward pass, by version interpolation (docs/docs/spec/algorithms.md §5.2–5.3).
+"""Proximal log-probabilities without a forward pass, by version interpolation (docs/spec/algorithms.md §5.2–5.3).
 
 Decoupled PPO (Hilton et al. 2022, https://arxiv.org/abs/2110.00641; AReaL, https://arxiv.org/abs/2505.24298)
 needs ``ℓ_prox`` of the weights before the update. ``loglinear`` interpolates between the behaviour

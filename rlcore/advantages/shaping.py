@@ -1,4 +1,4 @@
-"""Scalar reward preprocessing before advantages (docs/docs/spec/algorithms.md §2).
+"""Scalar reward preprocessing before advantages (docs/spec/algorithms.md §2).
 
 1. DAPO overlong penalty (Yu et al. 2025, https://arxiv.org/abs/2503.14476), *without* the paper's floor:
    ``R ← R + min(−(len − (L_max − L_c)) / L_c · φ, 0)``.

@@ -1,4 +1,4 @@
-"""Micro-batch and minibatch allocation under a token budget (docs/docs/spec/system.md §7.1, §7.3, §7.6).
+"""Micro-batch and minibatch allocation under a token budget (docs/spec/system.md §7.1, §7.3, §7.6).
 
 Everything here works on Python lists of sequence lengths (host-side bookkeeping, not leaf math) and
 returns lists of row indices, sorted within each bin. Two allocators:
@@ -137,7 +137,7 @@ def karmarkar_karp(costs: Sequence[float], k: int) -> list[list[int]]:
 
 
 def allocate(lengths: Sequence[int], cfg: MicroBatchConfig, *, n_mbs: int | None = None) -> list[list[int]]:
-    """Split rows into micro-batches under ``cfg`` (docs/docs/spec/system.md §7.3).
+    """Split rows into micro-batches under ``cfg`` (docs/spec/system.md §7.3).
 
     Args:
       lengths: real token count of each row.
@@ -176,7 +176,7 @@ def allocate(lengths: Sequence[int], cfg: MicroBatchConfig, *, n_mbs: int | None
 
 
 def split_across_ranks(lengths: Sequence[int], world_size: int, *, granularity: int = 1) -> list[list[int]]:
-    """Balanced greedy DP split with equal row counts per rank (docs/docs/spec/system.md §7.1).
+    """Balanced greedy DP split with equal row counts per rank (docs/spec/system.md §7.1).
 
     Row groups (``granularity`` adjacent rows) go largest first to the non-full rank with the smallest
     token sum. The number of groups must divide by ``world_size``.
@@ -212,7 +212,7 @@ def shard_for_rank(
 
 
 def minibatches(lengths: Sequence[int], n_minibatches: int, *, granularity: int = 1) -> list[list[int]]:
-    """PPO minibatches (docs/docs/spec/algorithms.md §7.6): the allocator with no token cap and exactly ``n_minibatches`` bins."""
+    """PPO minibatches (docs/spec/algorithms.md §7.6): the allocator with no token cap and exactly ``n_minibatches`` bins."""
     if n_minibatches < 1:
         raise ValueError(f"n_minibatches must be >= 1, got {n_minibatches}")
     n_units = len(lengths) // max(granularity, 1)

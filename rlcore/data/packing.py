@@ -1,4 +1,4 @@
-"""Padded ``(b l)`` trajectory dicts <-> one packed 1-D token stream (docs/docs/spec/system.md §7.2, §7.4).
+"""Padded ``(b l)`` trajectory dicts <-> one packed 1-D token stream (docs/spec/system.md §7.2, §7.4).
 
 A packed micro-batch concatenates the real tokens of ``b`` right-padded rows into one stream of
 ``T = Σ_i l_i`` tokens. ``cu_seqlens`` (int32, ``(b+1,)``) marks the sequence boundaries,
@@ -168,7 +168,7 @@ def unpack(packed: PackedBatch) -> dict[str, torch.Tensor]:
 def roll_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, *, fill: float | int | bool = 0) -> torch.Tensor:
     """Shift a stream left by one WITHIN each sequence: ``y[t] = x[t+1]``, last token of a sequence -> ``fill``.
 
-    This is the predictive alignment of docs/docs/spec/algorithms.md §0.2 applied to a packed stream (the wrapped
+    This is the predictive alignment of docs/spec/algorithms.md §0.2 applied to a packed stream (the wrapped
     position is masked anyway, so ``fill`` replaces the wrap-around).
     """
     y = torch.roll(x, -1, dims=0)

@@ -1,6 +1,6 @@
 """The trajectory dict: what workflows return and what the trainer consumes.
 
-A trajectory is a plain ``dict[str, Tensor]`` with a leading row dimension (docs/docs/spec/system.md §1.3):
+A trajectory is a plain ``dict[str, Tensor]`` with a leading row dimension (docs/spec/system.md §1.3):
 
 | key            | dtype   | shape   | content                                                     |
 |----------------|---------|---------|-------------------------------------------------------------|
@@ -13,7 +13,7 @@ A trajectory is a plain ``dict[str, Tensor]`` with a leading row dimension (docs
 | rewards        | float32 | (b,)    | one scalar reward per row                                   |
 
 Token-own alignment is kept here; the single shift to predictive alignment happens in
-``rlcore.training.step`` (docs/docs/spec/algorithms.md §0.2).
+``rlcore.training.step`` (docs/spec/algorithms.md §0.2).
 """
 
 from __future__ import annotations

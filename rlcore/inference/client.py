@@ -3,9 +3,9 @@
 One client drives any mix of servers, each given either as an address (``"http://127.0.0.1:30000"``
 or ``"127.0.0.1:30000"``; HTTP through aiohttp, works for our ``engine_server`` and for a real SGLang
 server) or as an in-process engine object exposing ``async handle(endpoint, payload) -> (status, json)``
-(no HTTP at all). The wire format is SGLang's (docs/docs/spec/system.md §4).
+(no HTTP at all). The wire format is SGLang's (docs/spec/system.md §4).
 
-Concurrency invariants (docs/docs/spec/system.md §3):
+Concurrency invariants (docs/spec/system.md §3):
 
 - ``agenerate`` pins ``v_req = get_version()`` just before each segment is sent and tags every token
   of that segment with it. A segment is only (re)submitted while the client is not paused, so a
@@ -86,7 +86,7 @@ class _Partial:
 
 
 class EngineClient:
-    """The rollout system's client (docs/docs/spec/system.md §3.1): ``agenerate`` plus control fan-out to all servers.
+    """The rollout system's client (docs/spec/system.md §3.1): ``agenerate`` plus control fan-out to all servers.
 
     Use as ``async with EngineClient(servers, cfg) as client:`` (closes HTTP sessions on exit), or
     through ``SyncEngineClient`` from synchronous code.
@@ -124,7 +124,7 @@ class EngineClient:
     def set_lora(self, prefix: str | None) -> None:
         """Select LoRA adapters per request: every segment pinned to version ``v`` sends
         ``lora_path = "<prefix>-v<v>"`` (the name ``weight_sync.publish_weights`` loads the adapter of ``v`` under,
-        docs/docs/spec/system.md §5.1); None sends no ``lora_path`` (the base model on SGLang). Set it once the adapter of the
+        docs/spec/system.md §5.1); None sends no ``lora_path`` (the base model on SGLang). Set it once the adapter of the
         current version is loaded on every server."""
         if prefix is not None and (not isinstance(prefix, str) or not prefix):
             raise ValueError(f"set_lora: prefix must be a non-empty string or None, got {prefix!r}")
@@ -419,7 +419,7 @@ class EngineClient:
         )
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        """Generate until stop/length, transparently resubmitting aborted segments (docs/docs/spec/system.md §3.1).
+        """Generate until stop/length, transparently resubmitting aborted segments (docs/spec/system.md §3.1).
 
         Each segment: wait while paused → pin ``v_req`` → POST /generate with the prompt plus all tokens so
         far and the remaining budget → append tokens, log-probs and ``v_req`` per token. A final abort

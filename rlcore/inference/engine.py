@@ -1,6 +1,6 @@
 """Embedded inference engine: continuous batching over any Hugging Face causal LM.
 
-The engine serves the SGLang-native protocol (docs/docs/spec/system.md §3-§5) from inside a Python process. A background
+The engine serves the SGLang-native protocol (docs/spec/system.md §3-§5) from inside a Python process. A background
 thread owns the model and runs the scheduler loop; everything else (submitting, aborting, pausing, loading
 weights) hands the loop a command and waits on a future, so every state change happens between two forward
 passes and a token is always tagged with the weight version that produced its logits.

@@ -66,7 +66,7 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.lora_(?P<ab>[AB])(?:\
 
 
 def adapter_name(prefix: str, version: int) -> str:
-    """``<prefix>-v<version>``: the name a trainer loads the adapter of ``version`` under (docs/docs/spec/system.md §5.1)."""
+    """``<prefix>-v<version>``: the name a trainer loads the adapter of ``version`` under (docs/spec/system.md §5.1)."""
     return f"{prefix}-v{int(version)}"
 
 

@@ -1,6 +1,6 @@
 """Data types shared by the engine, its HTTP server, the client and the rollout system.
 
-These mirror the SGLang-native protocol (design docs/docs/spec/system.md §1.2, §4, outside this repository) so that
+These mirror the SGLang-native protocol (design docs/spec/system.md §1.2, §4, outside this repository) so that
 the same rollout code runs against the embedded engine, our HTTP server and a real SGLang server.
 """
 

@@ -32,7 +32,7 @@ async def within(aw: Awaitable[T], timeout_s: float) -> T:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Timeouts, retries and routing of an ``EngineClient`` (docs/docs/spec/system.md §3.1, §13)."""
+    """Timeouts, retries and routing of an ``EngineClient`` (docs/spec/system.md §3.1, §13)."""
 
     timeout_s: float = 3600.0
     """Wall-clock limit of one HTTP call (one /generate segment or one control call)."""

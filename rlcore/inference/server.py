@@ -1,7 +1,7 @@
 """SGLang-protocol JSON handlers over an ``Engine``, and the aiohttp app that serves them.
 
 ``handle(engine, endpoint, payload) -> (status, body)`` is the single implementation of every endpoint
-(docs/docs/spec/system.md §4). ``Engine.handle`` calls it for in-process clients; ``make_app(engine)`` wraps it in HTTP.
+(docs/spec/system.md §4). ``Engine.handle`` calls it for in-process clients; ``make_app(engine)`` wraps it in HTTP.
 Bad input never raises out of ``handle``: it becomes a 4xx ``{"error": {"message": ...}}`` naming the field;
 unexpected failures become a 500 with the exception text. A request the engine fails (an exception in its
 sampling step or forward) is answered with its error status (500) in SGLang's error shape, never as a 200

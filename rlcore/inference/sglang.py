@@ -1,4 +1,4 @@
-"""Launch a real SGLang server as a subprocess and wait until it is ready (docs/docs/spec/system.md §4.3).
+"""Launch a real SGLang server as a subprocess and wait until it is ready (docs/spec/system.md §4.3).
 
 ``SGLangConfig`` turns into command-line flags by one rule: every field becomes ``--kebab-case value``;
 ``True`` gives a bare flag; ``None``, ``False``, ``""`` and empty lists are left out; lists are expanded

@@ -21,7 +21,7 @@ on its node:
 
 Failures: a trainer rank that exits non-zero (or whose actor dies) ends the run with that code. An engine
 that dies is reported and left out: the trainer's ``EngineClient`` marks the server dead after its retries
-and keeps generating on the others (docs/docs/spec/system.md §13). Only when every engine is gone does the launcher
+and keeps generating on the others (docs/spec/system.md §13). Only when every engine is gone does the launcher
 stop the run (exit code 1).
 
 Lifetimes: children run in their own process group and get ``SIGKILL`` if their actor process dies

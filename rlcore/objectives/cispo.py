@@ -1,6 +1,6 @@
 """CISPO: clipped importance-sampling weights on a REINFORCE loss, never zeroing a token's gradient.
 
-Clipped IS-weight Policy Optimization (MiniMax-M1, https://arxiv.org/abs/2506.13585), as in docs/docs/spec/algorithms.md section 10.2. Per valid token:
+Clipped IS-weight Policy Optimization (MiniMax-M1, https://arxiv.org/abs/2506.13585), as in docs/spec/algorithms.md section 10.2. Per valid token:
 
     r_t   = sg(exp(logp_t - logp_prox_t))
     rhat_t = sg(clamp(r_t, 1 - clip_low, 1 + clip_high))
@@ -97,7 +97,7 @@ def loss(
       denom: token count (token_mean) or non-empty sequence count; defaults to the count in ``mask``.
       denom_mask: optional (b t) bool, the mask BEFORE keep-masks (a superset of ``mask``); every count the
         aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
-        is taken on it, so a rejected token leaves the numerator only (docs/docs/spec/algorithms.md §6.4). None: ``mask``.
+        is taken on it, so a rejected token leaves the numerator only (docs/spec/algorithms.md §6.4). None: ``mask``.
       weight: optional (b t) precomputed behaviour weight, replacing ``exp(logp_prox - logp_behav)``.
       unused: extra inputs of other objectives; ignored.
 

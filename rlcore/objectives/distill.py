@@ -1,4 +1,4 @@
-"""On-policy distillation from a teacher's log-probs (docs/docs/spec/algorithms.md §13.4; Agarwal et al. 2024,
+"""On-policy distillation from a teacher's log-probs (docs/spec/algorithms.md §13.4; Agarwal et al. 2024,
 https://arxiv.org/abs/2306.13649; KDRL, Xu et al. 2025, https://arxiv.org/abs/2506.02208).
 
 Total loss ``w_rl · L_RL + w_kd · L_KD`` (``L_RL`` is dropped entirely when ``w_rl = 0``, "pure KD"), with

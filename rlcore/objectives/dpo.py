@@ -1,5 +1,5 @@
 """DPO (Rafailov et al. 2023, https://arxiv.org/abs/2305.18290) and IPO (Azar et al. 2023,
-https://arxiv.org/abs/2310.12036) on per-sequence summed log-probs (docs/docs/spec/algorithms.md §13.1).
+https://arxiv.org/abs/2310.12036) on per-sequence summed log-probs (docs/spec/algorithms.md §13.1).
 
 Pairs are interleaved rows ``[chosen_0, rejected_0, chosen_1, …]``; ``pairs`` splits ``(2p) -> (p), (p)``.
 * sigmoid: ``z = (Lπ_c − Lπ_r) − (Lref_c − Lref_r)``, loss ``−log σ(β z)``.

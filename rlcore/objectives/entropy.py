@@ -1,4 +1,4 @@
-"""Masked entropy of the (temperature-scaled) token distribution (docs/docs/spec/algorithms.md §11: logged, no bonus).
+"""Masked entropy of the (temperature-scaled) token distribution (docs/spec/algorithms.md §11: logged, no bonus).
 
 ``H_t = −Σ_v π_t(v) log π_t(v)`` with ``π_t = softmax(z_t / τ)``. Logits are ``(b t v)``; per-token entropies
 and the mask are ``(b t)``. Computed in the logits' dtype promoted to at least float32 (float64 in, float64 out).

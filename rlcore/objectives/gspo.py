@@ -1,7 +1,7 @@
 """GSPO: PPO clipping on a per-sequence, length-normalised importance ratio.
 
 Group Sequence Policy Optimization (Zheng et al. 2025, https://arxiv.org/abs/2507.18071), in AReaL's decoupled
-form (docs/docs/spec/algorithms.md section 7.1). For sequence ``i`` with ``n_i = max(sum_t m_t, 1)`` valid tokens:
+form (docs/spec/algorithms.md section 7.1). For sequence ``i`` with ``n_i = max(sum_t m_t, 1)`` valid tokens:
 
     s_i = exp( sum_t m_t (logp_t - logp_prox_t) / n_i )       geometric mean of the token ratios
     A_i = sum_t m_t A_t / n_i                                 mean advantage of the sequence
@@ -85,7 +85,7 @@ def sequence_ratio(logp: Tensor, logp_prox: Tensor, mask: Tensor, *, max_log_rat
     """GSPO ratio ``s_i`` of shape ``(b,)``: exp of the masked mean token log-ratio (1 for an empty row).
 
     The mean log-ratio is clamped to ``+-max_log_ratio`` before exp (not each token's), so ``s_i`` is the exact
-    geometric mean of docs/docs/spec/algorithms.md section 7.1 whenever that mean lies within the bound."""
+    geometric mean of docs/spec/algorithms.md section 7.1 whenever that mean lies within the bound."""
     mean = torch.where(mask, logp - logp_prox, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
     return torch.exp(mean.clamp(-max_log_ratio, max_log_ratio))
 
@@ -112,7 +112,7 @@ def loss(
       denom: token count (token_mean) or non-empty sequence count; defaults to the count in ``mask``.
       denom_mask: optional (b t) bool, the mask BEFORE keep-masks (a superset of ``mask``); every count the
         aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
-        is taken on it, so a rejected token leaves the numerator only (docs/docs/spec/algorithms.md §6.4). None: ``mask``.
+        is taken on it, so a rejected token leaves the numerator only (docs/spec/algorithms.md §6.4). None: ``mask``.
       weight: optional (b t) precomputed behaviour weight, replacing ``exp(logp_prox - logp_behav)``.
       unused: extra inputs of other objectives; ignored.
 

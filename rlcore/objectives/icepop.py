@@ -1,7 +1,7 @@
 """IcePop: drop tokens whose proximal/behaviour probability ratio leaves a band.
 
 IcePop (Ling team, "Small Leak Can Sink a Great Ship", https://ringtech.notion.site/icepop), as AReaL applies it
-(docs/docs/spec/algorithms.md section 8, rejection config ``{token, mask, ratio, lower 0.5, upper 5.0}``). Per valid token:
+(docs/spec/algorithms.md section 8, rejection config ``{token, mask, ratio, lower 0.5, upper 5.0}``). Per valid token:
 
     delta_t = logp_prox_t - logp_behav_t          (float32; non-finite delta -> 0, i.e. kept, as AReaL does)
     keep_t  = lower <= exp(delta_t) <= upper      (inclusive)

@@ -1,4 +1,4 @@
-"""KL estimators between two log-probs of the same sampled tokens (docs/docs/spec/algorithms.md §11).
+"""KL estimators between two log-probs of the same sampled tokens (docs/spec/algorithms.md §11).
 
 With ``δ = ℓ_a − ℓ_b`` for tokens sampled from ``π_a`` (Schulman, http://joschu.net/blog/kl-approx.html):
 ``k1 = δ`` (unbiased, can be negative), ``k2 = δ²/2``, ``k3 = e^{−δ} − 1 + δ`` (unbiased, ≥ 0).

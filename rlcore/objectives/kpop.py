@@ -1,6 +1,6 @@
 """KPop: drop tokens whose sampled-token probability differs between proximal and behaviour policy.
 
-AReaL's binary-KL rejection filter (docs/docs/spec/algorithms.md section 8, ``{token, mask, binary_kl, upper 2.0}``). For a
+AReaL's binary-KL rejection filter (docs/spec/algorithms.md section 8, ``{token, mask, binary_kl, upper 2.0}``). For a
 valid token let ``p = exp(logp_prox)``, ``q = exp(logp_behav)``, both clamped to ``[prob_clip, 1 - prob_clip]``:
 
     BKL(a||b) = a log(a/b) + (1 - a) log((1 - a)/(1 - b))     (KL of Bernoulli(a) from Bernoulli(b))

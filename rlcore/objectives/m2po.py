@@ -1,7 +1,7 @@
 """M2PO: drop the fewest most off-policy tokens so the batch's second moment of log-ratios stays below tau.
 
 Second-Moment Trust Policy Optimization (Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy
-RL Reach with Stale Data on LLMs?"), as AReaL implements it (docs/docs/spec/algorithms.md section 9). Over the valid tokens
+RL Reach with Stale Data on LLMs?"), as AReaL implements it (docs/spec/algorithms.md section 9). Over the valid tokens
 of the whole ``(b t)`` batch:
 
     M_t = (logp_behav_t - logp_prox_t)^2             (behaviour vs proximal, not the policy being trained)
@@ -11,7 +11,7 @@ of the whole ``(b t)`` batch:
 i.e. the kept tokens' mean second moment is < threshold (strict) unless only one token is left, and k is minimal.
 A non-finite M on a valid token counts as +inf (dropped first). Ties are broken by a stable sort.
 
-Denominator (docs/docs/spec/algorithms.md section 6.4): AReaL removes dropped tokens from the micro-batch denominator while the engine
+Denominator (docs/spec/algorithms.md section 6.4): AReaL removes dropped tokens from the micro-batch denominator while the engine
 still weights the micro-batch by its pre-mask token count, which up-weights surviving tokens, and computes the
 statistic per micro-batch. rlcore treats M2PO like every other keep-mask: call it once on the minibatch and pass
 the pre-mask token count as ``denom`` to the loss, so dropped tokens simply contribute zero. To reproduce AReaL,

@@ -10,7 +10,7 @@ Coupled (standard) PPO (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) 
 proximal policy is the behaviour policy, so ``w = 1``. Clip-higher is DAPO's (https://arxiv.org/abs/2503.14476),
 dual clip is from Ye et al. 2020 (https://arxiv.org/abs/1912.09729), and ``level="sequence"`` is GSPO's
 geometric-mean sequence ratio with a per-sequence mean advantage (https://arxiv.org/abs/2507.18071).
-Spec: docs/docs/spec/algorithms.md sections 6-7. All tensors are padded ``(b t)``; ``mask`` is bool.
+Spec: docs/spec/algorithms.md sections 6-7. All tensors are padded ``(b t)``; ``mask`` is bool.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class PPOConfig:
     """Truncate the behaviour weight at this value (truncated importance sampling); None: no cap."""
     areal_compat: bool = False
     """Parity with AReaL: in decoupled mode without a ``weight`` argument (AReaL: no rejection-sampling config),
-    drop the behaviour weight entirely (docs/docs/spec/algorithms.md section 7 quirk). rlcore default False always applies it."""
+    drop the behaviour weight entirely (docs/spec/algorithms.md section 7 quirk). rlcore default False always applies it."""
     agg: Agg = "token_mean"
     """Aggregation: global token mean, mean over sequences of token means, or Dr. GRPO's token sums / norm_len."""
     norm_len: int = 1024
@@ -126,7 +126,7 @@ def loss(
         rejection masks when ``mask`` was narrowed by a keep_mask (rejected tokens stay in the denominator).
       denom_mask: optional (b t) bool, the mask BEFORE keep-masks (a superset of ``mask``); every count the
         aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
-        is taken on it, so a rejected token leaves the numerator only (docs/docs/spec/algorithms.md §6.4). None: ``mask``.
+        is taken on it, so a rejected token leaves the numerator only (docs/spec/algorithms.md §6.4). None: ``mask``.
       weight: optional (b t) precomputed behaviour weight (e.g. ``rejection.process``), replacing
         ``exp(logp_prox - logp_behav)``; detached. Ignored when ``cfg.decoupled`` is False.
       unused: extra inputs other objectives take (e.g. ``logp_ref``); ignored.
@@ -157,7 +157,7 @@ def loss(
     clip_high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + clip_high)
-    per_tok = torch.maximum(pg1, pg2)  # ties split the gradient, as docs/docs/spec/algorithms.md section 7 requires
+    per_tok = torch.maximum(pg1, pg2)  # ties split the gradient, as docs/spec/algorithms.md section 7 requires
     clipped = pg1 < pg2
     dual = torch.zeros_like(mask)
     if cfg.dual_clip is not None:

@@ -1,6 +1,6 @@
 """Rejection sampling and behaviour-weight processing: compare the proximal policy with the behaviour policy.
 
-Generic form of AReaL's off-policy filters (docs/docs/spec/algorithms.md section 8): IcePop's ratio band
+Generic form of AReaL's off-policy filters (docs/spec/algorithms.md section 8): IcePop's ratio band
 (https://ringtech.notion.site/icepop), KPop's binary-KL filter, KL filters, and truncated importance sampling.
 It always compares ``pi_prox`` with ``pi_behav`` (never the policy being trained). Per valid token
 ``delta_t = logp_prox_t - logp_behav_t`` (non-finite delta -> 0) and a metric ``M_t``:
@@ -18,7 +18,7 @@ input mask).
 
 Two weights, one relation (``delta`` as above, on kept tokens):
 
-* ``process`` returns the processed behaviour weight ``w'`` of docs/docs/spec/algorithms.md section 8 step 7: ``exp(delta)`` for a
+* ``process`` returns the processed behaviour weight ``w'`` of docs/spec/algorithms.md section 8 step 7: ``exp(delta)`` for a
   token-level mask, ``clamp(exp(delta), lower or 0, upper)`` for ``action="clamp"`` (TIS), the row's geometric
   mean ``exp(mean_row delta)`` at sequence level with the ratio metric. It *replaces* ``exp(logp_prox -
   logp_behav)`` as the ``weight=`` input of ``ppo.loss`` / ``gspo.loss`` / ``cispo.loss``.
@@ -171,7 +171,7 @@ def _process(
 def process(
     logp_prox: Tensor, logp_behav: Tensor, mask: Tensor, *, cfg: RejectionConfig
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Filter and/or clamp the behaviour weight ``pi_prox / pi_behav`` (docs/docs/spec/algorithms.md section 8).
+    """Filter and/or clamp the behaviour weight ``pi_prox / pi_behav`` (docs/spec/algorithms.md section 8).
 
     Args:
       logp_prox: (b t) proximal log-probs. logp_behav: (b t) behaviour (engine) log-probs. Both detached.

@@ -1,4 +1,4 @@
-"""Bradley–Terry reward-model loss (Ouyang et al. 2022, https://arxiv.org/abs/2203.02155; docs/docs/spec/algorithms.md §13.2).
+"""Bradley–Terry reward-model loss (Ouyang et al. 2022, https://arxiv.org/abs/2203.02155; docs/spec/algorithms.md §13.2).
 
 Score of a sequence = scalar head output at its last real token. Per valid pair ``−log σ(s_c − s_r)``,
 averaged over valid pairs. Values are ``(b t)``, lengths and scores ``(b,)`` / ``(p,)``. The loss is computed in the

@@ -1,7 +1,7 @@
 """SAPO: a smooth sigmoid gate on the importance ratio instead of a hard clip.
 
 Soft Adaptive Policy Optimization (Gao et al. 2025, https://arxiv.org/abs/2511.20347), as AReaL implements it
-(docs/docs/spec/algorithms.md section 10.1). Per valid token, with ``r_t = exp(logp_t - logp_old_t)``:
+(docs/spec/algorithms.md section 10.1). Per valid token, with ``r_t = exp(logp_t - logp_old_t)``:
 
     tau_t = tau_pos if A_t > 0 else tau_neg          (A_t = 0 uses tau_neg)
     g_t   = (4 / tau_t) * sigmoid(tau_t (r_t - 1))   gate in (0, 4 / tau_t)
@@ -112,7 +112,7 @@ def loss(
       denom: token count (token_mean) or non-empty sequence count; defaults to the count in ``mask``.
       denom_mask: optional (b t) bool, the mask BEFORE keep-masks (a superset of ``mask``); every count the
         aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
-        is taken on it, so a rejected token leaves the numerator only (docs/docs/spec/algorithms.md §6.4). None: ``mask``.
+        is taken on it, so a rejected token leaves the numerator only (docs/spec/algorithms.md §6.4). None: ``mask``.
       unused: extra inputs of other objectives (e.g. ``weight``); ignored, SAPO has no behaviour correction.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Masked negative log-likelihood for supervised fine-tuning (docs/docs/spec/algorithms.md §13.3).
+"""Masked negative log-likelihood for supervised fine-tuning (docs/spec/algorithms.md §13.3).
 
 ``L = −Σ m_t ℓ_t / (denom_eps + denom)``, ``denom`` defaulting to ``Σ m``; pass the minibatch-global token
 count when micro-batching so the summed micro-batch losses equal the full-batch loss. Shapes ``(b t)``.

@@ -1,4 +1,4 @@
-"""Clipped value loss for a PPO critic (docs/docs/spec/algorithms.md §12; Schulman et al. 2017,
+"""Clipped value loss for a PPO critic (docs/spec/algorithms.md §12; Schulman et al. 2017,
 https://arxiv.org/abs/1707.06347).
 
 ``e1 = ½(V − G)²``, ``V_clip = V_old + clamp(V − V_old, −ε_v, ε_v)``, ``e2 = ½(V_clip − G)²``,

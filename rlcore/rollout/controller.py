@@ -2,7 +2,7 @@
 
 ``RolloutController`` pulls prompts from a ``PromptLoader``, runs one *task* per prompt (a group of
 ``group_size`` episodes, rlcore.rollout.workflows) on an asyncio loop in its own thread, and hands
-the trainer batches of ``batch_size`` accepted groups (docs/docs/spec/system.md §2, docs/docs/spec/algorithms.md §14).
+the trainer batches of ``batch_size`` accepted groups (docs/spec/system.md §2, docs/spec/algorithms.md §14).
 
 Admission (checked before every task start, under one lock)::
 
@@ -33,7 +33,7 @@ the asyncio tasks; all shared state is guarded by ``self._cv``. ``pause()`` stop
 and (``cfg.pause_client``, default) pauses the engine client so segments aborted by the server's
 pause_generation wait instead of resubmitting; ``set_version(v+1)`` tags the client with the new
 version and lets them resubmit; ``resume()`` re-opens starts. The trainer's order is ``pause()`` →
-push weights → ``set_version(v+1)`` → ``resume()`` (docs/docs/spec/system.md §3.2), which is what
+push weights → ``set_version(v+1)`` → ``resume()`` (docs/spec/system.md §3.2), which is what
 rlcore.training.weight_sync.publish_weights does when given ``rollout=ctl``. Background failures (loop crash, a loader or
 ``should_accept`` exception) are re-raised by the next public call (fail fast); a failing *episode*
 only rejects its task: a hung request or reward past ``task_timeout_s`` (default 30 min) is cancelled and
@@ -121,7 +121,7 @@ class RolloutConfig:
     """Consume tasks in start order (guarantees the staleness bound, see the module docstring)."""
     pause_client: bool = True
     """pause() also pauses the client's resubmission of aborted requests until set_version()/resume(), so a
-    request interrupted by a weight push is never resubmitted under the old version tag (docs/docs/spec/system.md §3.2)."""
+    request interrupted by a weight push is never resubmitted under the old version tag (docs/spec/system.md §3.2)."""
     eval_concurrency: int | None = None
     """Tasks in flight during rollout_batch (eval); None means max_concurrent."""
     poll_s: float = 0.05
@@ -695,7 +695,7 @@ class RolloutController:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore before the first ``prepare_batch``: loader position, re-queue of unfinished prompts,
         buffered groups (consumed first), version, and ``accepted = version * B + len(buffered)`` so the
-        staleness gate does not open for a burst (docs/docs/spec/system.md §2.2)."""
+        staleness gate does not open for a burst (docs/spec/system.md §2.2)."""
         if self.loader is None:
             raise RuntimeError("an eval-only controller (loader=None) cannot load rollout state")
         with self._cv:

@@ -1,6 +1,6 @@
 """OpenAI-compatible proxy that lets a black-box agent talk to the policy while recording its tokens.
 
-Agent code only gets ``base_url`` and a session ``api_key`` (docs/docs/spec/system.md §6). For every chat
+Agent code only gets ``base_url`` and a session ``api_key`` (docs/spec/system.md §6). For every chat
 completion the proxy applies the chat template itself, generates through ``EngineClient.agenerate`` (so
 pauses, interruptions and per-token weight versions work as for any rollout), decodes and parses the
 reply, and stores the exact prompt ids, output ids, behaviour log-probs and versions as an
@@ -93,7 +93,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """Settings of one agent proxy (docs/docs/spec/system.md §6.2–6.3)."""
+    """Settings of one agent proxy (docs/spec/system.md §6.2–6.3)."""
 
     host: str = "127.0.0.1"
     """Address to bind; anything but loopback requires a non-default ``admin_key``."""
@@ -326,7 +326,7 @@ def export_rows(
     for iid, it in interactions.items():  # parents come first in insertion order
         parent = chains.get(it.parent) if it.parent is not None else None
         if parent is not None and not _extends(it.prompt_ids, parent["input_ids"]):
-            # a parent that stopped on a non-eos stop token (e.g. pad) is continued without it (docs/docs/spec/system.md §6.4
+            # a parent that stopped on a non-eos stop token (e.g. pad) is continued without it (docs/spec/system.md §6.4
             # re-adds one eos); that sampled token then leaves the chain
             cut = {k: v[:-1] for k, v in parent.items() if isinstance(v, list)}
             parent = {**parent, **cut} if cut["input_ids"] and _extends(it.prompt_ids, cut["input_ids"]) else None
@@ -978,7 +978,7 @@ async def run_agent(
     discount: float = 1.0,
     style: Literal["individual", "concat"] = "individual",
 ) -> dict[str, torch.Tensor] | None:
-    """One agentic episode (docs/docs/spec/system.md §6.2): grant capacity → start a session → ``await agent.run(data,
+    """One agentic episode (docs/spec/system.md §6.2): grant capacity → start a session → ``await agent.run(data,
     base_url=..., api_key=...)`` → a float return rewards the last interaction, a ``{completion_id: reward}``
     dict rewards each → end → export → trajectory dict (None if the agent made no call). Agent exceptions
     propagate (the task is rejected)."""

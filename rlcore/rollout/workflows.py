@@ -1,6 +1,6 @@
 """Rollout workflows: async episode functions that turn one dataset item into a trajectory dict.
 
-An *episode* is ``async def episode(client, item) -> dict[str, Tensor] | None`` (docs/docs/spec/system.md §1.1).
+An *episode* is ``async def episode(client, item) -> dict[str, Tensor] | None`` (docs/spec/system.md §1.1).
 ``client`` has ``async agenerate(ModelRequest) -> ModelResponse`` and ``get_version()``
 (rlcore.inference.client.EngineClient, or any fake with the same two methods). ``item`` is one
 dataset row. The result is a trajectory dict (rlcore.data.trajectory): ``(b l)`` token tensors with
@@ -12,15 +12,15 @@ The factories below build episodes from a tokenizer and a reward function
 run off the event loop: in a ``RewardPool`` when one is given (processes, hard timeout), else on a thread;
 they must return an int, float or bool (``rewards.pool.as_reward``; strings are rejected):
 
-- ``rlvr``: single-turn RL with a verifiable reward (docs/docs/spec/system.md §1.5).
+- ``rlvr``: single-turn RL with a verifiable reward (docs/spec/system.md §1.5).
 - ``multi_turn``: retry with feedback until the reward is non-zero, reward discounted per extra attempt
-  (docs/docs/spec/system.md §1.6, docs/docs/spec/algorithms.md §14.4). Turns are joined at the TOKEN level: the next prompt is the previous
+  (docs/spec/system.md §1.6, docs/spec/algorithms.md §14.4). Turns are joined at the TOKEN level: the next prompt is the previous
   prompt ++ the sampled tokens ++ a feedback suffix computed once from the chat template.
 - ``tool_integrated``: the model writes ```python blocks; each block is run in the sandbox and its output
   is appended as masked tokens before generation continues.
 - ``agent``: a hook for agent code that makes its own model calls through a recording client; every call
   becomes one row (individual export style) with the final reward discounted backwards.
-- ``group``: runs an episode ``group_size`` times concurrently on one item (docs/docs/spec/system.md §1.4).
+- ``group``: runs an episode ``group_size`` times concurrently on one item (docs/spec/system.md §1.4).
 
 Items name their prompt as ``input_ids`` (token ids, used as is), ``messages`` (chat-templated with a
 generation prompt) or ``prompt`` (raw text, tokenized without the template), checked in that order.
@@ -102,7 +102,7 @@ class WorkflowConfig:
 
 @dataclass(frozen=True)
 class MultiTurnConfig:
-    """Retry-with-feedback settings (docs/docs/spec/system.md §1.6)."""
+    """Retry-with-feedback settings (docs/spec/system.md §1.6)."""
 
     max_turns: int = 2
     """Attempts per episode (>= 1)."""
@@ -473,7 +473,7 @@ def agent(run: Callable[[Any, Mapping], Awaitable[float | None]], *, turn_discou
 
     ``run`` gets a ``RecordingClient``; each of its calls becomes one row (prompt masked, output
     trainable, ``turn_ids`` = call index). The final reward ``r`` is propagated backwards: row i of K
-    gets ``turn_discount**(K-1-i) * r`` (docs/docs/spec/algorithms.md §14.4 with only a final reward). ``None`` or no
+    gets ``turn_discount**(K-1-i) * r`` (docs/spec/algorithms.md §14.4 with only a final reward). ``None`` or no
     calls rejects the item. For black-box agents that speak the OpenAI API use the agent proxy
     (rlcore.rollout.proxy) instead.
     """
@@ -497,7 +497,7 @@ def agent(run: Callable[[Any, Mapping], Awaitable[float | None]], *, turn_discou
 
 
 def group(episode: Episode, group_size: int, *, drop_incomplete: bool = False) -> Episode:
-    """Run ``episode`` ``group_size`` times concurrently on one item and concatenate the rows (docs/docs/spec/system.md §1.4).
+    """Run ``episode`` ``group_size`` times concurrently on one item and concatenate the rows (docs/spec/system.md §1.4).
 
     Each run sees its index in ``SAMPLE_IDX``. Runs that return None or raise are dropped (logged); if
     all runs raise, the first exception is re-raised (so the controller can retry on engine failures);

@@ -1,4 +1,4 @@
-"""The memory-aware micro-batch budget behind ``MicroBatchConfig(max_tokens_per_mb="auto")`` (docs/docs/spec/system.md §7.3).
+"""The memory-aware micro-batch budget behind ``MicroBatchConfig(max_tokens_per_mb="auto")`` (docs/spec/system.md §7.3).
 
 The best micro-batch budget is the largest one that fits: fewer, longer micro-batches keep the GPU busy (Qwen2.5-3B
 on one H200: ~3 micro-batches of 22k tokens beat 5 of 13k; Qwen2-0.5B: one 64k micro-batch beats four). With

@@ -8,7 +8,7 @@
 * :class:`CriticModel` — backbone + scalar value head (PPO critic, Bradley–Terry reward model).
 * :func:`save_hf` — ``save_pretrained`` directory (safetensors + config [+ tokenizer]), MoE experts in hub format.
 
-Packed forward convention (docs/docs/spec/system.md §7.2): batch dimension 1, ``position_ids`` restart per
+Packed forward convention (docs/spec/system.md §7.2): batch dimension 1, ``position_ids`` restart per
 sequence, ``use_cache=False``. For RoPE decoders transformers >= 4.53 builds a block-causal mask from
 the restarting positions (sdpa/eager); other models (GPT-2, ...) get an explicit additive 4D mask from
 ``cu_seqlens``; flash-attention-2 gets ``cu_seq_lens_*``.

@@ -14,7 +14,7 @@ aggregation names (``mb.denom(cfg.agg)``: tokens for ``token_mean``, sequences f
 so ``J = Σ_μ L_μ`` is independent of how the minibatch is split into micro-batches and ranks. Everything else
 an RL step needs is a small function the experiment calls explicitly, before ``train_step``:
 :func:`policy_logp` (proximal recompute), :func:`ref_logp`, :func:`teacher_logp`, :func:`critic_values`,
-:func:`old_logp` (which tensor is ``ℓ^old``, docs/docs/spec/algorithms.md §4.1), :func:`compute_batch_advantages`, :func:`minibatches`,
+:func:`old_logp` (which tensor is ``ℓ^old``, docs/spec/algorithms.md §4.1), :func:`compute_batch_advantages`, :func:`minibatches`,
 and the critic update is ``train_step(state, batch, value_loss_fn(cfg), cfg=StepConfig(module="critic"))``.
 
 SFT, DPO and reward models are ``train_step`` with :func:`sft_loss_fn`, :func:`dpo_loss_fn`, :func:`rm_loss_fn`.
@@ -79,7 +79,7 @@ class StepConfig:
     """Which model/optimizer/scheduler of the state to update: ``state.model`` or ``state.critic``."""
     schedule: bool = True
     """Advance the LR schedule after this step. Set False on all but the last minibatch of a training step so
-    the schedule advances once per training step (docs/docs/spec/system.md §7.6)."""
+    the schedule advances once per training step (docs/spec/system.md §7.6)."""
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -90,12 +90,12 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    """Reward shaping, reward normalisation, GAE and advantage normalisation (docs/docs/spec/algorithms.md §2 -> §4.7)."""
+    """Reward shaping, reward normalisation, GAE and advantage normalisation (docs/spec/algorithms.md §2 -> §4.7)."""
 
     gae: gae_lib.GAEConfig = gae_lib.GAEConfig()
     """GAE / KL-in-reward settings (γ = λ = 1 and no KL reproduce GRPO-style returns)."""
     shaping: shaping_lib.ShapingConfig | None = None
-    """Reward bias/scale/clip and overlong penalty (docs/docs/spec/algorithms.md §2); None leaves rewards as they are."""
+    """Reward bias/scale/clip and overlong penalty (docs/spec/algorithms.md §2); None leaves rewards as they are."""
     reward_norm: norm_lib.NormConfig | None = None
     """Reward normalisation (e.g. ``normalize.GRPO``); groups are ``group_size`` consecutive rows."""
     adv_norm: norm_lib.NormConfig | None = None
@@ -192,7 +192,7 @@ def global_sum(x: Tensor | float) -> Tensor:
 def with_global_counts(batch: TokenBatch) -> TokenBatch:
     """``batch`` with ``n_tokens`` (loss-mask tokens) and ``n_seqs`` (rows with >= 1 such token) summed over DP ranks.
 
-    These are the denominators of docs/docs/spec/algorithms.md §0.4: token modes divide by ``n_tokens``, per-sequence modes by ``n_seqs``.
+    These are the denominators of docs/spec/algorithms.md §0.4: token modes divide by ``n_tokens``, per-sequence modes by ``n_seqs``.
     """
     m = batch.loss_mask.bool()
     n = global_sum(torch.stack([m.sum().double(), (m.sum(-1) > 0).sum().double()]).cpu())
@@ -381,7 +381,7 @@ def train_step(
     ``loss_fn(logp, mb)`` gets the micro-batch's ``(b t)`` log-probs with gradient (critic: values) and the
     micro-batch ``mb`` on the same device, with ``mb.entropy`` set and the GLOBAL ``mb.n_tokens``/``mb.n_seqs``;
     it must return a loss already divided by the global count its aggregation names (``mb.denom(agg)``), so the
-    step just sums micro-batch losses (``J = Σ_μ L_μ``, docs/docs/spec/algorithms.md §0.4). Returns ``replace(state, step + 1)`` (and
+    step just sums micro-batch losses (``J = Σ_μ L_μ``, docs/spec/algorithms.md §0.4). Returns ``replace(state, step + 1)`` (and
     ``skipped_steps + 1`` when the loss or gradient norm was not finite: gradients zeroed, weights untouched) and
     metrics: ``loss_fn``'s (micro-batch means weighted by token share) plus ``train/{loss,grad_norm,
     update_successful,lr,n_microbatches}``, ``train/mb_tokens_budget`` (the budget applied, absent when unlimited;
@@ -433,7 +433,7 @@ def train_step(
 
 
 def policy_logp(state: TrainState, batch: TokenBatch, *, cfg: StepConfig = StepConfig()) -> Tensor:
-    """Proximal log-probs ``(b t)``: a no-grad forward of the current policy before the update (docs/docs/spec/algorithms.md §5.1)."""
+    """Proximal log-probs ``(b t)``: a no-grad forward of the current policy before the update (docs/spec/algorithms.md §5.1)."""
     logp = _forward_nograd(state.model, batch, cfg=cfg)[0]
     if not bool(torch.isfinite(torch.where(batch.loss_mask, logp, 0.0)).all()):
         raise FloatingPointError("recomputed proximal log-probs contain NaN/inf on trained tokens")
@@ -453,7 +453,7 @@ def teacher_logp(teacher: nn.Module, batch: TokenBatch, *, cfg: StepConfig = Ste
 
 
 def critic_values(state: TrainState, batch: TokenBatch, *, cfg: StepConfig = StepConfig()) -> Tensor:
-    """Pre-update critic values ``(b t)`` (docs/docs/spec/algorithms.md §1 step 2); needs ``state.critic``."""
+    """Pre-update critic values ``(b t)`` (docs/spec/algorithms.md §1 step 2); needs ``state.critic``."""
     if state.critic is None:
         raise ValueError("critic_values needs TrainState.critic; init_train_state(..., critic=True)")
     return _forward_nograd(state.critic, batch, cfg=cfg)[0]
@@ -463,14 +463,14 @@ def proximal_logp(logp: Tensor, mb: TokenBatch) -> Tensor:
     """``ℓ^prox (b t)`` inside a ``loss_fn``: ``mb.logp_prox`` when the caller set it, else the detached ``logp`` of
     this very forward. ``train_step`` takes ONE optimizer step after all micro-batches, so every forward of the
     call runs the weights the step starts from: those are the proximal weights, and their log-probs need no second
-    forward (docs/docs/spec/algorithms.md §5.1 ``recompute``, fused into the training forward; the PPO ratio is then exactly 1 in value).
+    forward (docs/spec/algorithms.md §5.1 ``recompute``, fused into the training forward; the PPO ratio is then exactly 1 in value).
     An experiment that takes several optimizer steps per batch (minibatches) sets ``logp_prox`` with
     :func:`policy_logp` before the first one."""
     return logp.detach() if mb.logp_prox is None else mb.logp_prox
 
 
 def old_logp(batch: TokenBatch, *, coupled_recompute: bool) -> Tensor:
-    """``ℓ^old`` of docs/docs/spec/algorithms.md §4.1 ``(b t)``: the recomputed ``logp_prox`` for coupled PPO with recomputed log-probs,
+    """``ℓ^old`` of docs/spec/algorithms.md §4.1 ``(b t)``: the recomputed ``logp_prox`` for coupled PPO with recomputed log-probs,
     the behaviour log-probs otherwise (decoupled PPO, or coupled PPO on engine log-probs). It is the ``logp_old``
     of the KL-in-reward term and, for coupled PPO, the behaviour input of the objective."""
     t = batch.logp_prox if coupled_recompute else batch.logp_behav
@@ -517,7 +517,7 @@ def compute_batch_advantages(
 
 
 def minibatches(batch: TokenBatch, n: int, *, granularity: int = 1) -> list[TokenBatch]:
-    """Split a batch into ``n`` token-balanced minibatches (docs/docs/spec/system.md §7.6); one ``train_step`` each."""
+    """Split a batch into ``n`` token-balanced minibatches (docs/spec/system.md §7.6); one ``train_step`` each."""
     return [batch.select(rows) for rows in microbatch.minibatches(batch.lengths, n, granularity=granularity)]
 
 
@@ -527,7 +527,7 @@ def _masked_stats(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def value_loss_fn(cfg: value_lib.ValueConfig = value_lib.ValueConfig()) -> LossFn:
-    """Clipped value loss (docs/docs/spec/algorithms.md §12) for ``train_step(..., cfg=StepConfig(module="critic"))``; needs
+    """Clipped value loss (docs/spec/algorithms.md §12) for ``train_step(..., cfg=StepConfig(module="critic"))``; needs
     ``mb.value_old`` and ``mb.returns``; global token mean."""
 
     def loss_fn(value: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
@@ -539,7 +539,7 @@ def value_loss_fn(cfg: value_lib.ValueConfig = value_lib.ValueConfig()) -> LossF
 
 
 def sft_loss_fn(cfg: sft_lib.SFTConfig = sft_lib.SFTConfig()) -> LossFn:
-    """Global token-mean NLL on ``loss_mask`` (docs/docs/spec/algorithms.md §13.3), plus the entropy as a metric."""
+    """Global token-mean NLL on ``loss_mask`` (docs/spec/algorithms.md §13.3), plus the entropy as a metric."""
 
     def loss_fn(logp: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
         loss, m = sft_lib.loss(logp, mask=mb.loss_mask, cfg=cfg, denom=float(mb.n_tokens))
@@ -554,7 +554,7 @@ def _valid_pairs(mask: Tensor) -> Tensor:
 
 
 def dpo_loss_fn(cfg: dpo_lib.DPOConfig, *, n_pairs: Tensor | float) -> LossFn:
-    """DPO / IPO (docs/docs/spec/algorithms.md §13.1) on interleaved pairs; ``n_pairs`` = GLOBAL count of valid pairs (both rows have a
+    """DPO / IPO (docs/spec/algorithms.md §13.1) on interleaved pairs; ``n_pairs`` = GLOBAL count of valid pairs (both rows have a
     loss token), e.g. ``global_sum(valid pairs of the local batch)``. Needs ``mb.logp_ref``; micro-batches must
     keep pairs together (``MicroBatchConfig(granularity=2)``)."""
 
@@ -570,7 +570,7 @@ def dpo_loss_fn(cfg: dpo_lib.DPOConfig, *, n_pairs: Tensor | float) -> LossFn:
 
 
 def rm_loss_fn(*, n_pairs: Tensor | float) -> LossFn:
-    """Bradley–Terry reward-model loss (docs/docs/spec/algorithms.md §13.2) on interleaved pairs: the score is the value at the last real
+    """Bradley–Terry reward-model loss (docs/spec/algorithms.md §13.2) on interleaved pairs: the score is the value at the last real
     token; ``n_pairs`` = GLOBAL number of pairs. Use with ``StepConfig(module="critic")`` (or a critic policy slot)."""
 
     def loss_fn(values: Tensor, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:

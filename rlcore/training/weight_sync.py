@@ -1,4 +1,4 @@
-"""Publishing trained weights to inference engines (docs/docs/spec/system.md §3.2, §5) and HF export.
+"""Publishing trained weights to inference engines (docs/spec/system.md §3.2, §5) and HF export.
 
 ``publish_weights(state, targets, *, cfg)`` follows the update sequence of §3.2:
 
@@ -17,7 +17,7 @@
 A LoRA policy (``init_train_state(..., lora=...)``) publishes its adapter only (``PublishConfig.lora="adapter"``,
 docs/lora.md): step 4 becomes ``load_lora_adapter("<lora_name>-v<version>", adapter)`` on every target (the
 in-process tensors, or a PEFT directory on disk / in ``/dev/shm``), after which adapters older than
-``lora_keep_versions`` are unloaded (SGLang's recipe, docs/docs/spec/system.md §5.1). ``lora="merged"`` sends the full merged
+``lora_keep_versions`` are unloaded (SGLang's recipe, docs/spec/system.md §5.1). ``lora="merged"`` sends the full merged
 weights instead, through any mode.
 
 If any push or acknowledgement fails, the exception propagates, the version is NOT bumped and the
@@ -348,7 +348,7 @@ def connect_broadcast(
     group_name: str = "update_weight_group",
     timeout_s: float = 300.0,
 ) -> BroadcastGroup:
-    """Create the weight-broadcast group (docs/docs/spec/system.md §5.2); call on every train rank, once.
+    """Create the weight-broadcast group (docs/spec/system.md §5.2); call on every train rank, once.
 
     Rank 0 picks a free port, asks every engine to join (``/init_weights_update_group``, non-blocking),
     joins its own side concurrently, then waits for every engine's acknowledgement. The c10d group
@@ -382,7 +382,7 @@ def connect_broadcast(
 
 
 def _broadcast_weights(state: TrainState, group: BroadcastGroup, version: int, cfg: PublishConfig) -> None:
-    """Bucketed broadcast with at most one bucket in flight (docs/docs/spec/system.md §5.2).
+    """Bucketed broadcast with at most one bucket in flight (docs/spec/system.md §5.2).
 
     Per bucket: names/dtypes/shapes go to every engine (non-blocking HTTP / thread), then one async
     ``broadcast(src=0)`` per tensor. Gathering the next bucket (an FSDP collective on every train rank)

@@ -1,4 +1,4 @@
-"""Properties of rlcore.advantages.gae (docs/docs/spec/algorithms.md §4, §18 properties 26–29) plus slow loop references of §4.4/§4.5."""
+"""Properties of rlcore.advantages.gae (docs/spec/algorithms.md §4, §18 properties 26–29) plus slow loop references of §4.4/§4.5."""
 
 from __future__ import annotations
 

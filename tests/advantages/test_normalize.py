@@ -1,4 +1,4 @@
-"""Properties of rlcore.advantages.normalize (docs/docs/spec/algorithms.md §3, §18 properties 22–25) against a slow loop reference."""
+"""Properties of rlcore.advantages.normalize (docs/spec/algorithms.md §3, §18 properties 22–25) against a slow loop reference."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ LEVELS = st.sampled_from(["batch", "group", None])
 
 
 def ref_normalize(x, mask, sizes, cfg):
-    """Literal transcription of docs/docs/spec/algorithms.md §3 with Python loops over groups and elements (float64)."""
+    """Literal transcription of docs/spec/algorithms.md §3 with Python loops over groups and elements (float64)."""
     x = x.double().tolist() if x.dim() == 1 else x.double().tolist()
     rows = len(x)
     flat_rows = [r if isinstance(r, list) else [r] for r in x]
@@ -59,7 +59,7 @@ def ref_normalize(x, mask, sizes, cfg):
             q = sum(mrows[i][j] * (flat_rows[i][j] - mu[i][j]) ** 2 for i in u for j in range(len(y[i])))
             c = sum(mrows[i][j] for i in u for j in range(len(y[i])))
             if cfg.std_unbiased and cfg.std_level == "group" and len(u) == 1:
-                sig = 1.0  # a one-row group: σ = 1 whatever its token count (docs/docs/spec/algorithms.md §3)
+                sig = 1.0  # a one-row group: σ = 1 whatever its token count (docs/spec/algorithms.md §3)
             elif cfg.std_unbiased:
                 sig = math.sqrt(q / (c - 1)) if c > 1 else 1.0
             else:
@@ -166,7 +166,7 @@ def test_singleton_groups_and_loo():
 
 
 def test_one_row_group_of_masked_tokens_has_unit_std():
-    # docs/docs/spec/algorithms.md §3: a group of one row has σ = 1 under the unbiased std, as for rewards (b,); it used to get the
+    # docs/spec/algorithms.md §3: a group of one row has σ = 1 under the unbiased std, as for rewards (b,); it used to get the
     # std of that row's tokens. Row 0 is a group of its own, rows 1-2 form a second group.
     adv = torch.tensor([[1.0, 3.0, 8.0, 0.0], [2.0, -1.0, 0.5, 4.0], [0.0, 1.0, -2.0, 3.0]])
     mask = torch.tensor([[True, True, True, False], [True, True, False, False], [True, True, True, True]])

@@ -1,4 +1,4 @@
-"""rlcore.advantages.prox: version interpolation (docs/docs/spec/algorithms.md §5.2–5.3, §18 property 30)."""
+"""rlcore.advantages.prox: version interpolation (docs/spec/algorithms.md §5.2–5.3, §18 property 30)."""
 
 from __future__ import annotations
 

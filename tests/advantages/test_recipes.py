@@ -1,4 +1,4 @@
-"""One hand-computed example per recipe of docs/docs/spec/algorithms.md §15.3, run through the full §2 → §4.7 pipeline.
+"""One hand-computed example per recipe of docs/spec/algorithms.md §15.3, run through the full §2 → §4.7 pipeline.
 
 Batch: 2 prompts × 2 samples, verifier rewards {1, 0, 1, 1} mapped to ±5 by bias −0.5 / scale 10,
 rows with 3, 2, 1, 2 generated tokens. Expected values are written out with plain Python arithmetic.

@@ -1,4 +1,4 @@
-"""Independent float64 references of the published math (shared/docs/docs/spec/algorithms.md §2-§5) vs the leaves.
+"""Independent float64 references of the published math (shared/docs/spec/algorithms.md §2-§5) vs the leaves.
 
 Each reference is written from the spec text alone with plain Python loops: NormConfig normalisation (§3),
 reward shaping (§2), KL-in-reward and outcome placement (§4.2-4.3), token GAE exactly as the §4.4 pseudo-code,
@@ -331,7 +331,7 @@ def test_compute_advantages_matches_spec(ro, c, with_value, with_norm):
         adv = adv + k
     _close(out.kl_rewards, k)
     _close(out.tot_rewards, k + o)
-    _close(out.returns[mask], ret[mask])  # returns: docs/docs/spec/algorithms.md §4.4 "everywhere"; compared on valid tokens here
+    _close(out.returns[mask], ret[mask])  # returns: docs/spec/algorithms.md §4.4 "everywhere"; compared on valid tokens here
     if c["timestep_unit"] == "token":
         _close(out.returns[:, :-1], ret[:, :-1])
     if with_norm:

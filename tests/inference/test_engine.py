@@ -569,7 +569,7 @@ def test_prefill_is_deferred_while_decoding_until_enough_joiners_or_steps(defer)
 
 
 def _trainer(port: int, tensors: list[torch.Tensor], q) -> None:
-    """Rank 0 of the weight-update group: what a trainer does (docs/docs/spec/system.md §5.2), minus FSDP."""
+    """Rank 0 of the weight-update group: what a trainer does (docs/spec/system.md §5.2), minus FSDP."""
     try:
         import torch.distributed as dist
 

@@ -63,7 +63,7 @@ def test_default_window_is_the_last_prompt_token_and_scoring_reads_the_tail(engi
     prompt = [3, 9, 4, 17, 5]
     _, dflt = call(engine, "generate", {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True})
     assert dflt["meta_info"]["input_token_logprobs"] == [[None, 5, None]]
-    # AReaL's teacher/ref scoring call (docs/docs/spec/system.md §4.1): the last target_len entries are the targets' log-probs
+    # AReaL's teacher/ref scoring call (docs/spec/system.md §4.1): the last target_len entries are the targets' log-probs
     target_len = 3
     _, sc = call(engine, "generate", {
         "input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True,

@@ -1,4 +1,4 @@
-"""The weight-update group against a trainer built the way AReaL and SGLang build theirs (docs/docs/spec/system.md §5.2).
+"""The weight-update group against a trainer built the way AReaL and SGLang build theirs (docs/spec/system.md §5.2).
 
 The trainer side here uses no rlcore code: rank 0 of the group is made by torch's standard
 ``rendezvous("tcp://...")`` (whose TCPStore master waits for every rank to check in), prefixed by the group

@@ -1,4 +1,4 @@
-"""Property tests for rlcore.objectives.cispo (docs/docs/spec/algorithms.md section 10.2, section 18 property 18)."""
+"""Property tests for rlcore.objectives.cispo (docs/spec/algorithms.md section 10.2, section 18 property 18)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""On-policy distillation (docs/docs/spec/algorithms.md §13.4): the teacher must shape the gradient, except in AReaL parity mode."""
+"""On-policy distillation (docs/spec/algorithms.md §13.4): the teacher must shape the gradient, except in AReaL parity mode."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DPO / IPO (docs/docs/spec/algorithms.md §13.1, §18 property 20)."""
+"""DPO / IPO (docs/spec/algorithms.md §13.1, §18 property 20)."""
 
 from __future__ import annotations
 

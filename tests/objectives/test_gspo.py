@@ -1,4 +1,4 @@
-"""Property tests for rlcore.objectives.gspo (docs/docs/spec/algorithms.md section 7.1, section 18 properties 10-11)."""
+"""Property tests for rlcore.objectives.gspo (docs/spec/algorithms.md section 7.1, section 18 properties 10-11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests for rlcore.objectives.icepop (docs/docs/spec/algorithms.md section 8, section 18 property 14)."""
+"""Property tests for rlcore.objectives.icepop (docs/spec/algorithms.md section 8, section 18 property 14)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KL estimators (docs/docs/spec/algorithms.md §11, §18 property 31) and masked entropy."""
+"""KL estimators (docs/spec/algorithms.md §11, §18 property 31) and masked entropy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests for rlcore.objectives.kpop (docs/docs/spec/algorithms.md section 8, section 18 property 15)."""
+"""Property tests for rlcore.objectives.kpop (docs/spec/algorithms.md section 8, section 18 property 15)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ configs = st.builds(kpop.KPopConfig, upper=st.floats(1e-3, 3.0))
 
 
 def py_binary_kl(la: float, lb: float, eps: float = 1e-8) -> float:
-    """Direct float64 formula of docs/docs/spec/algorithms.md section 8."""
+    """Direct float64 formula of docs/spec/algorithms.md section 8."""
     p, q = min(max(math.exp(la), eps), 1 - eps), min(max(math.exp(lb), eps), 1 - eps)
     return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
 

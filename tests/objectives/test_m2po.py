@@ -1,4 +1,4 @@
-"""Property tests for rlcore.objectives.m2po (docs/docs/spec/algorithms.md section 9, section 18 property 16)."""
+"""Property tests for rlcore.objectives.m2po (docs/spec/algorithms.md section 9, section 18 property 16)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def second_moments(b):
 
 
 def reference(b, tau: float):
-    """Slow Python transcription of docs/docs/spec/algorithms.md section 9 (stable tie-break by flattened position)."""
+    """Slow Python transcription of docs/spec/algorithms.md section 9 (stable tie-break by flattened position)."""
     m = second_moments(b)
     order = sorted(m, key=lambda ij: (-m[ij], ij))
     n = len(order)

@@ -1,4 +1,4 @@
-"""Property tests for rlcore.objectives.ppo (docs/docs/spec/algorithms.md sections 6-7, section 18 properties 1-10)."""
+"""Property tests for rlcore.objectives.ppo (docs/spec/algorithms.md sections 6-7, section 18 properties 1-10)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def global_denom(mask, agg):
 
 
 def reference_loss(b: TokenBatch, cfg: ppo.PPOConfig, denom=None) -> float:
-    """Slow per-token Python transcription of docs/docs/spec/algorithms.md section 7 (float64)."""
+    """Slow per-token Python transcription of docs/spec/algorithms.md section 7 (float64)."""
     bound, eh = cfg.max_log_ratio, cfg.clip_low if cfg.clip_high is None else cfg.clip_high
     rows = []
     for i in range(b.mask.shape[0]):

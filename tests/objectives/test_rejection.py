@@ -1,4 +1,4 @@
-"""Property tests for rlcore.objectives.rejection (docs/docs/spec/algorithms.md section 8, section 18 properties 12-15)."""
+"""Property tests for rlcore.objectives.rejection (docs/spec/algorithms.md section 8, section 18 properties 12-15)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def valid_wider_lower(cfg: RejectionConfig, down: float) -> float | None:
 
 
 def py_binary_kl(la: float, lb: float, eps: float = 1e-8) -> float:
-    """Direct float64 formula of docs/docs/spec/algorithms.md section 8 (the reference the float64/expm1 kernel must match)."""
+    """Direct float64 formula of docs/spec/algorithms.md section 8 (the reference the float64/expm1 kernel must match)."""
     p, q = min(max(math.exp(la), eps), 1 - eps), min(max(math.exp(lb), eps), 1 - eps)
     return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
 
@@ -67,7 +67,7 @@ def py_metric(metric: str, lp: float, lb: float) -> float:
 
 
 def reference(b: TokenBatch, cfg: RejectionConfig):
-    """Slow Python transcription of docs/docs/spec/algorithms.md section 8: (keep, weight, ambiguous) with ``ambiguous`` marking
+    """Slow Python transcription of docs/spec/algorithms.md section 8: (keep, weight, ambiguous) with ``ambiguous`` marking
     decisions within rounding distance of a bound (float32 kernel vs float64 reference)."""
     rows, cols = b.mask.shape
     keep = torch.zeros(rows, cols, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""Bradley–Terry reward-model loss (docs/docs/spec/algorithms.md §13.2, §18 property 20)."""
+"""Bradley–Terry reward-model loss (docs/spec/algorithms.md §13.2, §18 property 20)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests for rlcore.objectives.sapo (docs/docs/spec/algorithms.md section 10.1, section 18 property 17)."""
+"""Property tests for rlcore.objectives.sapo (docs/spec/algorithms.md section 10.1, section 18 property 17)."""
 
 from __future__ import annotations
 

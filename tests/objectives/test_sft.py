@@ -1,4 +1,4 @@
-"""Masked NLL (docs/docs/spec/algorithms.md §13.3, §18 property 21): mean NLL of masked tokens, independent of micro-batch split."""
+"""Masked NLL (docs/spec/algorithms.md §13.3, §18 property 21): mean NLL of masked tokens, independent of micro-batch split."""
 
 from __future__ import annotations
 

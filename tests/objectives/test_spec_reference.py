@@ -1,4 +1,4 @@
-"""Independent float64 references of the published math (shared/docs/docs/spec/algorithms.md §6-§13) vs the leaves.
+"""Independent float64 references of the published math (shared/docs/spec/algorithms.md §6-§13) vs the leaves.
 
 Every reference below is written from the spec text alone, with plain Python loops over tokens / sequences and
 ``math`` scalars, and with hand-derived gradients where the formula is piecewise (PPO, CISPO, SAPO). The leaves
@@ -372,7 +372,7 @@ def test_ppo_extreme_log_ratios_are_finite_and_clamped_as_documented(big):
 
 @given(batches(), st.sampled_from([0.5, 2.0]))
 def test_ppo_weight_knobs(data, cap):
-    """behav_weight_cap: w = min(exp(prox − behav), cap); areal_compat (docs/docs/spec/algorithms.md §7 quirk): no weight= ⇒ w = 1."""
+    """behav_weight_cap: w = min(exp(prox − behav), cap); areal_compat (docs/spec/algorithms.md §7 quirk): no weight= ⇒ w = 1."""
     logp, prox, behav, adv, mask = data
     out, g = _grad(lambda lp: ppo.loss(lp, prox, behav, adv, mask, cfg=ppo.PPOConfig(behav_weight_cap=cap))[0], logp)
     ref, gref = ref_ppo_token(logp, prox, behav, adv, mask, eps=0.2, eps_h=None,
@@ -685,7 +685,7 @@ def test_rejected_tokens_equal_zero_advantage_in_every_agg_mode(data, agg, name,
 @pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "sapo"])
 def test_seq_mean_token_mean_does_not_inflate_survivors_of_a_rejection(name):
     """Regression: the per-sequence token count of ``seq_mean_token_mean`` came from the post-rejection mask, so a
-    row with one of its two tokens rejected weighed its survivor 2x (docs/docs/spec/algorithms.md §6.4: denominator unchanged)."""
+    row with one of its two tokens rejected weighed its survivor 2x (docs/spec/algorithms.md §6.4: denominator unchanged)."""
     lp = torch.full((1, 2), -1.0, dtype=torch.float64)
     adv = torch.ones(1, 2, dtype=torch.float64)
     mask, keep = torch.ones(1, 2, dtype=torch.bool), torch.tensor([[True, False]])

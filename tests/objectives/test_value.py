@@ -1,4 +1,4 @@
-"""Clipped critic loss (docs/docs/spec/algorithms.md §12, §18 property 19)."""
+"""Clipped critic loss (docs/spec/algorithms.md §12, §18 property 19)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from rlcore.rollout.rewards.pool import RewardPool, RewardPoolConfig
 
 
 class FakeEngine:
-    """Interruptible fake engine + client in one (the EngineClient contract of docs/docs/spec/system.md §3.1).
+    """Interruptible fake engine + client in one (the EngineClient contract of docs/spec/system.md §3.1).
 
     Tokens come one at a time after a random delay. ``pause()`` aborts the running segment: tokens
     so far keep the version pinned at the segment start; the request waits while paused and resumes

@@ -9,9 +9,9 @@ cell needs an explicit test-side loss_fn.
 
 The hand composition is built independently of the experiment: each mask goes through its uniform
 ``keep_mask -> (keep, factor, metrics)`` (the experiment calls ``rejection.process`` and uses the processed weight
-``w'`` itself), the behaviour weight is ``exp(prox - old) * Π factors`` (docs/docs/spec/algorithms.md §7.4 / §8 step 7), the denominators
+``w'`` itself), the behaviour weight is ``exp(prox - old) * Π factors`` (docs/spec/algorithms.md §7.4 / §8 step 7), the denominators
 are the pre-mask counts of the whole batch (also each row's own count in ``seq_mean_token_mean``, via ``denom_mask``),
-``ℓ^old`` / ``ℓ^prox`` follow docs/docs/spec/algorithms.md §4.1 / §5 from the objective and the proximal mode, and the log-probs come from
+``ℓ^old`` / ``ℓ^prox`` follow docs/spec/algorithms.md §4.1 / §5 from the objective and the proximal mode, and the log-probs come from
 the model's plain-torch log-softmax (the step uses its own kernel).
 
 Each cell also checks that it is not vacuous: the mask drops (or the clamp changes) some but not all tokens.
@@ -55,11 +55,11 @@ GSM = _load_experiment()
 # name -> (objective config, proximal mode, leaf); the leaf is what the hand composition calls
 OBJECTIVES = {
     "ppo": (ppo.PPOConfig(clip_low=0.2), "recompute", ppo.loss),
-    "ppo_coupled": (ppo.PPOConfig(decoupled=False), "recompute", ppo.loss),  # ℓ^old = recomputed (docs/docs/spec/algorithms.md §4.1)
+    "ppo_coupled": (ppo.PPOConfig(decoupled=False), "recompute", ppo.loss),  # ℓ^old = recomputed (docs/spec/algorithms.md §4.1)
     "ppo_coupled_interp": (ppo.PPOConfig(decoupled=False), "interpolate", ppo.loss),  # ℓ^old = engine log-probs
     "gspo": (gspo.GSPOConfig(clip_low=0.2, clip_high=0.2), "recompute", gspo.loss),
     "sapo": (sapo.SAPOConfig(), "interpolate", sapo.loss),  # the experiment refuses SAPO(behav) with prox='recompute'
-    # SAPO's recomputed variant (docs/docs/spec/algorithms.md §10.1 / §4.1): coupled, ℓ^old = the recomputed log-probs
+    # SAPO's recomputed variant (docs/spec/algorithms.md §10.1 / §4.1): coupled, ℓ^old = the recomputed log-probs
     "sapo_recomputed": (sapo.SAPOConfig(ratio_against="prox"), "recompute", sapo.loss),
     "cispo": (cispo.CISPOConfig(clip_low=0.2, clip_high=0.2), "recompute", cispo.loss),
 }
@@ -97,7 +97,7 @@ def _identity(obj_name: str, mask_name: str) -> bool:
 
 
 def _coupled(obj_cfg) -> bool:
-    """Coupled (docs/docs/spec/algorithms.md §4.1): PPO with ``decoupled=False``, or SAPO with ``ratio_against="prox"``."""
+    """Coupled (docs/spec/algorithms.md §4.1): PPO with ``decoupled=False``, or SAPO with ``ratio_against="prox"``."""
     if isinstance(obj_cfg, sapo.SAPOConfig):
         return obj_cfg.ratio_against == "prox"
     return getattr(obj_cfg, "decoupled", True) is False
@@ -141,7 +141,7 @@ def hand_loss(obj_name: str, mask_name: str, agg: str, batch: dict, tb: TokenBat
     _, prox_mode, leaf = OBJECTIVES[obj_name]
     _, mask, behav, versions = tts.shifted(batch)  # predictive alignment by hand
     assert torch.equal(mask, tb.loss_mask) and torch.equal(behav, tb.logp_behav)
-    old = tb.logp_prox if (_coupled(obj_cfg) and prox_mode == "recompute") else behav  # ℓ^old, docs/docs/spec/algorithms.md §4.1
+    old = tb.logp_prox if (_coupled(obj_cfg) and prox_mode == "recompute") else behav  # ℓ^old, docs/spec/algorithms.md §4.1
     denom = mask.sum() if agg == "token_mean" else (mask.sum(-1) > 0).sum()  # pre-mask counts, whole batch
     adv = tb.adv
 

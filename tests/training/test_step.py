@@ -59,7 +59,7 @@ def params(model):
 
 def ppo_loss_fn(obj_cfg=ppo.PPOConfig(), *, masks=(), prox="recompute", version=0, distill_cfg=None):
     """Decoupled PPO from the leaves: proximal log-probs (``mb.logp_prox``, or version interpolation), keep-masks
-    ``(fn, cfg)`` in order whose factors multiply the behaviour weight (docs/docs/spec/algorithms.md §7.4), the global denominator of the
+    ``(fn, cfg)`` in order whose factors multiply the behaviour weight (docs/spec/algorithms.md §7.4), the global denominator of the
     aggregation, and an optional distillation term against ``mb.logp_teacher``."""
 
     def loss_fn(logp, mb):

@@ -201,7 +201,7 @@ def test_clamp_where_only_a_mask_can_act_raises(fn, obj_cfg):
 
 
 def test_kl_reward_uses_recomputed_logp_when_coupled():
-    """docs/docs/spec/algorithms.md §4.1: coupled PPO + recompute => ℓ^old is the recomputed tensor (policy == ref at init,
+    """docs/spec/algorithms.md §4.1: coupled PPO + recompute => ℓ^old is the recomputed tensor (policy == ref at init,
     so the k1 KL reward is exactly 0 and the ratio exactly 1); decoupled => ℓ^old = behaviour log-probs."""
     st = common.fresh_state(ref=True)
     tb = step.TokenBatch.from_rollout(common.make_batch(15))
