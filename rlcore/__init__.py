@@ -1,3 +1,3 @@
 """rlcore: fully asynchronous RL for LLMs. Pure objectives, a thin stateful runtime."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
