@@ -74,8 +74,8 @@ class Config:
     max_staleness: int = 2
     """Max head off-policyness eta: a group is trained at most eta versions after it started (0 = synchronous)."""
     objective: ppo.PPOConfig | gspo.GSPOConfig | sapo.SAPOConfig | cispo.CISPOConfig = ppo.PPOConfig(clip_low=0.4)
-    """Surrogate: PPO (token, decoupled), GSPO (sequence ratio), SAPO (soft gate) or CISPO (clipped IS weight,
-    stop-gradient); the preset picks the type."""
+    """The surrogate, a value ``make_loss_fn`` calls: PPO (token, decoupled), GSPO (sequence ratio), SAPO (soft gate)
+    or CISPO (clipped IS weight, stop-gradient); each has the same ``decoupled`` switch and ``agg``."""
     prox: Literal["recompute", "interpolate", "behav"] = "recompute"
     """Proximal log-probs: recompute (forward before the update), version interpolation, or behaviour (coupled)."""
     prox_interp: prox_lib.ProxConfig = prox_lib.ProxConfig()
@@ -157,27 +157,11 @@ class Config:
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
         self._check_budgets()
-        if isinstance(self.objective, sapo.SAPOConfig):
-            # SAPO is coupled (spec §10.1): its ratio is against ℓ^old, the behaviour log-probs (--prox behav, AReaL's
-            # recipe) or the recomputed ones (--objective.ratio-against prox --prox recompute, spec §4.1).
-            against = self.objective.ratio_against
-            if against == "behav" and self.prox == "recompute":
-                raise ValueError(
-                    "objective=SAPO with --objective.ratio-against behav takes its ratio against the behaviour "
-                    "log-probs, so the --prox recompute forward would be wasted; set --prox behav (AReaL's recipe), "
-                    "or --objective.ratio-against prox for the recomputed variant"
-                )
-            if against == "prox" and self.prox == "behav":
-                raise ValueError(
-                    "objective=SAPO with --objective.ratio-against prox and --prox behav: pi_prox is the behaviour "
-                    "log-probs, so the knob would do nothing; use --prox recompute for the recomputed variant (or "
-                    "--prox interpolate), or --objective.ratio-against behav"
-                )
         if self.rejection is not None and self.rejection.carries_weight and not self.weighted:
             raise ValueError(
                 f"rejection (action={self.rejection.action!r}, level={self.rejection.level!r}) changes the behaviour "
                 "weight (a TIS clamp or the sequence geometric mean) and needs an objective that applies a behaviour "
-                "weight (decoupled ppo/gspo/cispo); with SAPO or coupled PPO only a mask can act: use "
+                "weight (a decoupled objective); with a coupled one (--objective.no-decoupled) only a mask can act: use "
                 "--rejection.action mask --rejection.level token (or a KL --rejection.metric)"
             )
         self._check_masks_compare_two_policies()
@@ -236,25 +220,23 @@ class Config:
                 "--prox interpolate), or turn the masks off with --no-off-policy-masks"
             )
         if self.prox == "recompute" and self.coupled:
-            knob = ("--objective.ratio-against prox" if isinstance(self.objective, sapo.SAPOConfig)
-                    else "--objective.no-decoupled")
+            knob = "a coupled objective (--objective.no-decoupled)"
             raise ValueError(
                 f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (spec §4.1), so the "
                 f"off-policy mask(s) {on} would compare that tensor with itself and keep every token (the mask does "
-                f"nothing); use a decoupled objective (drop {knob}), --prox interpolate, or turn the masks off with "
+                f"nothing); use a decoupled objective (--objective.decoupled), --prox interpolate, or turn the masks off with "
                 "--no-off-policy-masks"
             )
 
     @property
     def coupled(self) -> bool:
         """Coupled PPO (spec §4.1): the ratio is taken against ``ℓ^old`` itself and no behaviour weight applies."""
-        o = self.objective
-        return o.ratio_against == "prox" if isinstance(o, sapo.SAPOConfig) else not o.decoupled
+        return not self.objective.decoupled
 
     @property
     def weighted(self) -> bool:
         """The objective multiplies by a behaviour weight (``weight=``: the rejection filter's processed one)."""
-        return not isinstance(self.objective, sapo.SAPOConfig) and not self.coupled
+        return self.objective.decoupled
 
     @property
     def need_ref(self) -> bool:
@@ -395,7 +377,7 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
                 metrics.update(m)
         if cfg.rejection is not None:
             keep, w, m = rejection_lib.process(logp_prox, behav, keep, cfg=cfg.rejection)
-            weight = w if cfg.weighted else None  # SAPO / coupled PPO take no behaviour weight: mask only
+            weight = w if cfg.weighted else None  # a coupled objective takes no behaviour weight: mask only
             metrics.update(m)
         if cfg.icepop is not None:
             keep, _, m = icepop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.icepop)
@@ -405,14 +387,7 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
             metrics.update(m)
         denom = mb.denom(obj.agg)
         counted = mb.loss_mask  # the pre-mask counts: a dropped token leaves the numerator only (spec §6.4)
-        if isinstance(obj, gspo.GSPOConfig):
-            loss, m = gspo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
-        elif isinstance(obj, sapo.SAPOConfig):
-            loss, m = sapo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted)
-        elif isinstance(obj, cispo.CISPOConfig):
-            loss, m = cispo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
-        else:
-            loss, m = ppo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
+        loss, m = obj(logp, logp_prox, behav, mb.adv, keep, denom=denom, denom_mask=counted, weight=weight)
         metrics.update(m)
         if cfg.kl_loss_coef > 0:
             kl_term, m = kl.penalty(logp, mb.logp_ref, keep, cfg=cfg.kl_loss, denom=mb.n_tokens)

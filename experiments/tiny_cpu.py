@@ -65,7 +65,7 @@ from rlcore.inference import client as engine_client
 from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
 from rlcore.inference import process as engine_process
-from rlcore.objectives import cispo, entropy, gspo, ppo
+from rlcore.objectives import cispo, entropy, gspo, ppo, sapo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import remote, workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
@@ -107,11 +107,11 @@ class Config:
     off-policy warning fires); None: the sampling temperature."""
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=5e-4, weight_decay=0.0)
     """Adam at 5e-4 was stable; 2e-3 collapsed within 30 s in calibration."""
-    objective: ppo.PPOConfig | gspo.GSPOConfig | cispo.CISPOConfig = ppo.PPOConfig(
+    objective: ppo.PPOConfig | gspo.GSPOConfig | sapo.SAPOConfig | cispo.CISPOConfig = ppo.PPOConfig(
         clip_low=0.2, decoupled=True, agg="token_mean")
-    """Surrogate of ``build_loss_fn``: decoupled PPO (ratio against the recomputed proximal policy, behaviour weight
-    for staleness), GSPO (sequence ratio) or CISPO (clipped IS weight); the type picks the leaf. Any other loss:
-    ``main(cfg, loss_fn=...)``."""
+    """The surrogate ``build_loss_fn`` calls, a value: decoupled PPO (ratio against the recomputed proximal policy,
+    behaviour weight for staleness), GSPO (sequence ratio), SAPO (soft gate) or CISPO (clipped IS weight). Any other
+    loss: ``main(cfg, loss_fn=...)``."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip of the train step (0: off)."""
     tokens_per_microbatch: int = 8192
@@ -401,13 +401,7 @@ def build_loss_fn(cfg: Config) -> step.LossFn:
         # exactly those weights, so its detached log-probs ARE the recompute (spec §5.1) without a second forward
         mb = dataclasses.replace(mb, logp_prox=step.proximal_logp(logp, mb))
         behav = step.old_logp(mb, coupled_recompute=not obj.decoupled)
-        args = (logp, mb.logp_prox, behav, mb.adv, mb.loss_mask)
-        if isinstance(obj, gspo.GSPOConfig):
-            loss, m = gspo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
-        elif isinstance(obj, cispo.CISPOConfig):
-            loss, m = cispo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
-        else:
-            loss, m = ppo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
+        loss, m = obj(logp, mb.logp_prox, behav, mb.adv, mb.loss_mask, denom=mb.denom(obj.agg))
         m["ppo_actor/entropy"] = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
         return loss, m
 

@@ -301,16 +301,23 @@ def test_dict_shift_and_typed_shift_agree_and_missing_inputs_are_named():
         step.old_logp(tb, coupled_recompute=True)
 
 
-def test_the_runtime_consults_no_registry():
-    """Issue 15.1: no string or type registry in the runtime; OBJECTIVES / MASKS are a convenience for notebooks and
-    for the ``rlcore-replay --objective NAME`` command line only (rlcore/replay.py, a tool outside the wings)."""
+def test_no_registry_and_no_type_ladder_on_objectives():
+    """Objectives are values: no ``OBJECTIVES`` / ``MASKS`` registry anywhere in rlcore, and no ``isinstance`` on an
+    objective or mask config outside the leaves (rlcore, experiments, notebooks): the caller calls the value."""
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "rlcore"
+    repo = Path(__file__).resolve().parents[2]
+    root = repo / "rlcore"
     pat = re.compile(r"\b(OBJECTIVES|MASKS|OBJECTIVE_NAMES)\b")
-    allowed = {root / "objectives" / "__init__.py", root / "replay.py"}
-    hits = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p not in allowed
+    hits = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if pat.search(line)]
-    assert not hits, f"the runtime looks objectives/masks up by name: {hits}"
+    assert not hits, f"objectives/masks looked up by name: {hits}"
+    configs = r"(PPOConfig|DAPOConfig|GSPOConfig|SAPOConfig|CISPOConfig|IcePopConfig|KPopConfig|M2POConfig|RejectionConfig)"
+    ladder = re.compile(r"isinstance\([^)]*" + configs)
+    files = [p for d in ("rlcore", "experiments", "notebooks") for p in (repo / d).rglob("*.py")
+             if "objectives" not in p.parts]
+    hits = [f"{p.relative_to(repo)}:{i}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if ladder.search(line)]
+    assert not hits, f"an objective/mask chosen by type: {hits}"
     assert not any(hasattr(step, n) for n in ("rl_step", "RLStepConfig", "legacy_loss_fn", "rl_prepare"))
