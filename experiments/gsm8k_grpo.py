@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 import tyro
 
+from rlcore import advantages
 from rlcore import tiny as tiny_lib
 from rlcore.advantages import gae as gae_lib
 from rlcore.advantages import normalize
@@ -83,7 +84,8 @@ class Config:
     shaping: shaping_lib.ShapingConfig = shaping_lib.ShapingConfig(reward_bias=-0.5, reward_scaling=10.0)
     """Reward bias/scale/clip and the DAPO overlong penalty ({0,1} -> {-5,+5}); its L_max is --max-new-tokens."""
     reward_norm: normalize.NormConfig | None = normalize.GRPO
-    """Per-trajectory reward normalisation (where GRPO / Dr.GRPO / LitePPO / RLOO differ); None: off."""
+    """Per-trajectory reward normalisation (where GRPO / Dr.GRPO / LitePPO / RLOO differ); groups are the batch's
+    real prompt groups (a group that lost a sample is a smaller group); None: off."""
     adv_norm: normalize.NormConfig | None = normalize.BATCH_ZSCORE
     """Token-level advantage normalisation over the batch; None: off."""
     gae: gae_lib.GAEConfig = gae_lib.GAEConfig()
@@ -242,6 +244,12 @@ class Config:
     def need_ref(self) -> bool:
         """A frozen reference policy is loaded for the KL-in-reward or the KL-in-loss term."""
         return self.gae.kl_ctl > 0 or self.kl_loss_coef > 0
+
+    @property
+    def advantage_stage(self) -> advantages.AdvantageConfig:
+        """The advantage stage of this preset: shaping, reward norm (by the batch's real groups), GAE, adv norm."""
+        return advantages.AdvantageConfig(gae=self.gae, shaping=self.reward_shaping, reward_norm=self.reward_norm,
+                                          adv_norm=self.adv_norm)
 
     @property
     def reward_shaping(self) -> shaping_lib.ShapingConfig:
@@ -428,8 +436,6 @@ def main(cfg: Config) -> dict[str, float]:
                                          compile_layers=cfg.run.compile, lora=cfg.lora_cfg if cfg.lora else None)
     mb_cfg = microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb)
     step_cfg = step.StepConfig(mb=mb_cfg, temperature=cfg.temperature, max_grad_norm=cfg.max_grad_norm)
-    reward_norm = None if cfg.reward_norm is None else dataclasses.replace(cfg.reward_norm, group_size=cfg.group_size)
-    adv_norm = None if cfg.adv_norm is None else dataclasses.replace(cfg.adv_norm, group_size=cfg.group_size)
     wf = workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     episode = workflows.rlvr(tok, reward_fn, wf)
     eval_episode = workflows.rlvr(tok, reward_fn, dataclasses.replace(wf, temperature=cfg.eval_temperature))
@@ -458,7 +464,7 @@ def main(cfg: Config) -> dict[str, float]:
                     groups = ctl.prepare_batch()
                     if not groups:  # dynamic_bs can return an empty batch when every group was filtered
                         continue
-                    batch = TokenBatch.from_rollout(trajectory.concat(groups))  # the single predictive shift
+                    batch = TokenBatch.from_rollout(trajectory.concat_groups(groups))  # the single predictive shift
                 else:  # this rank's whole groups of the global batch; the skip is the same on every rank
                     shard = gate.next_shard()
                     if shard.skip:
@@ -471,24 +477,14 @@ def main(cfg: Config) -> dict[str, float]:
                     logp_ref=step.ref_logp(state, batch, cfg=step_cfg) if cfg.need_ref else None,
                     logp_prox=step.policy_logp(state, batch, cfg=step_cfg) if cfg.prox == "recompute" else None,
                 )
-                # --- rewards: the verifier's {0, 1} -> overlong penalty, +-5 scale, group normalisation ---
+                # --- rewards -> advantages: overlong penalty, +-5 scale, normalisation within each real group
+                # (batch.group_ids), GAE (+ KL-in-reward against ℓ^old), then the batch z-score ---
                 mask = batch.loss_mask
-                group_norm = None if reward_norm is None else (
-                    lambda r: normalize.normalize(r, cfg=reward_norm, batch_sum=batch_sum))
-                reward = shaping_lib.shape_rewards(batch.rewards, cfg=cfg.reward_shaping, gen_len=mask.sum(1),
-                                                   reward_norm=group_norm)
-                # --- advantages: GAE (+ KL-in-reward against ℓ^old), then the batch z-score ---
                 logp_old = step.old_logp(batch, coupled_recompute=cfg.prox == "recompute" and cfg.coupled)
-                truncated = torch.zeros_like(mask[:, 0]) if batch.truncated is None else batch.truncated
-                adv = gae_lib.compute_advantages(
-                    reward, mask, batch.attention_mask.sum(1), truncated, cfg=cfg.gae, value=batch.value_old,
-                    logp_old=logp_old.float(), logp_ref=batch.logp_ref, turn_ids=batch.turn_ids,
-                    adv_norm=None if adv_norm is None else (
-                        lambda a, m: normalize.normalize(a, m, cfg=adv_norm, batch_sum=batch_sum)),
-                )
+                adv = advantages.estimate(batch, cfg=cfg.advantage_stage, logp_old=logp_old, batch_sum=batch_sum)
                 batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
                 # --- loss_fn -> train_step: one optimizer step per minibatch, the LR schedule advanced once ---
-                step0, version = state.step, state.version
+                version = state.version
                 # A DP rank whose shard is empty (fewer groups than ranks) still steps: zero-weight forwards.
                 mbs = step.minibatches(batch, cfg.ppo_n_minibatches) if batch.num_rows else [batch] * cfg.ppo_n_minibatches
                 loss_fn = make_loss_fn(cfg, version=version)
@@ -503,7 +499,6 @@ def main(cfg: Config) -> dict[str, float]:
                         ccfg = dataclasses.replace(last, module="critic")
                         state, m = step.train_step(state, mb, critic_loss_fn(cfg), cfg=ccfg)
                         critic.append(m)
-                state = dataclasses.replace(state, step=step0 + 1)  # TrainState.step counts training steps
                 # --- publish: the engines serve version + 1; in-flight requests resume on the new weights ---
                 state = engines.publish(state, eng, rollout=source)
                 m = harness.average(actor, rename={"train/": "ppo_actor/", "timing/step_s": "timing/actor_s"})

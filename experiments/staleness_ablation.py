@@ -286,7 +286,6 @@ def main(cfg: Config) -> dict[str, Any]:
                         "mismatch_stale0": float(first["offpolicy/stale_0/abs_diff_mean"]),
                         "mismatch_stale0_frac": float(first["offpolicy/stale_0/frac_tokens"]),
                         "mismatch_all": float(first["offpolicy/abs_diff_mean"])}
-                state = dataclasses.replace(state, step=state.step - len(mbs) + 1)  # one training step
             # --- publish: pause -> push weights -> version + 1 -> resume (the version moves on even without data)
             state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
             train_s = time.perf_counter() - t0

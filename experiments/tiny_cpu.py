@@ -55,10 +55,7 @@ import tyro
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from rlcore import tiny
-from rlcore.advantages import gae as gae_lib
-from rlcore.advantages import normalize
-from rlcore.advantages import shaping as shaping_lib
+from rlcore import advantages, tiny
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
@@ -114,6 +111,10 @@ class Config:
     loss: ``main(cfg, loss_fn=...)``."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip of the train step (0: off)."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per batch (AReaL's name). 1: the proximal log-probs are the training forward's own, the
+    ratio is exactly 1 and every clip-based objective gives the same run (docs/algorithms.md); > 1: they are
+    recomputed once per batch and the clip binds from the second minibatch on."""
     tokens_per_microbatch: int = 8192
     """Packed micro-batch budget of the train step. On a CPU the attention of a micro-batch runs as one padded SDPA
     batch of its sequences (``models.varlen_attention_padded``), so the fewest micro-batches are fastest: 8192 holds
@@ -189,6 +190,9 @@ class Config:
             raise ValueError(f"Config.checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.engine_servers < 1:
             raise ValueError(f"Config.engine_servers must be >= 1, got {self.engine_servers}")
+        if self.ppo_n_minibatches < 1:
+            raise ValueError(f"Config.ppo_n_minibatches must be >= 1 (optimizer steps per batch), got "
+                             f"{self.ppo_n_minibatches}")
 
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
@@ -397,8 +401,8 @@ def build_loss_fn(cfg: Config) -> step.LossFn:
     obj = cfg.objective
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # ℓ^prox: the weights this step starts from. One optimizer step per batch means the training forward runs
-        # exactly those weights, so its detached log-probs ARE the recompute (spec §5.1) without a second forward
+        # ℓ^prox: the weights the batch's first step starts from: recomputed with several minibatches, else the
+        # training forward runs exactly those weights and its detached log-probs ARE the recompute (spec §5.1)
         mb = dataclasses.replace(mb, logp_prox=step.proximal_logp(logp, mb))
         behav = step.old_logp(mb, coupled_recompute=not obj.decoupled)
         loss, m = obj(logp, mb.logp_prox, behav, mb.adv, mb.loss_mask, denom=mb.denom(obj.agg))
@@ -415,21 +419,23 @@ def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], l
     re-runs it from a record (and an ablation passes another ``loss_fn`` on the same samples)."""
     scfg = step_config(cfg)
     data = TokenBatch.from_rollout(batch)  # the single predictive shift
-    version = state.version
-    # rewards: the verifier's {0, 1} -> z-score within each group of G samples of one prompt (GRPO)
-    mask = data.loss_mask
-    reward_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
-    reward = shaping_lib.shape_rewards(data.rewards.float(), cfg=shaping_lib.ShapingConfig(), gen_len=mask.sum(1),
-                                       reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
-    # advantages: gamma = lambda = 1 and no critic, so every sampled token gets its row's normalised reward
-    truncated = torch.zeros_like(mask[:, 0]) if data.truncated is None else data.truncated.bool()
-    adv = gae_lib.compute_advantages(reward, mask, data.attention_mask.sum(1), truncated, cfg=gae_lib.GAEConfig(),
-                                     turn_ids=data.turn_ids)
+    version, mask = state.version, data.loss_mask
+    # rewards -> advantages: the verifier's {0, 1} z-scored within each real prompt group (GRPO, batch.group_ids);
+    # gamma = lambda = 1 and no critic, so every sampled token gets its row's normalised reward
+    adv = advantages.estimate(data, cfg=advantages.GRPO)
     data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
-    # loss_fn -> train_step: one optimizer step over all micro-batches. The proximal log-probs are the training
-    # forward's own (detached, see build_loss_fn): the weights about to be updated, with no extra forward pass.
+    # loss_fn -> train_step, once per minibatch. One minibatch: the proximal log-probs are the training forward's
+    # own (detached, see build_loss_fn), no extra forward, and the PPO ratio is exactly 1 (every clip-based
+    # objective coincides). Several: recomputed once, before the first optimizer step, so the clip binds from the
+    # second minibatch on.
+    if cfg.ppo_n_minibatches > 1:
+        data = dataclasses.replace(data, logp_prox=step.policy_logp(state, data, cfg=scfg))
     seen = offpolicy.first_forward(loss_fn)
-    state, m = step.train_step(state, data, seen, cfg=scfg)
+    mbs, m = step.minibatches(data, cfg.ppo_n_minibatches), {}
+    for i, mb in enumerate(mbs):  # the last minibatch advances the LR schedule and state.step, once per batch
+        last = dataclasses.replace(scfg, schedule=i == len(mbs) - 1)
+        state, m_i = step.train_step(state, mb, seen if i == 0 else loss_fn, cfg=last)
+        m |= m_i if i == 0 else {f"{k}_mb{i}": v for k, v in m_i.items() if k.endswith("clip_frac")}
     # off-policy diagnostics of that pre-update forward against the engine's log-probs, by staleness
     first_logp, first_batch = seen.logp_and_batch()
     m |= offpolicy.step_metrics(first_logp, first_batch, version=version, cfg=cfg.offpolicy.diagnostics)
@@ -521,7 +527,7 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
             # advantages -> decoupled PPO update -> weights to the engine (version + 1). The version moves on
             # even in the (rare) step with nothing to learn, or the staleness gate would stall generation.
             # The recorder (a pass-through without --record) stores the batch, version and RNG, then runs the step.
-            state, m = recorder.step(train_batch, state, trajectory.concat(groups) if groups else None, loss_fn, cfg,
+            state, m = recorder.step(train_batch, state, trajectory.concat_groups(groups) if groups else None, loss_fn, cfg,
                                      prompts=ctl.last_batch_indices, kept=kept)
             t_pub = time.perf_counter()
             state = weight_sync.publish_weights(state, targets, cfg=publish_cfg, rollout=ctl)

@@ -183,17 +183,16 @@ def test_gsm8k_checkpoint_resume_and_tensorboard(data_dir, tmp_path):
 
 # --------------------------------------------------------------------------------------------- the one shape
 RL_CALLS = {  # what each RL experiment must call itself (module-qualified leaves, as in anchors.md rule 2)
-    "gsm8k_grpo": [r"gae_lib\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"normalize\.normalize\(",
-                   r"ppo\.loss\(", r"gspo\.loss\(", r"sapo\.loss\(", r"cispo\.loss\(", r"rejection_lib\.process\(",
-                   r"icepop_lib\.keep_mask\(", r"kpop_lib\.keep_mask\(", r"m2po_lib\.keep_mask\(", r"kl\.penalty\(",
-                   r"entropy\.masked_mean\(", r"value\.loss\("],
-    "multi_turn": [r"gae\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"ppo\.loss\(",
-                   r"rejection_lib\.process\("],
-    "agent": [r"gae\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"ppo\.loss\(", r"rejection_lib\.process\("],
-    "distill": [r"gae\.compute_advantages\(", r"ppo\.loss\(", r"rejection_lib\.process\(", r"distill_lib\.loss\(",
+    "gsm8k_grpo": [r"advantages\.estimate\(", r"obj\(", r"rejection_lib\.process\(", r"icepop_lib\.keep_mask\(",
+                   r"kpop_lib\.keep_mask\(", r"m2po_lib\.keep_mask\(", r"kl\.penalty\(", r"entropy\.masked_mean\(",
+                   r"value\.loss\("],
+    "multi_turn": [r"advantages\.estimate\(", r"ppo\.loss\(", r"rejection_lib\.process\("],
+    "agent": [r"advantages\.estimate\(", r"ppo\.loss\(", r"rejection_lib\.process\("],
+    "distill": [r"advantages\.estimate\(", r"ppo\.loss\(", r"rejection_lib\.process\(", r"distill_lib\.loss\(",
                 r"step\.teacher_logp\("],
 }
-SHAPE = [r"\.prepare_batch\(", r"\.compute_advantages\(", r"make_loss_fn\(", r"step\.train_step\(", r"engines\.publish\("]
+SHAPE = [r"\.prepare_batch\(", r"advantages\.estimate\(", r"make_loss_fn\(", r"step\.train_step\(",
+         r"engines\.publish\("]
 """rollout -> (rewards ->) advantages -> loss_fn -> train_step -> publish, in this order inside ``main``."""
 GONE = [r"\brl_step\b", r"RLStepConfig", r"legacy_loss_fn", r"rl_prepare", r"\bloop\.", r"import loop\b",
         r"training\.loop", r"OBJECTIVES", r"MASKS", r"OBJECTIVE_NAMES"]

@@ -78,8 +78,8 @@ class StepConfig:
     module: Literal["policy", "critic"] = "policy"
     """Which model/optimizer/scheduler of the state to update: ``state.model`` or ``state.critic``."""
     schedule: bool = True
-    """Advance the LR schedule after this step. Set False on all but the last minibatch of a training step so
-    the schedule advances once per training step (spec system.md §7.6)."""
+    """This call ends a training step: advance the LR schedule (and, for the policy, ``TrainState.step``). Set False
+    on all but the last minibatch of a training step, so both advance once per training step (spec system.md §7.6)."""
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -381,7 +381,9 @@ def train_step(
     ``loss_fn(logp, mb)`` gets the micro-batch's ``(b t)`` log-probs with gradient (critic: values) and the
     micro-batch ``mb`` on the same device, with ``mb.entropy`` set and the GLOBAL ``mb.n_tokens``/``mb.n_seqs``;
     it must return a loss already divided by the global count its aggregation names (``mb.denom(agg)``), so the
-    step just sums micro-batch losses (``J = Σ_μ L_μ``, spec §0.4). Returns ``replace(state, step + 1)`` (and
+    step just sums micro-batch losses (``J = Σ_μ L_μ``, spec §0.4). Returns the state with ``step + 1`` when this
+    call ends a training step (``cfg.schedule`` on the policy: the last minibatch; ``TrainState.step`` counts training
+    steps and this is its one writer; a critic or an earlier minibatch leaves it), and
     ``skipped_steps + 1`` when the loss or gradient norm was not finite: gradients zeroed, weights untouched) and
     metrics: ``loss_fn``'s (micro-batch means weighted by token share) plus ``train/{loss,grad_norm,
     update_successful,lr,n_microbatches}``, ``train/mb_tokens_budget`` (the budget applied, absent when unlimited;
@@ -423,7 +425,9 @@ def train_step(
     acc.update({"train/loss": loss_sum.float(), "train/grad_norm": norm, "train/update_successful": torch.tensor(float(ok)),
                 "timing/step_s": torch.tensor(dt),
                 "perf/tokens_per_s": torch.tensor(float(sum(lengths)) / max(dt, 1e-9))})
-    new_state = dataclasses.replace(state, step=state.step + 1, skipped_steps=state.skipped_steps + (0 if ok else 1))
+    ends = cfg.schedule and cfg.module == "policy"  # the last minibatch of a training step: the one step writer
+    new_state = dataclasses.replace(state, step=state.step + int(ends),
+                                    skipped_steps=state.skipped_steps + (0 if ok else 1))
     return new_state, _to_host(acc)
 
 
