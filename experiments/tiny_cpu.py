@@ -200,23 +200,6 @@ SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_
 """A few steps in one process (no child start-up): the tests' preset; tests/test_tiny.py runs it in every layout."""
 
 
-class CoresBusy:
-    """Average cores kept busy since construction: CPU seconds of this process (+ the child processes) / wall."""
-
-    def __init__(self, pids: tuple[int, ...]):
-        self.pids = pids
-        self.t0, self.cpu0 = time.perf_counter(), self._cpu()
-
-    def _cpu(self) -> tuple[float, float]:
-        return engine_process.cpu_seconds(), sum(engine_process.cpu_seconds(p) for p in self.pids)
-
-    def __call__(self) -> dict[str, float]:
-        wall = max(time.perf_counter() - self.t0, 1e-9)
-        (tr, eng), (tr0, eng0) = self._cpu(), self.cpu0
-        return {"perf/cores_busy": (tr - tr0 + eng - eng0) / wall, "perf/cores_busy_trainer": (tr - tr0) / wall,
-                "perf/cores_busy_engine": (eng - eng0) / wall}
-
-
 def rollout_parts(cfg: Config, address: str | None = None) -> remote.RolloutParts:
     """The rollout side: rlvr episode (countdown reward), prompts, the staleness gate, and an engine (or the
     ``address`` of an engine server). Runs in the rollout process (built there from this function and ``cfg``) or
@@ -447,15 +430,8 @@ def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], l
 
 
 def run_dir(cfg: Config) -> str:
-    """This run's TensorBoard directory: ``cfg.log_dir`` when named, else a fresh ``<UTC time>-seed<seed>``
-    subdirectory of the default root."""
-    if cfg.log_dir != RUNS_ROOT:
-        return cfg.log_dir
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    path, k = Path(cfg.log_dir) / f"{stamp}-seed{cfg.seed}", 1
-    while path.exists():  # two runs started in the same second
-        path, k = Path(cfg.log_dir) / f"{stamp}-seed{cfg.seed}-{k}", k + 1
-    return str(path)
+    """This run's TensorBoard directory (``metrics.run_dir``): ``cfg.log_dir`` when named, else a fresh one."""
+    return metrics.run_dir(cfg.log_dir, default_root=RUNS_ROOT, seed=cfg.seed)
 
 
 def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]:
@@ -506,7 +482,7 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
                 logger.log(s, {"eval/greedy_success": g})
 
         t0 = time.perf_counter()
-        cores = CoresBusy(lay.pids + ((ev.pid,) if ev is not None else ()))
+        cores = metrics.CoresBusy(lay.pids + ((ev.pid,) if ev is not None else ()))
         hist.append((0.0, state.step, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
         last_eval = state.step

@@ -14,7 +14,8 @@ aggregation names (``mb.denom(cfg.agg)``: tokens for ``token_mean``, sequences f
 so ``J = Σ_μ L_μ`` is independent of how the minibatch is split into micro-batches and ranks. Everything else
 an RL step needs is a small function the experiment calls explicitly, before ``train_step``:
 :func:`policy_logp` (proximal recompute), :func:`ref_logp`, :func:`teacher_logp`, :func:`critic_values`,
-:func:`old_logp` (which tensor is ``ℓ^old``, spec §4.1), :func:`compute_batch_advantages`, :func:`minibatches`,
+:func:`old_logp` (which tensor is ``ℓ^old``, spec §4.1), :func:`minibatches` (the advantages are
+``rlcore.advantages.estimate``),
 and the critic update is ``train_step(state, batch, value_loss_fn(cfg), cfg=StepConfig(module="critic"))``.
 
 SFT, DPO and reward models are ``train_step`` with :func:`sft_loss_fn`, :func:`dpo_loss_fn`, :func:`rm_loss_fn`.
@@ -40,9 +41,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlcore.advantages import gae as gae_lib
-from rlcore.advantages import normalize as norm_lib
-from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import microbatch, packing
 from rlcore.objectives import dpo as dpo_lib
 from rlcore.objectives import reward_model as rm_lib
@@ -88,44 +86,9 @@ class StepConfig:
             raise ValueError(f"StepConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
 
 
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """Reward shaping, reward normalisation, GAE and advantage normalisation (spec §2 -> §4.7)."""
-
-    gae: gae_lib.GAEConfig = gae_lib.GAEConfig()
-    """GAE / KL-in-reward settings (γ = λ = 1 and no KL reproduce GRPO-style returns)."""
-    shaping: shaping_lib.ShapingConfig | None = None
-    """Reward bias/scale/clip and overlong penalty (spec §2); None leaves rewards as they are."""
-    reward_norm: norm_lib.NormConfig | None = None
-    """Reward normalisation (e.g. ``normalize.GRPO``); groups are ``group_size`` consecutive rows."""
-    adv_norm: norm_lib.NormConfig | None = None
-    """Advantage normalisation over the masked tokens (e.g. ``normalize.BATCH_ZSCORE``)."""
-    group_size: int = 1
-    """Rows per prompt group (samples per prompt) for group normalisation."""
-
-    def __post_init__(self) -> None:
-        if self.group_size < 1:
-            raise ValueError(f"AdvantageConfig.group_size must be >= 1, got {self.group_size}")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Alignment, micro-batches and forward passes
 # ----------------------------------------------------------------------------------------------------------
-
-
-def shift_to_predictive(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Dict form of :meth:`TokenBatch.from_rollout` (deprecated; kept for dict callers).
-
-    Adds ``targets = input_ids[:, t+1]`` and rolls ``loss_mask``, ``logprobs``, ``versions`` and ``turn_ids`` left by
-    one; the last column gets the padding value. Other keys pass through. The input dict is not modified.
-    """
-    fill = {"loss_mask": False, "logprobs": 0.0, "versions": -1, "turn_ids": -1}
-    out = dict(batch)
-    out["targets"] = torch.cat([batch["input_ids"][:, 1:], torch.zeros_like(batch["input_ids"][:, :1])], 1)
-    for k, f in fill.items():
-        if k in batch:
-            out[k] = torch.cat([batch[k][:, 1:], torch.full_like(batch[k][:, :1], f)], 1)
-    return out
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -484,42 +447,6 @@ def old_logp(batch: TokenBatch, *, coupled_recompute: bool) -> Tensor:
     return t
 
 
-def compute_batch_advantages(
-    batch: TokenBatch,
-    *,
-    cfg: AdvantageConfig,
-    logp_old: Tensor | None,
-    value: Tensor | None = None,
-    logp_ref: Tensor | None = None,
-) -> gae_lib.Advantages:
-    """Spec §2 -> §4.7 on the whole predictive-aligned batch via ``rlcore.advantages`` (call it before minibatching).
-
-    ``logp_old`` ``(b t)`` is ``ℓ^old`` (:func:`old_logp`); it is required (it may be None only when
-    ``cfg.gae.kl_ctl == 0``) so the caller states which tensor the KL-in-reward uses.
-    """
-    if batch.rewards is None:
-        raise ValueError("compute_batch_advantages needs TokenBatch.rewards (b,)")
-    mask = batch.loss_mask.bool()
-    lengths = batch.attention_mask.sum(1)
-    truncated = batch.truncated if batch.truncated is not None else torch.zeros_like(lengths, dtype=torch.bool)
-    reward_norm = None
-    if cfg.reward_norm is not None:
-        reward_norm = partial(norm_lib.normalize, cfg=dataclasses.replace(cfg.reward_norm, group_size=cfg.group_size))
-    reward_fn = None
-    if cfg.shaping is not None or reward_norm is not None:
-        shaping = cfg.shaping or shaping_lib.ShapingConfig()
-        reward_fn = partial(shaping_lib.shape_rewards, cfg=shaping, gen_len=mask.sum(1), reward_norm=reward_norm)
-    adv_norm = None
-    if cfg.adv_norm is not None:
-        acfg = dataclasses.replace(cfg.adv_norm, group_size=cfg.group_size)
-        adv_norm = lambda a, m: norm_lib.normalize(a, cfg=acfg, mask=m)  # noqa: E731
-    return gae_lib.compute_advantages(
-        batch.rewards.float(), mask, lengths, truncated.bool(), cfg=cfg.gae, value=value,
-        logp_old=None if logp_old is None else logp_old.float(), logp_ref=logp_ref, turn_ids=batch.turn_ids,
-        reward_fn=reward_fn, adv_norm=adv_norm,
-    )
-
-
 def minibatches(batch: TokenBatch, n: int, *, granularity: int = 1) -> list[TokenBatch]:
     """Split a batch into ``n`` token-balanced minibatches (spec system.md §7.6); one ``train_step`` each."""
     return [batch.select(rows) for rows in microbatch.minibatches(batch.lengths, n, granularity=granularity)]
@@ -587,9 +514,9 @@ def rm_loss_fn(*, n_pairs: Tensor | float) -> LossFn:
 
 
 __all__ = [
-    "StepConfig", "AdvantageConfig", "LossFn",
+    "StepConfig", "LossFn",
     "train_step", "with_global_counts", "global_sum", "minibatches",
-    "policy_logp", "ref_logp", "teacher_logp", "critic_values", "old_logp", "compute_batch_advantages",
-    "value_loss_fn", "sft_loss_fn", "dpo_loss_fn", "rm_loss_fn", "shift_to_predictive", "forward_logp",
+    "policy_logp", "ref_logp", "teacher_logp", "critic_values", "old_logp",
+    "value_loss_fn", "sft_loss_fn", "dpo_loss_fn", "rm_loss_fn", "forward_logp",
     "device_stream",
 ]
