@@ -14,7 +14,7 @@ thread of the run's process), as in the CPU main job (experiments/tiny_cpu.py) b
 
     rollout (RolloutController, staleness eta, (eta + 1) batches in flight -> EngineClient -> rlcore.serve:
              bf16, CUDA graphs, KV kept across publishes)
-      -> rewards (boxed countdown reward, GRPO group z-score) -> advantages (gae.compute_advantages, gamma = 1)
+      -> rewards (boxed countdown reward) -> advantages (advantages.estimate: GRPO within each real group)
       -> loss_fn (ppo.loss, built by make_loss_fn) -> step.train_step -> publish_weights (bf16 copy) -> ...
 
 Runs are ``"grpo:ETA"`` (GRPO: PPO clip against the behaviour log-probs the engine returned, i.e. the coupled
@@ -58,6 +58,7 @@ import tyro
 from transformers import AutoModelForCausalLM
 
 from rlcore import advantages, tiny
+from rlcore.advantages import group as group_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
@@ -238,12 +239,6 @@ def sft(cfg: Config, device: str) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def informative(group: dict[str, torch.Tensor]) -> bool:
-    """An all-equal group has zero GRPO advantage everywhere: the trainer skips it."""
-    r = group["rewards"]
-    return bool((r != r[0]).any())
-
-
 def make_loss_fn(cfg: Config, *, decoupled: bool) -> step.LossFn:
     """``loss_fn(logp (b t), mb) -> (loss, metrics)``: clipped PPO, global token mean.
 
@@ -362,7 +357,8 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
             with weight_sync.hold_generation([engine], enabled=hold):
                 roll = dict(ctl.last_metrics)
                 rewards.append(float(roll.get("rollout/reward", math.nan)))
-                kept = [g for g in groups if informative(g)]
+                # an all-equal group has zero GRPO advantage everywhere: the trainer skips it
+                kept = [g for g in groups if bool(group_lib.keep_not_all_equal(g["rewards"][None]))]
                 m: dict = {}
                 if kept:
                     # the update on its own high-priority CUDA stream: an engine thread's kernels fill its gaps

@@ -222,12 +222,12 @@ class Config:
                 "--prox interpolate), or turn the masks off with --no-off-policy-masks"
             )
         if self.prox == "recompute" and self.coupled:
-            knob = "a coupled objective (--objective.no-decoupled)"
+            knob = "--objective.no-decoupled"  # every objective's coupled switch (SAPO's default)
             raise ValueError(
                 f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (spec §4.1), so the "
                 f"off-policy mask(s) {on} would compare that tensor with itself and keep every token (the mask does "
-                f"nothing); use a decoupled objective (--objective.decoupled), --prox interpolate, or turn the masks off with "
-                "--no-off-policy-masks"
+                "nothing); use a decoupled objective (--objective.decoupled), --prox interpolate, or turn the masks "
+                "off with --no-off-policy-masks"
             )
 
     @property

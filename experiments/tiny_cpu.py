@@ -8,10 +8,11 @@ experiments/sft_warmstart.py to ~21% greedy success on 1,000 held-out Countdown 
     rollout process (rlcore.rollout.remote): RolloutController (staleness eta) -> rlvr group episodes (one
         /generate per group of 8, EngineClient, round robin over the servers) -> countdown reward -> finished
         groups over a pipe
-    trainer (this process): prepare_batch -> train_batch: rewards (GRPO group z-score) -> advantages
-        (gae.compute_advantages) -> loss_fn (build_loss_fn: decoupled ppo.loss, the proximal log-probs from the
-        training forward itself) -> step.train_step -> publish_weights (safetensors file in /dev/shm -> each
-        engine loads it between two forward passes, without a pause -> version + 1)
+    trainer (this process): prepare_batch -> train_batch: rewards -> advantages (advantages.estimate: GRPO
+        z-score within each real prompt group) -> loss_fn (build_loss_fn: the objective value, decoupled PPO by
+        default, the proximal log-probs from the training forward itself) -> step.train_step (per minibatch) ->
+        publish_weights (safetensors file in /dev/shm -> each engine loads it between two forward passes, without
+        a pause -> version + 1). The layouts are rlcore.training.engines.open_layout's.
 
 No two of them share a GIL: while ``train_batch`` runs on batch k here, the engines and the rollout process are
 already producing batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects for that one
@@ -20,8 +21,8 @@ thread of this process (engine server only), ``--engine rollout-process`` puts t
 process, ``--engine thread`` runs the engine in a thread of this process (one process, in-process transport, for
 debugging).
 
-The objective is a function: the subcommand ``objective:ppo-config`` (the default), ``objective:gspo-config`` or
-``objective:cispo-config`` picks PPO, GSPO or CISPO for ``build_loss_fn`` (after the other flags; its settings follow
+The objective is a value: the subcommand ``objective:ppo-config`` (the default), ``objective:gspo-config``,
+``objective:sapo-config`` or ``objective:cispo-config`` picks the config ``build_loss_fn`` calls (after the other flags; its settings follow
 it, e.g. ``objective:gspo-config --objective.clip-low 3e-4``); from Python, ``main(cfg, loss_fn=my_loss_fn)`` trains any ``loss_fn(logp, mb)``
 (notebooks/write_your_own_objective.py). Every step logs the train-vs-engine mismatch ``offpolicy/*`` of the
 pre-update training forward (rlcore.training.offpolicy) by staleness and position,
@@ -56,17 +57,26 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from rlcore import advantages, tiny
+from rlcore.advantages import group as group_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
-from rlcore.inference import client as engine_client
-from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
 from rlcore.inference import process as engine_process
 from rlcore.objectives import cispo, entropy, gspo, ppo, sapo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import remote, workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import checkpoint, metrics, models, offpolicy, record, step, train_state, weight_sync
+from rlcore.training import (
+    checkpoint,
+    engines,
+    metrics,
+    models,
+    offpolicy,
+    record,
+    step,
+    train_state,
+    weight_sync,
+)
 from rlcore.training import lora as lora_lib
 from rlcore.training.background_eval import BackgroundEval
 from rlcore.types import TokenBatch
@@ -237,82 +247,14 @@ def max_batch(cfg: Config) -> int:
     return (cfg.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size
 
 
-@dataclass
-class Layout:
-    """The started rollout side: the controller, the publish targets and transport, the engine pid, the LoRA hook."""
-
-    ctl: Any
-    targets: list
-    publish: weight_sync.PublishConfig
-    pids: tuple[int, ...]
-    """The child processes (engine, rollout), for the cores-busy accounting."""
-    set_lora: Any
-
-
-def start_engine_servers(cfg: Config, cpus: Sequence[int], stack: contextlib.ExitStack) -> list:
-    """``cfg.engine_servers`` engine server processes (rlcore.serve on 127.0.0.1), all loading the warm start as
-    version 0; replica i samples with seed ``cfg.seed + i``. Closed (terminated) with ``stack``."""
-    return [stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
-        model=cfg.model_dir, threads=cfg.engine_threads, cpus=tuple(cpus), dtype="float32", device="cpu",
-        max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed + i,
-    ))) for i in range(cfg.engine_servers)]
-
-
-def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
-    """Start the engine and build the rollout controller (not started) in the chosen layout (``cfg.engine``)."""
-    keep = cfg.max_staleness + 2  # LoRA adapters kept loaded: every version a request in flight may name
-    engine_cpus, trainer_cpus = engine_process.split_cores(cfg.engine_threads) if cfg.pin_cores else ((), ())
-    if trainer_cpus and cfg.engine != "thread":
-        engine_process.pin_threads(cfg.threads, trainer_cpus)
-    if cfg.engine == "processes":
-        # A GIL each: the engine servers (rlcore.serve, SGLang's protocol on 127.0.0.1), the rollout process
-        # (controller, workflows, rewards; its client speaks HTTP to the servers, /generate calls of one tick
-        # batched per server) and this trainer. Weights go to the servers through /dev/shm; batches over a pipe.
-        eps = start_engine_servers(cfg, engine_cpus, stack)
-        address = ",".join(ep.address for ep in eps)
-        rp = stack.enter_context(remote.RolloutProcess(remote.by_reference(rollout_parts, cfg, address)))
-        control = stack.enter_context(engine_client.connect(address))  # its fan-out loads every server
-        # every server loads each version, or the step fails: the rollout's own client would not see an eviction
-        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode=cfg.publish_pause, lora_keep_versions=keep,
-                                        on_partial_failure="raise")
-        return Layout(rp.controller, [control], pub, (*(ep.pid for ep in eps), rp.pid), rp.controller.set_lora)
-    if cfg.engine == "rollout-process":
-        # Engine, controller, workflows and rewards in one child process, the controller talking to its engine
-        # in-process: this process keeps its GIL for training. Batches come over a pipe; weights go as float32
-        # tensors (exact behaviour log-probs) through the same pipe, committed between two engine forward passes.
-        rp = stack.enter_context(remote.RolloutProcess(
-            remote.by_reference(rollout_parts, cfg),
-            remote.RolloutProcessConfig(threads=cfg.engine_threads, cpus=tuple(engine_cpus)),
-        ))
-        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode=cfg.publish_pause,
-                                        lora_keep_versions=keep)
-        return Layout(rp.controller, [rp.engine], pub, (rp.pid,), rp.controller.set_lora)
-    if cfg.engine == "thread":
-        # The engine in a thread of this process, in-process transport: the client calls the SGLang handlers
-        # directly, no HTTP. It has its own copy of the weights, and only publish_weights moves trained ones across.
-        parts = rollout_parts(cfg)
-        engine = stack.enter_context(parts.engine)
-        client = engine_client.EngineClient(engine)
-        targets: list = [engine]
-        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode=cfg.publish_pause,
-                                        lora_keep_versions=keep)
-        pids: tuple[int, ...] = ()
-    else:
-        # The engine alone in its own process, behind the same client and protocol as a remote SGLang server: one
-        # client for the rollouts, one blocking client for the publish's control calls; weights through a file in
-        # /dev/shm. The rollout client's /generate calls of one event-loop tick share one (batched) HTTP request.
-        eps = start_engine_servers(cfg, engine_cpus, stack)
-        address = ",".join(ep.address for ep in eps)
-        parts = rollout_parts(cfg, address)
-        client = engine_client.EngineClient([coalesce.CoalescingHTTP(ep.address) for ep in eps])
-        targets = [stack.enter_context(engine_client.connect(address))]
-        # every server loads each version, or the step fails: the rollout's own client would not see an eviction
-        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode=cfg.publish_pause, lora_keep_versions=keep,
-                                        on_partial_failure="raise")
-        pids = tuple(ep.pid for ep in eps)
-    # built, not started: main starts it once the engine holds what the first requests need (a LoRA version 0)
-    ctl = rollout.RolloutController(client, parts.episode, parts.loader, parts.rollout)
-    return Layout(ctl, targets, pub, pids, client.set_lora)
+def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> engines.Layout:
+    """The engine(s) and the rollout controller (not started) in the layout ``cfg.engine`` (engines.open_layout)."""
+    layout = engines.LayoutConfig(
+        layout=cfg.engine, servers=cfg.engine_servers, engine_threads=cfg.engine_threads, trainer_threads=cfg.threads,
+        pin_cores=cfg.pin_cores, pause_mode=cfg.publish_pause, lora_keep_versions=cfg.max_staleness + 2)
+    server = engine_process.EngineProcessConfig(model=cfg.model_dir, dtype="float32", device="cpu",
+                                                max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed)
+    return engines.open_layout(layout, server, rollout_parts, cfg, stack=stack)
 
 
 class PromptIds(Sequence):
@@ -350,12 +292,6 @@ def eval_parts(cfg: Config) -> tuple[torch.nn.Module, Any]:
     heldout = countdown.heldout_set(cfg.eval_prompts)
     model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
     return model, lambda m: greedy_success(m, tok, heldout, cfg.max_new_tokens)
-
-
-def informative(group: dict[str, torch.Tensor]) -> bool:
-    """Keep a group only if its rewards differ: an all-equal group has zero GRPO advantage everywhere."""
-    r = group["rewards"]
-    return bool((r != r[0]).any())
 
 
 def init_state(cfg: Config) -> train_state.TrainState:
@@ -497,7 +433,8 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
             t_wait = time.perf_counter()
             groups = ctl.prepare_batch()
             roll = dict(ctl.last_metrics) | {"time/wait_rollout_s": time.perf_counter() - t_wait}
-            kept = [informative(g) for g in groups]
+            # an all-equal group has zero GRPO advantage everywhere: DAPO's dynamic-sampling filter drops it
+            kept = [bool(group_lib.keep_not_all_equal(g["rewards"][None])) for g in groups]
             groups = [g for g, k in zip(groups, kept) if k]
             roll["rollout/informative_groups"] = float(len(groups))
             # advantages -> decoupled PPO update -> weights to the engine (version + 1). The version moves on

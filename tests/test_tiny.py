@@ -158,7 +158,7 @@ def test_sft_warmstart_smoke(tmp_path):
 # process itself is tested in tests/rollout/test_remote.py, the engine process in tests/inference/test_process.py.
 @pytest.mark.parametrize("layout", ["processes", pytest.param("rollout-process", marks=pytest.mark.slow),
                                     pytest.param("process", marks=pytest.mark.slow)])  # fmt: skip
-def test_tiny_cpu_main_job_smoke(layout, capsys):
+def test_tiny_cpu_main_job_smoke(layout, capsys, monkeypatch):
     """The README's main job composes engine, client, controller, train_step and publish_weights end to end in each
     process layout: engine server + rollout process + trainer (the default), engine and rollout in one child, or the
     engine alone in a child with the weights through /dev/shm. The children's CPU time is counted; the float32
@@ -171,14 +171,15 @@ def test_tiny_cpu_main_job_smoke(layout, capsys):
     spec.loader.exec_module(mod)
     assert mod.Config().engine == "processes" and mod.Config().engine_servers == 2
     started = []
-    real_start = mod.start_engine_servers
+    real_start = process.engine_process
 
-    def start(cfg, cpus, stack):  # the server layouts start cfg.engine_servers replicas on distinct ports
-        eps = real_start(cfg, cpus, stack)
-        started.extend(ep.address for ep in eps)
-        return eps
+    @contextlib.contextmanager
+    def start(cfg):  # the server layouts (engines.open_layout) start cfg.engine_servers replicas on distinct ports
+        with real_start(cfg) as ep:
+            started.append(ep.address)
+            yield ep
 
-    mod.start_engine_servers = start
+    monkeypatch.setattr(process, "engine_process", start)
     out = mod.main(dataclasses.replace(mod.SMOKE, engine=layout))
     assert len(set(started)) == len(started) == (2 if layout in ("processes", "process") else 0)
     assert out["steps"] >= 1

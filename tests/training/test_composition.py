@@ -233,7 +233,7 @@ def test_weight_carrying_rejection_without_a_behaviour_weight_is_refused(obj_nam
     if carries:
         match = r"(?s)changes the behaviour weight.*use --rejection.action mask"
     else:
-        match = r"(?s)--objective.no-decoupled\) with --prox recompute.*keep every token"
+        match = r"(?s)--objective.no-decoupled with --prox recompute.*keep every token"
     with pytest.raises(ValueError, match=match):
         experiment_config(obj_name, mask_name, agg)
 
