@@ -34,7 +34,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -104,7 +103,7 @@ def _h2d(x: Tensor, dev: torch.device) -> Tensor:
 
 def _forward_padded(
     model: nn.Module,
-    mb: TokenBatch | dict[str, Tensor],
+    mb: TokenBatch,
     *,
     temperature: float,
     pad_to_multiple: int | None,
@@ -114,10 +113,9 @@ def _forward_padded(
 
     ``lengths``: the rows' real lengths on the host (the step knows them), so packing reads no tensor value.
     """
-    get = mb.__getitem__ if isinstance(mb, dict) else partial(getattr, mb)
     dev = _device_of(model)
     pk = packing.pack(
-        {"input_ids": get("input_ids"), "targets": get("targets"), "attention_mask": get("attention_mask")},
+        {"input_ids": mb.input_ids, "targets": mb.targets, "attention_mask": mb.attention_mask},
         pad_to_multiple=pad_to_multiple, lengths=lengths,
     )
     out = model(
@@ -237,19 +235,17 @@ def _forward_nograd(model: nn.Module, batch: TokenBatch, *, cfg: StepConfig) -> 
 @torch.no_grad()
 def forward_logp(
     model: nn.Module,
-    batch: dict[str, Tensor] | TokenBatch,
+    batch: TokenBatch,
     *,
     temperature: float = 1.0,
     mb_cfg: microbatch.MicroBatchConfig = microbatch.MicroBatchConfig(),
     pad_to_multiple: int | None = None,
-    aligned: bool = False,
 ) -> tuple[Tensor, ...]:
     """No-grad forward over a padded batch in packed micro-batches (prox / ref / teacher / values / eval).
 
     Args:
       model: a ``PolicyModel`` (returns ``(logp, entropy)``) or ``CriticModel`` (returns ``values``).
-      batch: a :class:`TokenBatch`, or a padded ``(b l)`` dict in token-own alignment (or already shifted, with
-        ``targets``, when ``aligned`` is True).
+      batch: a :class:`TokenBatch` (``TokenBatch.from_rollout`` of the rollout rows: the one predictive shift).
       temperature: softmax temperature.
       mb_cfg: micro-batch budget (every rank must call this the same number of times).
 
@@ -258,9 +254,8 @@ def forward_logp(
       on the batch's device; positions beyond each row's length (and the last real position) are 0.
     """
     if not isinstance(batch, TokenBatch):
-        if "loss_mask" not in batch:  # a forward needs ids and the attention mask only
-            batch = {**batch, "loss_mask": torch.zeros_like(batch["attention_mask"], dtype=torch.bool)}
-        batch = TokenBatch.from_predictive_dict(batch) if aligned else TokenBatch.from_rollout(batch)
+        raise TypeError(f"forward_logp takes a TokenBatch, got {type(batch).__name__}; wrap rollout rows with "
+                        "TokenBatch.from_rollout(rows)")
     cfg = StepConfig(mb=mb_cfg, pad_to_multiple=pad_to_multiple, temperature=temperature)
     return _forward_nograd(model, batch, cfg=cfg)
 

@@ -149,7 +149,7 @@ def test_packed_forward_matches_per_sequence(arch, attn, mask_mode):
 
 def test_forward_logp_temperature_and_microbatching():
     st = fresh_state()
-    batch = make_batch(2)
+    batch = TokenBatch.from_rollout(make_batch(2))
     a = step.forward_logp(st.model, batch, temperature=0.7)
     b = step.forward_logp(st.model, batch, temperature=0.7, mb_cfg=microbatch.MicroBatchConfig(max_tokens_per_mb=14),
                           pad_to_multiple=8)
