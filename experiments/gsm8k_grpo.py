@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 import tyro
 
-from rlcore import advantages
+from rlcore import advantages, objectives
 from rlcore import tiny as tiny_lib
 from rlcore.advantages import gae as gae_lib
 from rlcore.advantages import normalize
@@ -74,7 +74,7 @@ class Config:
     """Sampling temperature; the trainer uses the same one."""
     max_staleness: int = 2
     """Max head off-policyness eta: a group is trained at most eta versions after it started (0 = synchronous)."""
-    objective: ppo.PPOConfig | gspo.GSPOConfig | sapo.SAPOConfig | cispo.CISPOConfig = ppo.PPOConfig(clip_low=0.4)
+    objective: objectives.Objective = ppo.PPOConfig(clip_low=0.4)
     """The surrogate, a value ``make_loss_fn`` calls: PPO (token, decoupled), GSPO (sequence ratio), SAPO (soft gate)
     or CISPO (clipped IS weight, stop-gradient); each has the same ``decoupled`` switch and ``agg``."""
     prox: Literal["recompute", "interpolate", "behav"] = "recompute"

@@ -56,13 +56,13 @@ import tyro
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from rlcore import advantages, tiny
+from rlcore import advantages, objectives, tiny
 from rlcore.advantages import group as group_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import engine as engine_lib
 from rlcore.inference import process as engine_process
-from rlcore.objectives import cispo, entropy, gspo, ppo, sapo
+from rlcore.objectives import entropy, ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import remote, workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
@@ -114,7 +114,7 @@ class Config:
     off-policy warning fires); None: the sampling temperature."""
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=5e-4, weight_decay=0.0)
     """Adam at 5e-4 was stable; 2e-3 collapsed within 30 s in calibration."""
-    objective: ppo.PPOConfig | gspo.GSPOConfig | sapo.SAPOConfig | cispo.CISPOConfig = ppo.PPOConfig(
+    objective: objectives.Objective = ppo.PPOConfig(
         clip_low=0.2, decoupled=True, agg="token_mean")
     """The surrogate ``build_loss_fn`` calls, a value: decoupled PPO (ratio against the recomputed proximal policy,
     behaviour weight for staleness), GSPO (sequence ratio), SAPO (soft gate) or CISPO (clipped IS weight). Any other

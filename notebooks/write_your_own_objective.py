@@ -298,6 +298,6 @@ shutil.rmtree(cfg.log_dir)  # a scratch run
 # (`rlcore.replay.replay(record_dir, loss_fn=penalty_pg_loss_fn(PenaltyPGConfig()))`, docs/replay.md). To ship
 # it: move the config and the loss into `rlcore/objectives/penalty_pg.py` (a leaf: torch only), the properties
 # above into `tests/objectives/test_penalty_pg.py`, and, to select it from the command line, add its config to
-# the `objective` union of the experiment that should offer it. Nothing else changes: the experiment's
+# the `Objective` union in `rlcore/objectives/__init__.py` (the type of the experiments' `objective` field). Nothing else changes: the experiment's
 # `build_loss_fn` / `make_loss_fn` calls whatever objective value the config holds (it needs the `decoupled`
 # and `agg` fields the shipped objectives have), no branch on its type and no registry.

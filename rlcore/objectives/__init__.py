@@ -9,7 +9,8 @@ Token objectives are values: each config (``ppo.PPOConfig``, ``ppo.DAPOConfig``,
 Each has the same ``decoupled`` switch (False: the ratio is taken against ``logp_behav`` and no behaviour weight
 applies; True: against ``logp_prox``, times ``exp(logp_prox - logp_behav)`` or ``weight=``) and an ``agg`` field.
 A mistyped keyword raises ``TypeError``. A new objective is: write the leaf and its config with ``__call__``, and
-add the config to the experiment's ``objective:`` union; nothing is registered or looked up by name or type.
+add the config to :data:`Objective` (the union the experiments' ``objective:`` field is typed with; one experiment
+can also type its field with its own union); nothing is registered or looked up by name or type.
 
 Keep-masks share one signature too: ``keep_mask(logp_prox, logp_behav, mask, *, cfg) -> (keep, weight, metrics)``
 (IcePop, KPop, M2PO, rejection). ``weight (b t)`` is the factor the mask puts on the objective's own behaviour
@@ -27,4 +28,5 @@ Non-token objectives (their own signatures, see docs/advantages.md): ``kl.estima
 from rlcore.objectives import cispo, gspo, ppo, sapo
 
 Objective = ppo.PPOConfig | gspo.GSPOConfig | sapo.SAPOConfig | cispo.CISPOConfig
-"""The token objectives an experiment may hold (``DAPOConfig`` is a ``PPOConfig``)."""
+"""The token objectives an experiment may hold (``DAPOConfig`` is a ``PPOConfig``): the type of the ``objective``
+field of experiments/tiny_cpu.py and experiments/gsm8k_grpo.py (each member a ``objective:<name>`` subcommand)."""
