@@ -476,7 +476,7 @@ def reset(setup: Setup) -> None:
 def make_train_step(args: argparse.Namespace, train_dev: torch.device):
     """``train(state, rollout_dict) -> (state, metrics)``: one RL training step, decoupled PPO (proximal log-probs
     per --prox), GRPO group normalisation: proximal forward -> advantages -> loss_fn -> train_step."""
-    from rlcore.advantages import normalize
+    from rlcore import advantages
     from rlcore.advantages import prox as prox_lib
     from rlcore.data import microbatch
     from rlcore.objectives import ppo
@@ -485,7 +485,7 @@ def make_train_step(args: argparse.Namespace, train_dev: torch.device):
 
     scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=args.mb_tokens),
                            pad_to_multiple=256 if train_dev.type == "cuda" else None)
-    acfg = step.AdvantageConfig(reward_norm=normalize.GRPO, group_size=args.group_size)
+    acfg = advantages.GRPO
     obj = ppo.PPOConfig(decoupled=True)
 
     def train(state, batch: dict):
@@ -496,9 +496,11 @@ def make_train_step(args: argparse.Namespace, train_dev: torch.device):
 
     def update(state, batch: dict):
         tb = TokenBatch.from_rollout(batch)
+        if tb.group_ids is None:  # rows come in groups of G consecutive samples
+            tb = dataclasses.replace(tb, group_ids=torch.arange(tb.num_rows) // args.group_size)
         if args.prox == "recompute":
             tb = dataclasses.replace(tb, logp_prox=step.policy_logp(state, tb, cfg=scfg))
-        adv = step.compute_batch_advantages(tb, cfg=acfg, logp_old=tb.logp_behav)
+        adv = advantages.estimate(tb, cfg=acfg, logp_old=tb.logp_behav)
         tb = dataclasses.replace(tb, adv=adv.adv.float(), returns=adv.returns.float())
 
         def loss_fn(logp: torch.Tensor, mb: TokenBatch):

@@ -284,6 +284,7 @@ def count_host_syncs(fn) -> dict:
 def rl_train_step(state, batch: dict, *, prox: str, scfg):
     """One RL training step on a rollout dict: the proximal forward (``prox="recompute"``) or version
     interpolation inside the loss, advantages, decoupled PPO through ``train_step``."""
+    from rlcore import advantages
     from rlcore.advantages import prox as prox_lib
     from rlcore.objectives import ppo
     from rlcore.training import step
@@ -292,7 +293,7 @@ def rl_train_step(state, batch: dict, *, prox: str, scfg):
     tb = TokenBatch.from_rollout(batch)
     if prox == "recompute":
         tb = dataclasses.replace(tb, logp_prox=step.policy_logp(state, tb, cfg=scfg))
-    adv = step.compute_batch_advantages(tb, cfg=step.AdvantageConfig(), logp_old=tb.logp_behav)
+    adv = advantages.estimate(tb, cfg=advantages.AdvantageConfig(), logp_old=tb.logp_behav)
     tb = dataclasses.replace(tb, adv=adv.adv.float(), returns=adv.returns.float())
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch):
@@ -478,7 +479,7 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
 
     from rlcore.data import microbatch
     from rlcore.objectives import ppo
-    from rlcore.training.step import shift_to_predictive
+    from rlcore.types import TokenBatch
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -487,7 +488,8 @@ def bench_padded_baseline(cfg: Config, batch) -> dict:
         model = AutoModelForCausalLM.from_config(model_config(cfg), attn_implementation=cfg.attn, dtype=dtype)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True if dev == "cuda" else None)
-    data = shift_to_predictive(batch)
+    tb = TokenBatch.from_rollout(batch)  # the single predictive shift; this baseline reads plain tensors
+    data = {**tb.to_dict(), "logprobs": tb.logp_behav}
     lengths = batch["attention_mask"].sum(1).tolist()
     budget = fixed_mb_tokens(cfg)
     bins = padded_bins(lengths, max(budget, max(lengths)))

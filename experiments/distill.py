@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 import tyro
 
+from rlcore import advantages
 from rlcore import tiny as tiny_lib
-from rlcore.advantages import gae, normalize
+from rlcore.advantages import normalize
 from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.objectives import distill as distill_lib
@@ -160,7 +161,7 @@ def main(cfg: Config) -> dict[str, float]:
     teacher = models.PolicyModel(models.frozen_copy(teacher_hf)).to(next(state.model.parameters()).device)
     step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
                                temperature=cfg.temperature, max_grad_norm=cfg.max_grad_norm)
-    group_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
+    adv_cfg = advantages.AdvantageConfig(reward_norm=normalize.GRPO, adv_norm=normalize.BATCH_ZSCORE)
     wf = workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     episode = workflows.rlvr(tok, reward_fn, wf)
     ro_cfg = rollout.RolloutConfig(
@@ -177,18 +178,12 @@ def main(cfg: Config) -> dict[str, float]:
         with harness.Tracker(cfg.run, cfg.steps, "distill", keys, start=state.step) as tracker:
             while state.step < cfg.steps:
                 # --- rollout: the student samples; the teacher scores the same tokens ---
-                batch = TokenBatch.from_rollout(trajectory.concat(ctl.prepare_batch()))
+                batch = TokenBatch.from_rollout(trajectory.concat_groups(ctl.prepare_batch()))
                 batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg),
                                             logp_teacher=step.teacher_logp(teacher, batch, cfg=step_cfg))
-                # --- rewards: GSM8K correctness -> GRPO group z-score (the RL term; logged under pure KD) ---
-                mask = batch.loss_mask
-                reward = normalize.normalize(batch.rewards.float(), cfg=group_norm)
-                # --- advantages: return-to-go (GAE with gamma = lambda = 1), batch z-score ---
-                truncated = torch.zeros_like(mask[:, 0]) if batch.truncated is None else batch.truncated
-                adv = gae.compute_advantages(
-                    reward, mask, batch.attention_mask.sum(1), truncated, cfg=gae.GAEConfig(),
-                    turn_ids=batch.turn_ids, adv_norm=lambda a, m: normalize.normalize(a, m, cfg=normalize.BATCH_ZSCORE),
-                )
+                # --- rewards -> advantages: shaping, GRPO z-score within each real prompt group (batch.group_ids),
+                # return-to-go (GAE with gamma = lambda = 1), batch z-score ---
+                adv = advantages.estimate(batch, cfg=adv_cfg)
                 batch = dataclasses.replace(batch, adv=adv.adv.float())
                 # --- loss_fn (KD + RL) -> train_step -> publish ---
                 loss_fn = make_loss_fn(cfg)
@@ -196,6 +191,7 @@ def main(cfg: Config) -> dict[str, float]:
                 state = engines.publish(state, eng, rollout=ctl)
                 m = {**harness.average([m], rename={"train/": "ppo_actor/"}), **ctl.last_metrics}
                 # Monte-Carlo reverse KL on the student's own tokens (behaviour ~ student): mean log pi_behav - log pi_T.
+                mask = batch.loss_mask
                 m["distill/reverse_kl"] = torch.where(mask, batch.logp_behav - batch.logp_teacher, 0.0).sum() / mask.sum()
                 m["ppo_actor/task_reward"] = batch.rewards.float().mean()
                 evaluate = state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0)

@@ -14,7 +14,7 @@ thread of the run's process), as in the CPU main job (experiments/tiny_cpu.py) b
 
     rollout (RolloutController, staleness eta, (eta + 1) batches in flight -> EngineClient -> rlcore.serve:
              bf16, CUDA graphs, KV kept across publishes)
-      -> rewards (boxed countdown reward, GRPO group z-score) -> advantages (gae.compute_advantages, gamma = 1)
+      -> rewards (boxed countdown reward) -> advantages (advantages.estimate: GRPO within each real group)
       -> loss_fn (ppo.loss, built by make_loss_fn) -> step.train_step -> publish_weights (bf16 copy) -> ...
 
 Runs are ``"grpo:ETA"`` (GRPO: PPO clip against the behaviour log-probs the engine returned, i.e. the coupled
@@ -57,10 +57,8 @@ import torch
 import tyro
 from transformers import AutoModelForCausalLM
 
-from rlcore import tiny
-from rlcore.advantages import gae as gae_lib
-from rlcore.advantages import normalize
-from rlcore.advantages import shaping as shaping_lib
+from rlcore import advantages, tiny
+from rlcore.advantages import group as group_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
@@ -144,6 +142,9 @@ class Config:
     """Adam learning rate of RL."""
     clip: float = 0.2
     """PPO clip epsilon (both sides)."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per batch (AReaL's name). The proximal log-probs (dppo) are recomputed once per batch, so
+    with > 1 the clip binds from the second minibatch on; with 1 every clip-based objective coincides."""
     temperature: float = 1.0
     """Sampling temperature (and the train step's)."""
     train_temperature: float | None = None
@@ -238,12 +239,6 @@ def sft(cfg: Config, device: str) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def informative(group: dict[str, torch.Tensor]) -> bool:
-    """An all-equal group has zero GRPO advantage everywhere: the trainer skips it."""
-    r = group["rewards"]
-    return bool((r != r[0]).any())
-
-
 def make_loss_fn(cfg: Config, *, decoupled: bool) -> step.LossFn:
     """``loss_fn(logp (b t), mb) -> (loss, metrics)``: clipped PPO, global token mean.
 
@@ -320,7 +315,6 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         temperature=cfg.temperature if cfg.train_temperature is None else cfg.train_temperature,
         max_grad_norm=1.0,
     )
-    reward_norm = dataclasses.replace(normalize.GRPO, group_size=G)
     hold = holds_engine(cfg, device)  # the engine waits while the trainer has the GPU (gpu_share)
     publish_cfg = weight_sync.PublishConfig(
         mode=("tensor" if cuda else "shm") if cfg.engine == "process" else "state_dict",
@@ -363,28 +357,28 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
             with weight_sync.hold_generation([engine], enabled=hold):
                 roll = dict(ctl.last_metrics)
                 rewards.append(float(roll.get("rollout/reward", math.nan)))
-                kept = [g for g in groups if informative(g)]
+                # an all-equal group has zero GRPO advantage everywhere: the trainer skips it
+                kept = [g for g in groups if bool(group_lib.keep_not_all_equal(g["rewards"][None]))]
                 m: dict = {}
                 if kept:
                     # the update on its own high-priority CUDA stream: an engine thread's kernels fill its gaps
                     with step.device_stream(torch.device(device), cfg.train_stream):
-                        batch = TokenBatch.from_rollout(trajectory.concat(kept))  # the single predictive shift
+                        batch = TokenBatch.from_rollout(trajectory.concat_groups(kept))  # the single predictive shift
                         version = state.version
                         # dppo: the proximal log-probs, a no-grad forward before the update (also the diagnostics' forward)
                         if decoupled:
                             batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
-                        # --- rewards: the verifier's {0, 1} -> GRPO z-score within each group of G ---
-                        mask = batch.loss_mask
-                        reward = shaping_lib.shape_rewards(batch.rewards, cfg=shaping_lib.ShapingConfig(),
-                                                           reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
-                        # --- advantages: gamma = lambda = 1, no critic: every token of a row gets its group-normalised reward
-                        adv = gae_lib.compute_advantages(reward, mask, batch.attention_mask.sum(1),
-                                                         torch.zeros_like(mask[:, 0]), cfg=gae_lib.GAEConfig())
+                        # --- rewards -> advantages: {0, 1} -> GRPO z-score within each real group, gamma = lambda = 1
+                        adv = advantages.estimate(batch, cfg=advantages.GRPO)
                         batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
-                        # --- loss_fn -> train_step (one optimizer step); grpo reads its first forward back for diagnostics
+                        # --- loss_fn -> train_step per minibatch; grpo reads its first forward back for diagnostics
                         step_loss = make_loss_fn(cfg, decoupled=decoupled) if loss_fn is None else loss_fn
                         seen = None if decoupled else offpolicy.first_forward(step_loss)
-                        state, m = step.train_step(state, batch, seen or step_loss, cfg=step_cfg)
+                        mbs = step.minibatches(batch, cfg.ppo_n_minibatches)
+                        for i, mb in enumerate(mbs):  # the last one advances the LR schedule and state.step
+                            last = dataclasses.replace(step_cfg, schedule=i == len(mbs) - 1)
+                            state, m_i = step.train_step(state, mb, (seen or step_loss) if i == 0 else step_loss, cfg=last)
+                            m |= m_i if i == 0 else {f"{k}_mb{i}": v for k, v in m_i.items() if k.endswith("clip_frac")}
                         first_logp, first_batch = (batch.logp_prox, batch) if seen is None else seen.logp_and_batch()
                         m = {k.replace("train/", "ppo_actor/"): v for k, v in m.items()}
                         m |= monitor(state.step, first_logp, first_batch, version=version)

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 import tyro
 
+from rlcore import advantages, objectives
 from rlcore import tiny as tiny_lib
 from rlcore.advantages import gae as gae_lib
 from rlcore.advantages import normalize
@@ -73,9 +74,9 @@ class Config:
     """Sampling temperature; the trainer uses the same one."""
     max_staleness: int = 2
     """Max head off-policyness eta: a group is trained at most eta versions after it started (0 = synchronous)."""
-    objective: ppo.PPOConfig | gspo.GSPOConfig | sapo.SAPOConfig | cispo.CISPOConfig = ppo.PPOConfig(clip_low=0.4)
-    """Surrogate: PPO (token, decoupled), GSPO (sequence ratio), SAPO (soft gate) or CISPO (clipped IS weight,
-    stop-gradient); the preset picks the type."""
+    objective: objectives.Objective = ppo.PPOConfig(clip_low=0.4)
+    """The surrogate, a value ``make_loss_fn`` calls: PPO (token, decoupled), GSPO (sequence ratio), SAPO (soft gate)
+    or CISPO (clipped IS weight, stop-gradient); each has the same ``decoupled`` switch and ``agg``."""
     prox: Literal["recompute", "interpolate", "behav"] = "recompute"
     """Proximal log-probs: recompute (forward before the update), version interpolation, or behaviour (coupled)."""
     prox_interp: prox_lib.ProxConfig = prox_lib.ProxConfig()
@@ -83,7 +84,8 @@ class Config:
     shaping: shaping_lib.ShapingConfig = shaping_lib.ShapingConfig(reward_bias=-0.5, reward_scaling=10.0)
     """Reward bias/scale/clip and the DAPO overlong penalty ({0,1} -> {-5,+5}); its L_max is --max-new-tokens."""
     reward_norm: normalize.NormConfig | None = normalize.GRPO
-    """Per-trajectory reward normalisation (where GRPO / Dr.GRPO / LitePPO / RLOO differ); None: off."""
+    """Per-trajectory reward normalisation (where GRPO / Dr.GRPO / LitePPO / RLOO differ); groups are the batch's
+    real prompt groups (a group that lost a sample is a smaller group); None: off."""
     adv_norm: normalize.NormConfig | None = normalize.BATCH_ZSCORE
     """Token-level advantage normalisation over the batch; None: off."""
     gae: gae_lib.GAEConfig = gae_lib.GAEConfig()
@@ -157,27 +159,11 @@ class Config:
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
         self._check_budgets()
-        if isinstance(self.objective, sapo.SAPOConfig):
-            # SAPO is coupled (docs/spec/algorithms.md §10.1): its ratio is against ℓ^old, the behaviour log-probs (--prox behav, AReaL's
-            # recipe) or the recomputed ones (--objective.ratio-against prox --prox recompute, docs/spec/algorithms.md §4.1).
-            against = self.objective.ratio_against
-            if against == "behav" and self.prox == "recompute":
-                raise ValueError(
-                    "objective=SAPO with --objective.ratio-against behav takes its ratio against the behaviour "
-                    "log-probs, so the --prox recompute forward would be wasted; set --prox behav (AReaL's recipe), "
-                    "or --objective.ratio-against prox for the recomputed variant"
-                )
-            if against == "prox" and self.prox == "behav":
-                raise ValueError(
-                    "objective=SAPO with --objective.ratio-against prox and --prox behav: pi_prox is the behaviour "
-                    "log-probs, so the knob would do nothing; use --prox recompute for the recomputed variant (or "
-                    "--prox interpolate), or --objective.ratio-against behav"
-                )
         if self.rejection is not None and self.rejection.carries_weight and not self.weighted:
             raise ValueError(
                 f"rejection (action={self.rejection.action!r}, level={self.rejection.level!r}) changes the behaviour "
                 "weight (a TIS clamp or the sequence geometric mean) and needs an objective that applies a behaviour "
-                "weight (decoupled ppo/gspo/cispo); with SAPO or coupled PPO only a mask can act: use "
+                "weight (a decoupled objective); with a coupled one (--objective.no-decoupled) only a mask can act: use "
                 "--rejection.action mask --rejection.level token (or a KL --rejection.metric)"
             )
         self._check_masks_compare_two_policies()
@@ -236,30 +222,34 @@ class Config:
                 "--prox interpolate), or turn the masks off with --no-off-policy-masks"
             )
         if self.prox == "recompute" and self.coupled:
-            knob = ("--objective.ratio-against prox" if isinstance(self.objective, sapo.SAPOConfig)
-                    else "--objective.no-decoupled")
+            knob = "--objective.no-decoupled"  # every objective's coupled switch (SAPO's default)
             raise ValueError(
                 f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (docs/spec/algorithms.md §4.1), so the "
                 f"off-policy mask(s) {on} would compare that tensor with itself and keep every token (the mask does "
-                f"nothing); use a decoupled objective (drop {knob}), --prox interpolate, or turn the masks off with "
-                "--no-off-policy-masks"
+                "nothing); use a decoupled objective (--objective.decoupled), --prox interpolate, or turn the masks "
+                "off with --no-off-policy-masks"
             )
 
     @property
     def coupled(self) -> bool:
         """Coupled PPO (docs/spec/algorithms.md §4.1): the ratio is taken against ``ℓ^old`` itself and no behaviour weight applies."""
-        o = self.objective
-        return o.ratio_against == "prox" if isinstance(o, sapo.SAPOConfig) else not o.decoupled
+        return not self.objective.decoupled
 
     @property
     def weighted(self) -> bool:
         """The objective multiplies by a behaviour weight (``weight=``: the rejection filter's processed one)."""
-        return not isinstance(self.objective, sapo.SAPOConfig) and not self.coupled
+        return self.objective.decoupled
 
     @property
     def need_ref(self) -> bool:
         """A frozen reference policy is loaded for the KL-in-reward or the KL-in-loss term."""
         return self.gae.kl_ctl > 0 or self.kl_loss_coef > 0
+
+    @property
+    def advantage_stage(self) -> advantages.AdvantageConfig:
+        """The advantage stage of this preset: shaping, reward norm (by the batch's real groups), GAE, adv norm."""
+        return advantages.AdvantageConfig(gae=self.gae, shaping=self.reward_shaping, reward_norm=self.reward_norm,
+                                          adv_norm=self.adv_norm)
 
     @property
     def reward_shaping(self) -> shaping_lib.ShapingConfig:
@@ -395,7 +385,7 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
                 metrics.update(m)
         if cfg.rejection is not None:
             keep, w, m = rejection_lib.process(logp_prox, behav, keep, cfg=cfg.rejection)
-            weight = w if cfg.weighted else None  # SAPO / coupled PPO take no behaviour weight: mask only
+            weight = w if cfg.weighted else None  # a coupled objective takes no behaviour weight: mask only
             metrics.update(m)
         if cfg.icepop is not None:
             keep, _, m = icepop_lib.keep_mask(logp_prox, behav, keep, cfg=cfg.icepop)
@@ -405,14 +395,7 @@ def make_loss_fn(cfg: Config, *, version: int) -> step.LossFn:
             metrics.update(m)
         denom = mb.denom(obj.agg)
         counted = mb.loss_mask  # the pre-mask counts: a dropped token leaves the numerator only (docs/spec/algorithms.md §6.4)
-        if isinstance(obj, gspo.GSPOConfig):
-            loss, m = gspo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
-        elif isinstance(obj, sapo.SAPOConfig):
-            loss, m = sapo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted)
-        elif isinstance(obj, cispo.CISPOConfig):
-            loss, m = cispo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
-        else:
-            loss, m = ppo.loss(logp, logp_prox, behav, mb.adv, keep, cfg=obj, denom=denom, denom_mask=counted, weight=weight)
+        loss, m = obj(logp, logp_prox, behav, mb.adv, keep, denom=denom, denom_mask=counted, weight=weight)
         metrics.update(m)
         if cfg.kl_loss_coef > 0:
             kl_term, m = kl.penalty(logp, mb.logp_ref, keep, cfg=cfg.kl_loss, denom=mb.n_tokens)
@@ -453,8 +436,6 @@ def main(cfg: Config) -> dict[str, float]:
                                          compile_layers=cfg.run.compile, lora=cfg.lora_cfg if cfg.lora else None)
     mb_cfg = microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb)
     step_cfg = step.StepConfig(mb=mb_cfg, temperature=cfg.temperature, max_grad_norm=cfg.max_grad_norm)
-    reward_norm = None if cfg.reward_norm is None else dataclasses.replace(cfg.reward_norm, group_size=cfg.group_size)
-    adv_norm = None if cfg.adv_norm is None else dataclasses.replace(cfg.adv_norm, group_size=cfg.group_size)
     wf = workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     episode = workflows.rlvr(tok, reward_fn, wf)
     eval_episode = workflows.rlvr(tok, reward_fn, dataclasses.replace(wf, temperature=cfg.eval_temperature))
@@ -483,7 +464,7 @@ def main(cfg: Config) -> dict[str, float]:
                     groups = ctl.prepare_batch()
                     if not groups:  # dynamic_bs can return an empty batch when every group was filtered
                         continue
-                    batch = TokenBatch.from_rollout(trajectory.concat(groups))  # the single predictive shift
+                    batch = TokenBatch.from_rollout(trajectory.concat_groups(groups))  # the single predictive shift
                 else:  # this rank's whole groups of the global batch; the skip is the same on every rank
                     shard = gate.next_shard()
                     if shard.skip:
@@ -496,24 +477,14 @@ def main(cfg: Config) -> dict[str, float]:
                     logp_ref=step.ref_logp(state, batch, cfg=step_cfg) if cfg.need_ref else None,
                     logp_prox=step.policy_logp(state, batch, cfg=step_cfg) if cfg.prox == "recompute" else None,
                 )
-                # --- rewards: the verifier's {0, 1} -> overlong penalty, +-5 scale, group normalisation ---
+                # --- rewards -> advantages: overlong penalty, +-5 scale, normalisation within each real group
+                # (batch.group_ids), GAE (+ KL-in-reward against ℓ^old), then the batch z-score ---
                 mask = batch.loss_mask
-                group_norm = None if reward_norm is None else (
-                    lambda r: normalize.normalize(r, cfg=reward_norm, batch_sum=batch_sum))
-                reward = shaping_lib.shape_rewards(batch.rewards, cfg=cfg.reward_shaping, gen_len=mask.sum(1),
-                                                   reward_norm=group_norm)
-                # --- advantages: GAE (+ KL-in-reward against ℓ^old), then the batch z-score ---
                 logp_old = step.old_logp(batch, coupled_recompute=cfg.prox == "recompute" and cfg.coupled)
-                truncated = torch.zeros_like(mask[:, 0]) if batch.truncated is None else batch.truncated
-                adv = gae_lib.compute_advantages(
-                    reward, mask, batch.attention_mask.sum(1), truncated, cfg=cfg.gae, value=batch.value_old,
-                    logp_old=logp_old.float(), logp_ref=batch.logp_ref, turn_ids=batch.turn_ids,
-                    adv_norm=None if adv_norm is None else (
-                        lambda a, m: normalize.normalize(a, m, cfg=adv_norm, batch_sum=batch_sum)),
-                )
+                adv = advantages.estimate(batch, cfg=cfg.advantage_stage, logp_old=logp_old, batch_sum=batch_sum)
                 batch = dataclasses.replace(batch, adv=adv.adv.float(), returns=adv.returns.float())
                 # --- loss_fn -> train_step: one optimizer step per minibatch, the LR schedule advanced once ---
-                step0, version = state.step, state.version
+                version = state.version
                 # A DP rank whose shard is empty (fewer groups than ranks) still steps: zero-weight forwards.
                 mbs = step.minibatches(batch, cfg.ppo_n_minibatches) if batch.num_rows else [batch] * cfg.ppo_n_minibatches
                 loss_fn = make_loss_fn(cfg, version=version)
@@ -528,7 +499,6 @@ def main(cfg: Config) -> dict[str, float]:
                         ccfg = dataclasses.replace(last, module="critic")
                         state, m = step.train_step(state, mb, critic_loss_fn(cfg), cfg=ccfg)
                         critic.append(m)
-                state = dataclasses.replace(state, step=step0 + 1)  # TrainState.step counts training steps
                 # --- publish: the engines serve version + 1; in-flight requests resume on the new weights ---
                 state = engines.publish(state, eng, rollout=source)
                 m = harness.average(actor, rename={"train/": "ppo_actor/", "timing/step_s": "timing/actor_s"})

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 import tyro
 
+from rlcore import advantages
 from rlcore import tiny as tiny_lib
-from rlcore.advantages import gae, normalize
+from rlcore.advantages import normalize
 from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import gsm8k, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
@@ -143,7 +144,8 @@ def main(cfg: Config) -> dict[str, float]:
     state = train_state.init_train_state(model, cfg.optim, compile_layers=cfg.run.compile)
     step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.max_tokens_per_mb),
                                temperature=cfg.temperature, max_grad_norm=cfg.max_grad_norm)
-    group_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
+    adv_cfg = advantages.AdvantageConfig(shaping=cfg.shaping, reward_norm=normalize.GRPO,
+                                         adv_norm=normalize.BATCH_ZSCORE)
     # The whole episode must fit the engine's context: later attempts stop early instead of overflowing it.
     wf = workflows.WorkflowConfig(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, max_tokens=cfg.engine.max_seq_len
@@ -164,18 +166,11 @@ def main(cfg: Config) -> dict[str, float]:
         with harness.Tracker(cfg.run, cfg.steps, "multi-turn", keys, start=state.step) as tracker:
             while state.step < cfg.steps:
                 # --- rollout: one row per episode (every attempt + masked feedback, turn_ids = attempt) ---
-                batch = TokenBatch.from_rollout(trajectory.concat(ctl.prepare_batch()))
+                batch = TokenBatch.from_rollout(trajectory.concat_groups(ctl.prepare_batch()))
                 batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
-                # --- rewards: the discounted outcome -> +-5 scale -> GRPO group z-score ---
-                mask = batch.loss_mask
-                reward = shaping_lib.shape_rewards(batch.rewards, cfg=cfg.shaping, gen_len=mask.sum(1),
-                                                   reward_norm=lambda r: normalize.normalize(r, cfg=group_norm))
-                # --- advantages: return-to-go on the last token (GAE with gamma = lambda = 1), batch z-score ---
-                truncated = torch.zeros_like(mask[:, 0]) if batch.truncated is None else batch.truncated
-                adv = gae.compute_advantages(
-                    reward, mask, batch.attention_mask.sum(1), truncated, cfg=gae.GAEConfig(),
-                    turn_ids=batch.turn_ids, adv_norm=lambda a, m: normalize.normalize(a, m, cfg=normalize.BATCH_ZSCORE),
-                )
+                # --- rewards -> advantages: shaping, GRPO z-score within each real prompt group (batch.group_ids),
+                # return-to-go (GAE with gamma = lambda = 1), batch z-score ---
+                adv = advantages.estimate(batch, cfg=adv_cfg)
                 batch = dataclasses.replace(batch, adv=adv.adv.float())
                 # --- loss_fn -> train_step (one optimizer step) -> publish (version + 1) ---
                 loss_fn = make_loss_fn(cfg)

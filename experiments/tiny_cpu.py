@@ -8,10 +8,11 @@ experiments/sft_warmstart.py to ~21% greedy success on 1,000 held-out Countdown 
     rollout process (rlcore.rollout.remote): RolloutController (staleness eta) -> rlvr group episodes (one
         /generate per group of 8, EngineClient, round robin over the servers) -> countdown reward -> finished
         groups over a pipe
-    trainer (this process): prepare_batch -> train_batch: rewards (GRPO group z-score) -> advantages
-        (gae.compute_advantages) -> loss_fn (build_loss_fn: decoupled ppo.loss, the proximal log-probs from the
-        training forward itself) -> step.train_step -> publish_weights (safetensors file in /dev/shm -> each
-        engine loads it between two forward passes, without a pause -> version + 1)
+    trainer (this process): prepare_batch -> train_batch: rewards -> advantages (advantages.estimate: GRPO
+        z-score within each real prompt group) -> loss_fn (build_loss_fn: the objective value, decoupled PPO by
+        default, the proximal log-probs from the training forward itself) -> step.train_step (per minibatch) ->
+        publish_weights (safetensors file in /dev/shm -> each engine loads it between two forward passes, without
+        a pause -> version + 1). The layouts are rlcore.training.engines.open_layout's.
 
 No two of them share a GIL: while ``train_batch`` runs on batch k here, the engines and the rollout process are
 already producing batch k+1 with the previous weights (eta = 1), and the decoupled PPO loss corrects for that one
@@ -20,8 +21,8 @@ thread of this process (engine server only), ``--engine rollout-process`` puts t
 process, ``--engine thread`` runs the engine in a thread of this process (one process, in-process transport, for
 debugging).
 
-The objective is a function: the subcommand ``objective:ppo-config`` (the default), ``objective:gspo-config`` or
-``objective:cispo-config`` picks PPO, GSPO or CISPO for ``build_loss_fn`` (after the other flags; its settings follow
+The objective is a value: the subcommand ``objective:ppo-config`` (the default), ``objective:gspo-config``,
+``objective:sapo-config`` or ``objective:cispo-config`` picks the config ``build_loss_fn`` calls (after the other flags; its settings follow
 it, e.g. ``objective:gspo-config --objective.clip-low 3e-4``); from Python, ``main(cfg, loss_fn=my_loss_fn)`` trains any ``loss_fn(logp, mb)``
 (notebooks/write_your_own_objective.py). Every step logs the train-vs-engine mismatch ``offpolicy/*`` of the
 pre-update training forward (rlcore.training.offpolicy) by staleness and position,
@@ -55,21 +56,27 @@ import tyro
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from rlcore import tiny
-from rlcore.advantages import gae as gae_lib
-from rlcore.advantages import normalize
-from rlcore.advantages import shaping as shaping_lib
+from rlcore import advantages, objectives, tiny
+from rlcore.advantages import group as group_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
-from rlcore.inference import client as engine_client
-from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
 from rlcore.inference import process as engine_process
-from rlcore.objectives import cispo, entropy, gspo, ppo
+from rlcore.objectives import entropy, ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import remote, workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import checkpoint, metrics, models, offpolicy, record, step, train_state, weight_sync
+from rlcore.training import (
+    checkpoint,
+    engines,
+    metrics,
+    models,
+    offpolicy,
+    record,
+    step,
+    train_state,
+    weight_sync,
+)
 from rlcore.training import lora as lora_lib
 from rlcore.training.background_eval import BackgroundEval
 from rlcore.types import TokenBatch
@@ -107,13 +114,17 @@ class Config:
     off-policy warning fires); None: the sampling temperature."""
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=5e-4, weight_decay=0.0)
     """Adam at 5e-4 was stable; 2e-3 collapsed within 30 s in calibration."""
-    objective: ppo.PPOConfig | gspo.GSPOConfig | cispo.CISPOConfig = ppo.PPOConfig(
+    objective: objectives.Objective = ppo.PPOConfig(
         clip_low=0.2, decoupled=True, agg="token_mean")
-    """Surrogate of ``build_loss_fn``: decoupled PPO (ratio against the recomputed proximal policy, behaviour weight
-    for staleness), GSPO (sequence ratio) or CISPO (clipped IS weight); the type picks the leaf. Any other loss:
-    ``main(cfg, loss_fn=...)``."""
+    """The surrogate ``build_loss_fn`` calls, a value: decoupled PPO (ratio against the recomputed proximal policy,
+    behaviour weight for staleness), GSPO (sequence ratio), SAPO (soft gate) or CISPO (clipped IS weight). Any other
+    loss: ``main(cfg, loss_fn=...)``."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip of the train step (0: off)."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per batch (AReaL's name). 1: the proximal log-probs are the training forward's own, the
+    ratio is exactly 1 and every clip-based objective gives the same run (docs/algorithms.md); > 1: they are
+    recomputed once per batch and the clip binds from the second minibatch on."""
     tokens_per_microbatch: int = 8192
     """Packed micro-batch budget of the train step. On a CPU the attention of a micro-batch runs as one padded SDPA
     batch of its sequences (``models.varlen_attention_padded``), so the fewest micro-batches are fastest: 8192 holds
@@ -189,28 +200,14 @@ class Config:
             raise ValueError(f"Config.checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.engine_servers < 1:
             raise ValueError(f"Config.engine_servers must be >= 1, got {self.engine_servers}")
+        if self.ppo_n_minibatches < 1:
+            raise ValueError(f"Config.ppo_n_minibatches must be >= 1 (optimizer steps per batch), got "
+                             f"{self.ppo_n_minibatches}")
 
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
                log_dir="/tmp/rlcore_tiny_cpu_smoke", engine="thread", eval_process=False)
 """A few steps in one process (no child start-up): the tests' preset; tests/test_tiny.py runs it in every layout."""
-
-
-class CoresBusy:
-    """Average cores kept busy since construction: CPU seconds of this process (+ the child processes) / wall."""
-
-    def __init__(self, pids: tuple[int, ...]):
-        self.pids = pids
-        self.t0, self.cpu0 = time.perf_counter(), self._cpu()
-
-    def _cpu(self) -> tuple[float, float]:
-        return engine_process.cpu_seconds(), sum(engine_process.cpu_seconds(p) for p in self.pids)
-
-    def __call__(self) -> dict[str, float]:
-        wall = max(time.perf_counter() - self.t0, 1e-9)
-        (tr, eng), (tr0, eng0) = self._cpu(), self.cpu0
-        return {"perf/cores_busy": (tr - tr0 + eng - eng0) / wall, "perf/cores_busy_trainer": (tr - tr0) / wall,
-                "perf/cores_busy_engine": (eng - eng0) / wall}
 
 
 def rollout_parts(cfg: Config, address: str | None = None) -> remote.RolloutParts:
@@ -250,82 +247,14 @@ def max_batch(cfg: Config) -> int:
     return (cfg.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size
 
 
-@dataclass
-class Layout:
-    """The started rollout side: the controller, the publish targets and transport, the engine pid, the LoRA hook."""
-
-    ctl: Any
-    targets: list
-    publish: weight_sync.PublishConfig
-    pids: tuple[int, ...]
-    """The child processes (engine, rollout), for the cores-busy accounting."""
-    set_lora: Any
-
-
-def start_engine_servers(cfg: Config, cpus: Sequence[int], stack: contextlib.ExitStack) -> list:
-    """``cfg.engine_servers`` engine server processes (rlcore.serve on 127.0.0.1), all loading the warm start as
-    version 0; replica i samples with seed ``cfg.seed + i``. Closed (terminated) with ``stack``."""
-    return [stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
-        model=cfg.model_dir, threads=cfg.engine_threads, cpus=tuple(cpus), dtype="float32", device="cpu",
-        max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed + i,
-    ))) for i in range(cfg.engine_servers)]
-
-
-def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> Layout:
-    """Start the engine and build the rollout controller (not started) in the chosen layout (``cfg.engine``)."""
-    keep = cfg.max_staleness + 2  # LoRA adapters kept loaded: every version a request in flight may name
-    engine_cpus, trainer_cpus = engine_process.split_cores(cfg.engine_threads) if cfg.pin_cores else ((), ())
-    if trainer_cpus and cfg.engine != "thread":
-        engine_process.pin_threads(cfg.threads, trainer_cpus)
-    if cfg.engine == "processes":
-        # A GIL each: the engine servers (rlcore.serve, SGLang's protocol on 127.0.0.1), the rollout process
-        # (controller, workflows, rewards; its client speaks HTTP to the servers, /generate calls of one tick
-        # batched per server) and this trainer. Weights go to the servers through /dev/shm; batches over a pipe.
-        eps = start_engine_servers(cfg, engine_cpus, stack)
-        address = ",".join(ep.address for ep in eps)
-        rp = stack.enter_context(remote.RolloutProcess(remote.by_reference(rollout_parts, cfg, address)))
-        control = stack.enter_context(engine_client.connect(address))  # its fan-out loads every server
-        # every server loads each version, or the step fails: the rollout's own client would not see an eviction
-        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode=cfg.publish_pause, lora_keep_versions=keep,
-                                        on_partial_failure="raise")
-        return Layout(rp.controller, [control], pub, (*(ep.pid for ep in eps), rp.pid), rp.controller.set_lora)
-    if cfg.engine == "rollout-process":
-        # Engine, controller, workflows and rewards in one child process, the controller talking to its engine
-        # in-process: this process keeps its GIL for training. Batches come over a pipe; weights go as float32
-        # tensors (exact behaviour log-probs) through the same pipe, committed between two engine forward passes.
-        rp = stack.enter_context(remote.RolloutProcess(
-            remote.by_reference(rollout_parts, cfg),
-            remote.RolloutProcessConfig(threads=cfg.engine_threads, cpus=tuple(engine_cpus)),
-        ))
-        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode=cfg.publish_pause,
-                                        lora_keep_versions=keep)
-        return Layout(rp.controller, [rp.engine], pub, (rp.pid,), rp.controller.set_lora)
-    if cfg.engine == "thread":
-        # The engine in a thread of this process, in-process transport: the client calls the SGLang handlers
-        # directly, no HTTP. It has its own copy of the weights, and only publish_weights moves trained ones across.
-        parts = rollout_parts(cfg)
-        engine = stack.enter_context(parts.engine)
-        client = engine_client.EngineClient(engine)
-        targets: list = [engine]
-        pub = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode=cfg.publish_pause,
-                                        lora_keep_versions=keep)
-        pids: tuple[int, ...] = ()
-    else:
-        # The engine alone in its own process, behind the same client and protocol as a remote SGLang server: one
-        # client for the rollouts, one blocking client for the publish's control calls; weights through a file in
-        # /dev/shm. The rollout client's /generate calls of one event-loop tick share one (batched) HTTP request.
-        eps = start_engine_servers(cfg, engine_cpus, stack)
-        address = ",".join(ep.address for ep in eps)
-        parts = rollout_parts(cfg, address)
-        client = engine_client.EngineClient([coalesce.CoalescingHTTP(ep.address) for ep in eps])
-        targets = [stack.enter_context(engine_client.connect(address))]
-        # every server loads each version, or the step fails: the rollout's own client would not see an eviction
-        pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode=cfg.publish_pause, lora_keep_versions=keep,
-                                        on_partial_failure="raise")
-        pids = tuple(ep.pid for ep in eps)
-    # built, not started: main starts it once the engine holds what the first requests need (a LoRA version 0)
-    ctl = rollout.RolloutController(client, parts.episode, parts.loader, parts.rollout)
-    return Layout(ctl, targets, pub, pids, client.set_lora)
+def open_rollout(cfg: Config, stack: contextlib.ExitStack) -> engines.Layout:
+    """The engine(s) and the rollout controller (not started) in the layout ``cfg.engine`` (engines.open_layout)."""
+    layout = engines.LayoutConfig(
+        layout=cfg.engine, servers=cfg.engine_servers, engine_threads=cfg.engine_threads, trainer_threads=cfg.threads,
+        pin_cores=cfg.pin_cores, pause_mode=cfg.publish_pause, lora_keep_versions=cfg.max_staleness + 2)
+    server = engine_process.EngineProcessConfig(model=cfg.model_dir, dtype="float32", device="cpu",
+                                                max_batch=max_batch(cfg), max_seq_len=32, seed=cfg.seed)
+    return engines.open_layout(layout, server, rollout_parts, cfg, stack=stack)
 
 
 class PromptIds(Sequence):
@@ -365,12 +294,6 @@ def eval_parts(cfg: Config) -> tuple[torch.nn.Module, Any]:
     return model, lambda m: greedy_success(m, tok, heldout, cfg.max_new_tokens)
 
 
-def informative(group: dict[str, torch.Tensor]) -> bool:
-    """Keep a group only if its rewards differ: an all-equal group has zero GRPO advantage everywhere."""
-    r = group["rewards"]
-    return bool((r != r[0]).any())
-
-
 def init_state(cfg: Config) -> train_state.TrainState:
     """The initial train state: the warm-started policy (float32) and a fresh Adam (over the adapter with --lora)."""
     policy = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
@@ -397,17 +320,11 @@ def build_loss_fn(cfg: Config) -> step.LossFn:
     obj = cfg.objective
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # ℓ^prox: the weights this step starts from. One optimizer step per batch means the training forward runs
-        # exactly those weights, so its detached log-probs ARE the recompute (docs/spec/algorithms.md §5.1) without a second forward
+        # ℓ^prox: the weights the batch's first step starts from: recomputed with several minibatches, else the
+        # training forward runs exactly those weights and its detached log-probs ARE the recompute (docs/spec/algorithms.md §5.1)
         mb = dataclasses.replace(mb, logp_prox=step.proximal_logp(logp, mb))
         behav = step.old_logp(mb, coupled_recompute=not obj.decoupled)
-        args = (logp, mb.logp_prox, behav, mb.adv, mb.loss_mask)
-        if isinstance(obj, gspo.GSPOConfig):
-            loss, m = gspo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
-        elif isinstance(obj, cispo.CISPOConfig):
-            loss, m = cispo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
-        else:
-            loss, m = ppo.loss(*args, cfg=obj, denom=mb.denom(obj.agg))
+        loss, m = obj(logp, mb.logp_prox, behav, mb.adv, mb.loss_mask, denom=mb.denom(obj.agg))
         m["ppo_actor/entropy"] = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
         return loss, m
 
@@ -421,21 +338,23 @@ def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], l
     re-runs it from a record (and an ablation passes another ``loss_fn`` on the same samples)."""
     scfg = step_config(cfg)
     data = TokenBatch.from_rollout(batch)  # the single predictive shift
-    version = state.version
-    # rewards: the verifier's {0, 1} -> z-score within each group of G samples of one prompt (GRPO)
-    mask = data.loss_mask
-    reward_norm = dataclasses.replace(normalize.GRPO, group_size=cfg.group_size)
-    reward = shaping_lib.shape_rewards(data.rewards.float(), cfg=shaping_lib.ShapingConfig(), gen_len=mask.sum(1),
-                                       reward_norm=lambda r: normalize.normalize(r, cfg=reward_norm))
-    # advantages: gamma = lambda = 1 and no critic, so every sampled token gets its row's normalised reward
-    truncated = torch.zeros_like(mask[:, 0]) if data.truncated is None else data.truncated.bool()
-    adv = gae_lib.compute_advantages(reward, mask, data.attention_mask.sum(1), truncated, cfg=gae_lib.GAEConfig(),
-                                     turn_ids=data.turn_ids)
+    version, mask = state.version, data.loss_mask
+    # rewards -> advantages: the verifier's {0, 1} z-scored within each real prompt group (GRPO, batch.group_ids);
+    # gamma = lambda = 1 and no critic, so every sampled token gets its row's normalised reward
+    adv = advantages.estimate(data, cfg=advantages.GRPO)
     data = dataclasses.replace(data, adv=adv.adv.float(), returns=adv.returns.float())
-    # loss_fn -> train_step: one optimizer step over all micro-batches. The proximal log-probs are the training
-    # forward's own (detached, see build_loss_fn): the weights about to be updated, with no extra forward pass.
+    # loss_fn -> train_step, once per minibatch. One minibatch: the proximal log-probs are the training forward's
+    # own (detached, see build_loss_fn), no extra forward, and the PPO ratio is exactly 1 (every clip-based
+    # objective coincides). Several: recomputed once, before the first optimizer step, so the clip binds from the
+    # second minibatch on.
+    if cfg.ppo_n_minibatches > 1:
+        data = dataclasses.replace(data, logp_prox=step.policy_logp(state, data, cfg=scfg))
     seen = offpolicy.first_forward(loss_fn)
-    state, m = step.train_step(state, data, seen, cfg=scfg)
+    mbs, m = step.minibatches(data, cfg.ppo_n_minibatches), {}
+    for i, mb in enumerate(mbs):  # the last minibatch advances the LR schedule and state.step, once per batch
+        last = dataclasses.replace(scfg, schedule=i == len(mbs) - 1)
+        state, m_i = step.train_step(state, mb, seen if i == 0 else loss_fn, cfg=last)
+        m |= m_i if i == 0 else {f"{k}_mb{i}": v for k, v in m_i.items() if k.endswith("clip_frac")}
     # off-policy diagnostics of that pre-update forward against the engine's log-probs, by staleness
     first_logp, first_batch = seen.logp_and_batch()
     m |= offpolicy.step_metrics(first_logp, first_batch, version=version, cfg=cfg.offpolicy.diagnostics)
@@ -447,15 +366,8 @@ def train_batch(state: train_state.TrainState, batch: dict[str, torch.Tensor], l
 
 
 def run_dir(cfg: Config) -> str:
-    """This run's TensorBoard directory: ``cfg.log_dir`` when named, else a fresh ``<UTC time>-seed<seed>``
-    subdirectory of the default root."""
-    if cfg.log_dir != RUNS_ROOT:
-        return cfg.log_dir
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    path, k = Path(cfg.log_dir) / f"{stamp}-seed{cfg.seed}", 1
-    while path.exists():  # two runs started in the same second
-        path, k = Path(cfg.log_dir) / f"{stamp}-seed{cfg.seed}-{k}", k + 1
-    return str(path)
+    """This run's TensorBoard directory (``metrics.run_dir``): ``cfg.log_dir`` when named, else a fresh one."""
+    return metrics.run_dir(cfg.log_dir, default_root=RUNS_ROOT, seed=cfg.seed)
 
 
 def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]:
@@ -506,7 +418,7 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
                 logger.log(s, {"eval/greedy_success": g})
 
         t0 = time.perf_counter()
-        cores = CoresBusy(lay.pids + ((ev.pid,) if ev is not None else ()))
+        cores = metrics.CoresBusy(lay.pids + ((ev.pid,) if ev is not None else ()))
         hist.append((0.0, state.step, greedy_success(models.hf_module(state.model), tok, heldout, cfg.max_new_tokens)))
         logger.log(0, {"eval/greedy_success": hist[-1][2]})
         last_eval = state.step
@@ -521,13 +433,14 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
             t_wait = time.perf_counter()
             groups = ctl.prepare_batch()
             roll = dict(ctl.last_metrics) | {"time/wait_rollout_s": time.perf_counter() - t_wait}
-            kept = [informative(g) for g in groups]
+            # an all-equal group has zero GRPO advantage everywhere: DAPO's dynamic-sampling filter drops it
+            kept = [bool(group_lib.keep_not_all_equal(g["rewards"][None])) for g in groups]
             groups = [g for g, k in zip(groups, kept) if k]
             roll["rollout/informative_groups"] = float(len(groups))
             # advantages -> decoupled PPO update -> weights to the engine (version + 1). The version moves on
             # even in the (rare) step with nothing to learn, or the staleness gate would stall generation.
             # The recorder (a pass-through without --record) stores the batch, version and RNG, then runs the step.
-            state, m = recorder.step(train_batch, state, trajectory.concat(groups) if groups else None, loss_fn, cfg,
+            state, m = recorder.step(train_batch, state, trajectory.concat_groups(groups) if groups else None, loss_fn, cfg,
                                      prompts=ctl.last_batch_indices, kept=kept)
             t_pub = time.perf_counter()
             state = weight_sync.publish_weights(state, targets, cfg=publish_cfg, rollout=ctl)

@@ -15,11 +15,12 @@
 # %% [markdown]
 # # Objective geometry: per-token loss and gradient against the importance ratio
 #
-# Every token objective in `rlcore.objectives.OBJECTIVES` is a pure function of padded `(b t)` tensors
-# with the shared signature `loss(logp, logp_prox, logp_behav, adv, mask, *, cfg, denom)`. Fed a single
+# Every token objective in `rlcore.objectives` is a value: a frozen config whose call is a pure function
+# of padded `(b t)` tensors with the shared signature
+# `objective(logp, logp_prox, logp_behav, adv, mask, *, denom)`. Fed a single
 # token, it gives the per-token loss `l(r, A)` as a function of the importance ratio `r = pi_theta / pi_old`
 # and the sign of the advantage `A`; `torch.func.grad` gives `dl/dlogp`, the signal that actually reaches the
-# model. We then look at the off-policy keep-masks in `rlcore.objectives.MASKS` (IcePop band, KPop binary-KL
+# model. We then look at the off-policy keep-masks of `rlcore.objectives` (IcePop band, KPop binary-KL
 # filter, M2PO second-moment filter) and the clamp action of `rejection.process`, all on synthetic tensors.
 #
 # **Run.** Tiny setting (CI, under 30 s including kernel start): execute as is. Full setting (finer grids, more
@@ -51,7 +52,7 @@ print(f"root={ROOT} full={FULL} figures -> {IMG_DIR}")
 # %%
 from torch.func import grad_and_value, vmap
 
-from rlcore.objectives import MASKS, OBJECTIVES, icepop, kpop, m2po, ppo, rejection
+from rlcore.objectives import cispo, gspo, icepop, kpop, m2po, ppo, rejection, sapo
 
 N = 1201 if FULL else 241
 log_r = torch.linspace(-1.5, 1.5, N)  # log importance ratio of the sampled token
@@ -59,12 +60,12 @@ r = log_r.exp()
 ON = torch.ones(1, 1, dtype=torch.bool)
 
 
-def per_token(fn, cfg, *, log_prox=0.0, log_behav=0.0):
+def per_token(objective, *, log_prox=0.0, log_behav=0.0):
     """vmap-ed (grad, (loss, metrics)) of one token's loss over a 1-D grid of logp, for a given advantage."""
     prox, behav = torch.tensor(log_prox).reshape(1, 1), torch.tensor(log_behav).reshape(1, 1)
 
     def one(logp, adv):
-        return fn(logp.reshape(1, 1), prox, behav, adv.reshape(1, 1), ON, cfg=cfg, denom=1.0)
+        return objective(logp.reshape(1, 1), prox, behav, adv.reshape(1, 1), ON, denom=1.0)
 
     return vmap(grad_and_value(one, has_aux=True), in_dims=(0, None))
 
@@ -76,7 +77,10 @@ def ratio_axis(ax, ticks=(0.25, 0.5, 1, 2, 4)):
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
 
 
-print(sorted(OBJECTIVES), sorted(MASKS))
+# the objectives drawn below, each at its default config (GRPO is PPO's surrogate with group advantages)
+DRAWN = {"ppo": ppo.PPOConfig(), "dapo": ppo.DAPOConfig(), "gspo": gspo.GSPOConfig(),
+         "sapo": sapo.SAPOConfig(), "cispo": cispo.CISPOConfig()}
+print(sorted(DRAWN))
 
 # %% [markdown]
 # ## Every objective at its default config
@@ -88,9 +92,9 @@ print(sorted(OBJECTIVES), sorted(MASKS))
 
 # %%
 curves = {}
-for name, (cfg_cls, fn) in OBJECTIVES.items():
+for name, objective in DRAWN.items():
     for a in (1.0, -1.0):
-        g, (lo, _) = per_token(fn, cfg_cls())(log_r, torch.tensor(a))
+        g, (lo, _) = per_token(objective)(log_r, torch.tensor(a))
         curves[name, a] = (lo, g)
 
 # On-policy (r = 1) every objective's gradient is the REINFORCE gradient -A (SAPO's gate has slope 1 there).
@@ -98,8 +102,8 @@ i1 = int(torch.argmin(log_r.abs()))
 for (name, a), (_, g) in curves.items():
     assert torch.isclose(g[i1], torch.tensor(-a), atol=1e-4), (name, a, float(g[i1]))
 
-fig, axes = plt.subplots(len(OBJECTIVES), 2, figsize=(9, 2.0 * len(OBJECTIVES)), sharex=True)
-for row, name in zip(axes, OBJECTIVES):
+fig, axes = plt.subplots(len(DRAWN), 2, figsize=(9, 2.0 * len(DRAWN)), sharex=True)
+for row, name in zip(axes, DRAWN):
     for a, color in ((1.0, "tab:blue"), (-1.0, "tab:red")):
         lo, g = curves[name, a]
         row[0].plot(r, lo, color=color, label=f"A = {a:+.0f}")
@@ -136,12 +140,12 @@ highs = (0.2, 0.28, 0.4, 0.6) if FULL else (0.2, 0.28)
 duals = (2.0, 3.0, 5.0) if FULL else (3.0,)
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9, 3))
 for h in highs:
-    g, _ = per_token(ppo.loss, dataclasses.replace(base, clip_high=h))(log_r, torch.tensor(1.0))
+    g, _ = per_token(dataclasses.replace(base, clip_high=h))(log_r, torch.tensor(1.0))
     ax0.plot(r, g, label=f"clip_high={h}")
     last = float(r[(g != 0)].max())  # the largest ratio that still gets a gradient
     assert abs(last - (1 + h)) < 0.05 * (1 + h), (h, last)
 for c in (None, *duals):
-    _, (lo, _) = per_token(ppo.loss, dataclasses.replace(base, dual_clip=c))(log_r, torch.tensor(-1.0))
+    _, (lo, _) = per_token(dataclasses.replace(base, dual_clip=c))(log_r, torch.tensor(-1.0))
     ax1.plot(r, lo, label=f"dual_clip={c}")
     if c is not None:
         assert float(lo.max()) <= c + 1e-5
@@ -169,7 +173,7 @@ plt.show()
 lp = float(torch.log(torch.tensor(1.5)))
 fig, ax = plt.subplots(figsize=(6, 3))
 for cfg, label in ((ppo.PPOConfig(decoupled=False), "coupled"), (ppo.PPOConfig(), "decoupled")):
-    g, (_, m) = per_token(ppo.loss, cfg, log_prox=lp, log_behav=0.0)(log_r, torch.tensor(1.0))
+    g, (_, m) = per_token(cfg, log_prox=lp, log_behav=0.0)(log_r, torch.tensor(1.0))
     ax.plot(r, g, label=f"{label} (mean w = {float(m['ppo/behav_weight'].mean()):.2f})")
 ax.axvline(1.5, color="grey", ls="--", lw=0.8, label="pi_prox / pi_behav")
 ratio_axis(ax)
@@ -179,8 +183,8 @@ ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
 plt.show()
 
-g_dec, _ = per_token(ppo.loss, ppo.PPOConfig(), log_prox=lp)(torch.tensor([lp]), torch.tensor(1.0))
-g_cou, _ = per_token(ppo.loss, ppo.PPOConfig(decoupled=False), log_prox=lp)(torch.tensor([lp]), torch.tensor(1.0))
+g_dec, _ = per_token(ppo.PPOConfig(), log_prox=lp)(torch.tensor([lp]), torch.tensor(1.0))
+g_cou, _ = per_token(ppo.PPOConfig(decoupled=False), log_prox=lp)(torch.tensor([lp]), torch.tensor(1.0))
 print(f"at theta = prox: decoupled grad {float(g_dec[0]):+.3f} (= -w A), coupled grad {float(g_cou[0]):+.3f}")
 assert torch.isclose(g_dec[0], torch.tensor(-1.5), atol=1e-4) and float(g_cou[0]) == 0.0
 

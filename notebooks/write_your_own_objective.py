@@ -15,11 +15,15 @@
 # %% [markdown]
 # # Write your own objective
 #
-# An rlcore objective is one pure function over padded `(b t)` tensors plus a frozen config:
+# An rlcore objective is one pure function over padded `(b t)` tensors plus a frozen config; the config is the
+# value an experiment holds and calls (its `__call__` is the function with `cfg=self`):
 #
 # ```python
-# loss(logp, logp_prox, logp_behav, adv, mask, *, cfg, denom=None, **unused) -> (scalar_loss, metrics)
+# loss(logp, logp_prox, logp_behav, adv, mask, *, cfg, denom=None) -> (scalar_loss, metrics)
+# objective = Config(...); objective(logp, logp_prox, logp_behav, adv, mask, denom=...)
 # ```
+#
+# A keyword the function does not take raises `TypeError` (no `**unused`): a mistyped knob fails loudly.
 #
 # This notebook (1) writes a new objective in a cell, (2) property-tests it with the project's hypothesis
 # strategies (`tests/strategies.py`) the same way `tests/objectives/` tests the shipped ones, and (3) trains the
@@ -89,13 +93,17 @@ class PenaltyPGConfig:
         if not self.w_cap > 0:
             raise ValueError(f"w_cap must be > 0, got {self.w_cap}; use e.g. 2.0")
 
+    def __call__(self, logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor, *,
+                 denom: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The objective as a value: ``penalty_pg_loss(..., cfg=self)``."""
+        return penalty_pg_loss(logp, logp_prox, logp_behav, adv, mask, cfg=self, denom=denom)
+
 
 def penalty_pg_loss(
     logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor, *,
-    cfg: PenaltyPGConfig, denom: Tensor | float | None = None, **unused,
+    cfg: PenaltyPGConfig, denom: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Penalised PG loss over padded (b t) inputs; mask (b t) bool; token-mean with denominator ``denom``."""
-    del unused
     logp = torch.where(mask, logp, 0.0).float()  # double-where: padding never reaches exp
     logp_prox = torch.where(mask, logp_prox.detach(), 0.0).float()
     logp_behav = torch.where(mask, logp_behav.detach(), 0.0).float()
@@ -250,12 +258,12 @@ sys.modules["tiny_cpu"] = tiny_cpu  # dataclasses resolve annotations through sy
 spec.loader.exec_module(tiny_cpu)
 
 
-def penalty_pg_loss_fn(cfg: PenaltyPGConfig):
+def penalty_pg_loss_fn(objective: PenaltyPGConfig):
     """The objective as the train step's ``loss_fn(logp (b t), mb)``, normalised by the minibatch-global count."""
 
     def loss_fn(logp, mb):
         prox = step.proximal_logp(logp, mb)  # mb.logp_prox, or this forward's (the weights the step starts from)
-        return penalty_pg_loss(logp, prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=cfg, denom=mb.n_tokens)
+        return objective(logp, prox, mb.logp_behav, mb.adv, mb.loss_mask, denom=mb.n_tokens)
 
     return loss_fn
 
@@ -290,5 +298,6 @@ shutil.rmtree(cfg.log_dir)  # a scratch run
 # (`rlcore.replay.replay(record_dir, loss_fn=penalty_pg_loss_fn(PenaltyPGConfig()))`, docs/replay.md). To ship
 # it: move the config and the loss into `rlcore/objectives/penalty_pg.py` (a leaf: torch only), the properties
 # above into `tests/objectives/test_penalty_pg.py`, and, to select it from the command line, add its config to
-# the `objective` union of the experiment that should offer it, with one more `isinstance` branch in that
-# experiment's `build_loss_fn` / `make_loss_fn`.
+# the `Objective` union in `rlcore/objectives/__init__.py` (the type of the experiments' `objective` field). Nothing else changes: the experiment's
+# `build_loss_fn` / `make_loss_fn` calls whatever objective value the config holds (it needs the `decoupled`
+# and `agg` fields the shipped objectives have), no branch on its type and no registry.

@@ -54,7 +54,7 @@ class ReplayArgs:
     """Record directory written by an experiment's ``--record DIR``."""
     objective: str = ""
     """Ablation: train another objective on the same samples instead of the run's own loss (nothing is compared).
-    A name in rlcore.objectives.OBJECTIVES (ppo, grpo, dapo, gspo, sapo, cispo; default config) or
+    An objective name (ppo, grpo, dapo, gspo, sapo, cispo; default config) or
     MODULE:FUNCTION / FILE.py:FUNCTION, a function of the recorded config returning a loss_fn(logp, mb)."""
     experiment: str = ""
     """Experiment file to import instead of the recorded path: a record moved to another checkout, or one naming a
@@ -137,31 +137,35 @@ def load_experiment(path: str | Path) -> ModuleType:
     return mod
 
 
-def objective_loss_fn(name: str) -> LossFn:
-    """A ``loss_fn(logp, mb)`` of ``rlcore.objectives.OBJECTIVES[name]`` with its default config and the global
-    denominator of its aggregation; needs ``mb.logp_behav`` and ``mb.adv`` (all ``(b t)``), and ``mb.logp_prox``
-    unless the proximal weights are the ones the step starts from (``step.proximal_logp``)."""
-    from rlcore.objectives import OBJECTIVES
+def _default_objective(name: str) -> Any:
+    """The default config (a callable objective value) that the command-line name ``name`` stands for."""
+    from rlcore.objectives import cispo, gspo, ppo, sapo
 
-    if name not in OBJECTIVES:
-        raise ValueError(f"--objective {name!r} is not in rlcore.objectives.OBJECTIVES {sorted(OBJECTIVES)}; "
-                         "or pass MODULE:FUNCTION")
-    cfg_cls, fn = OBJECTIVES[name]
-    ocfg = cfg_cls()
-    agg = getattr(ocfg, "agg", "token_mean")
+    names = {"ppo": ppo.PPOConfig, "grpo": ppo.PPOConfig, "dapo": ppo.DAPOConfig, "gspo": gspo.GSPOConfig,
+             "sapo": sapo.SAPOConfig, "cispo": cispo.CISPOConfig}
+    if name not in names:
+        raise ValueError(f"--objective {name!r} is not one of {sorted(names)}; or pass MODULE:FUNCTION")
+    return names[name]()
+
+
+def objective_loss_fn(name: str) -> LossFn:
+    """A ``loss_fn(logp, mb)`` of the objective ``name`` (ppo, grpo, dapo, gspo, sapo, cispo) at its default config
+    and the global denominator of its aggregation; needs ``mb.logp_behav`` and ``mb.adv`` (all ``(b t)``), and
+    ``mb.logp_prox`` unless the proximal weights are the ones the step starts from (``step.proximal_logp``)."""
+    obj = _default_objective(name)
 
     def loss_fn(logp: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         missing = [k for k in ("logp_behav", "adv") if getattr(mb, k) is None]
         if missing:
             raise ValueError(f"--objective {name}: the experiment's train_batch leaves TokenBatch.{missing} unset")
         prox = step_lib.proximal_logp(logp, mb)  # unset: this forward's weights, the ones the step starts from
-        return fn(logp, prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=ocfg, denom=mb.denom(agg))
+        return obj(logp, prox, mb.logp_behav, mb.adv, mb.loss_mask, denom=mb.denom(obj.agg))
 
     return loss_fn
 
 
 def resolve_objective(spec: str, cfg: Any) -> LossFn:
-    """``--objective``: an OBJECTIVES name, or ``MODULE:FUNCTION`` / ``FILE.py:FUNCTION`` called with ``cfg``."""
+    """``--objective``: an objective name, or ``MODULE:FUNCTION`` / ``FILE.py:FUNCTION`` called with ``cfg``."""
     if ":" not in spec:
         return objective_loss_fn(spec)
     where, fn_name = spec.rsplit(":", 1)

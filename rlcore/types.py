@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 _ROLLOUT_TOKEN = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "turn_ids")
-_ROLLOUT_ROW = ("rewards", "truncated")
+_ROLLOUT_ROW = ("rewards", "truncated", "group_ids")
 _ROLL_FILL = {"input_ids": 0, "loss_mask": False, "logprobs": 0.0, "versions": -1, "turn_ids": -1}
 
 
@@ -54,6 +54,8 @@ class RolloutBatch:
     """(b l) int64: assistant-turn index of sampled tokens, -1 elsewhere (multi-turn)."""
     truncated: Tensor | None = None
     """(b,) bool: True for rows that hit the length limit without EOS (bootstrapped by GAE)."""
+    group_ids: Tensor | None = None
+    """(b,) int64: the prompt group of every row (``trajectory.concat_groups``); group statistics use these."""
     extras: Mapping[str, Tensor] = field(default_factory=dict)
     """Any other keys of the source dict, passed through untouched (read-only by convention)."""
 
@@ -103,7 +105,7 @@ class RolloutBatch:
 class TokenBatch:
     """Padded ``(b t)`` rows in predictive alignment: the train step's batch and ``loss_fn``'s micro-batch.
 
-    Per-token fields are ``(b t)``; ``rewards``/``truncated`` are ``(b,)``; ``n_tokens``/``n_seqs`` are 0-dim.
+    Per-token fields are ``(b t)``; ``rewards``/``truncated``/``group_ids`` are ``(b,)``; ``n_tokens``/``n_seqs`` are 0-dim.
     Optional fields are None until an experiment (or the step) fills them with ``dataclasses.replace``.
     """
 
@@ -125,6 +127,8 @@ class TokenBatch:
     """(b,) float: outcome rewards."""
     truncated: Tensor | None = None
     """(b,) bool: rows that hit the length limit without EOS."""
+    group_ids: Tensor | None = None
+    """(b,) int64: the prompt group of every row (rows of a group share an id; groups may differ in size)."""
     logp_prox: Tensor | None = None
     """(b t) float: proximal log-probs (no-grad recompute or version interpolation)."""
     logp_ref: Tensor | None = None
@@ -164,7 +168,7 @@ class TokenBatch:
         return cls(
             input_ids=r.input_ids, targets=roll("input_ids"), attention_mask=r.attention_mask, loss_mask=roll("loss_mask"),
             logp_behav=roll("logprobs"), versions=roll("versions"), turn_ids=roll("turn_ids"), rewards=r.rewards,
-            truncated=r.truncated, extras=dict(r.extras),
+            truncated=r.truncated, group_ids=r.group_ids, extras=dict(r.extras),
         )
 
     @classmethod

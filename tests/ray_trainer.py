@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rlcore import advantages
 from rlcore.data import trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
@@ -53,7 +54,7 @@ def main() -> None:
     info = harness.setup_torch(harness.RunConfig(threads=1, progress=False))
     tok = harness.load_tokenizer(a.model)
     state = train_state.init_train_state(harness.load_model(a.model, tok), train_state.OptimConfig(lr=1e-3))
-    step_cfg, adv_cfg = step.StepConfig(), step.AdvantageConfig(group_size=2)
+    step_cfg, adv_cfg = step.StepConfig(), advantages.AdvantageConfig()
     episode = workflows.rlvr(tok, reward_fn, workflows.WorkflowConfig(max_new_tokens=6))
     ro_cfg = rollout.RolloutConfig(batch_size=2, group_size=2, max_staleness=1)
     setup = engines.EngineSetup(dtype="float32", disk_root=str(sync / "weights"))
@@ -67,9 +68,9 @@ def main() -> None:
             # --- loop: rollout -> advantages -> loss_fn -> train_step -> publish (version + 1), pausing once ---
             while state.step < a.steps:
                 t0 = time.monotonic()
-                batch = TokenBatch.from_rollout(trajectory.concat(ctl.prepare_batch()))
+                batch = TokenBatch.from_rollout(trajectory.concat_groups(ctl.prepare_batch()))
                 batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
-                adv = step.compute_batch_advantages(batch, cfg=adv_cfg, logp_old=batch.logp_behav)
+                adv = advantages.estimate(batch, cfg=adv_cfg, logp_old=batch.logp_behav)
                 state, m = step.train_step(state, dataclasses.replace(batch, adv=adv.adv), loss_fn, cfg=step_cfg)
                 state = engines.publish(state, eng, rollout=ctl)
                 losses.append(float(m["train/loss"]))

@@ -183,17 +183,16 @@ def test_gsm8k_checkpoint_resume_and_tensorboard(data_dir, tmp_path):
 
 # --------------------------------------------------------------------------------------------- the one shape
 RL_CALLS = {  # what each RL experiment must call itself (module-qualified leaves, as in anchors.md rule 2)
-    "gsm8k_grpo": [r"gae_lib\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"normalize\.normalize\(",
-                   r"ppo\.loss\(", r"gspo\.loss\(", r"sapo\.loss\(", r"cispo\.loss\(", r"rejection_lib\.process\(",
-                   r"icepop_lib\.keep_mask\(", r"kpop_lib\.keep_mask\(", r"m2po_lib\.keep_mask\(", r"kl\.penalty\(",
-                   r"entropy\.masked_mean\(", r"value\.loss\("],
-    "multi_turn": [r"gae\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"ppo\.loss\(",
-                   r"rejection_lib\.process\("],
-    "agent": [r"gae\.compute_advantages\(", r"shaping_lib\.shape_rewards\(", r"ppo\.loss\(", r"rejection_lib\.process\("],
-    "distill": [r"gae\.compute_advantages\(", r"ppo\.loss\(", r"rejection_lib\.process\(", r"distill_lib\.loss\(",
+    "gsm8k_grpo": [r"advantages\.estimate\(", r"obj\(", r"rejection_lib\.process\(", r"icepop_lib\.keep_mask\(",
+                   r"kpop_lib\.keep_mask\(", r"m2po_lib\.keep_mask\(", r"kl\.penalty\(", r"entropy\.masked_mean\(",
+                   r"value\.loss\("],
+    "multi_turn": [r"advantages\.estimate\(", r"ppo\.loss\(", r"rejection_lib\.process\("],
+    "agent": [r"advantages\.estimate\(", r"ppo\.loss\(", r"rejection_lib\.process\("],
+    "distill": [r"advantages\.estimate\(", r"ppo\.loss\(", r"rejection_lib\.process\(", r"distill_lib\.loss\(",
                 r"step\.teacher_logp\("],
 }
-SHAPE = [r"\.prepare_batch\(", r"\.compute_advantages\(", r"make_loss_fn\(", r"step\.train_step\(", r"engines\.publish\("]
+SHAPE = [r"\.prepare_batch\(", r"advantages\.estimate\(", r"make_loss_fn\(", r"step\.train_step\(",
+         r"engines\.publish\("]
 """rollout -> (rewards ->) advantages -> loss_fn -> train_step -> publish, in this order inside ``main``."""
 GONE = [r"\brl_step\b", r"RLStepConfig", r"legacy_loss_fn", r"rl_prepare", r"\bloop\.", r"import loop\b",
         r"training\.loop", r"OBJECTIVES", r"MASKS", r"OBJECTIVE_NAMES"]
@@ -356,8 +355,8 @@ def test_bad_inputs_name_the_field(data_dir, tmp_path):
         load("distill").Config(model="tiny")
     with pytest.raises(ValueError, match="ckpt_dir"):
         dataclasses.replace(GSM.SMOKE["grpo"].run, resume=True)
-    with pytest.raises(ValueError, match="prox"):
-        dataclasses.replace(GSM.SMOKE["sapo"], prox="recompute")
+    # SAPO on recomputed log-probs is its coupled-recompute variant (docs/spec/algorithms.md §4.1), a valid config, not a refusal
+    assert dataclasses.replace(GSM.SMOKE["sapo"], prox="recompute").coupled
     # dapo's overlong ramp (512 tokens) with a tiny budget: refused at parse time, naming the flag to change, not
     # after the model loads and the first batch is shaped
     with pytest.raises(ValueError, match=r"--shaping\.overlong-tokens 512 must be in \(0, --max-new-tokens 8\]"):
@@ -670,3 +669,27 @@ def test_eval_bad_values_name_the_flag_at_parse_time(field, value, flag):
     with pytest.raises(ValueError, match=re.escape(flag)):
         dataclasses.replace(ev.SMOKE, **{field: value})
     assert dataclasses.replace(ev.SMOKE, limit=None, temperature=0.0).limit is None
+
+
+def test_gsm8k_a_group_that_lost_a_sample_is_normalised_alone():
+    """Groups of 3 and 4 rows with G = 4 (one reward failed): each row gets its own group's GRPO z-score. Before,
+    the fixed G-row slices did not divide the 7 rows and ``normalize`` raised: one failed sample stopped training."""
+    from rlcore import advantages
+    from rlcore.data import trajectory
+    from rlcore.types import TokenBatch
+    from tests.training.test_step import make_batch
+
+    rows = make_batch(3, n=7)
+    rewards = [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0]]
+    groups = [{k: v[a:b] for k, v in rows.items()} | {"rewards": torch.tensor(r)}
+              for (a, b), r in zip([(0, 3), (3, 7)], rewards)]
+    batch = TokenBatch.from_rollout(trajectory.concat_groups(groups))
+    cfg = dataclasses.replace(GSM.SMOKE["grpo"], group_size=4, adv_norm=None)
+    adv = advantages.estimate(batch, cfg=cfg.advantage_stage, logp_old=batch.logp_behav).adv
+    first = batch.loss_mask.float().argmax(1)
+    got = adv.gather(1, first[:, None])[:, 0].double()
+    want = []
+    for r in rewards:
+        t = (torch.tensor(r, dtype=torch.float64) - 0.5) * 10  # the preset's shaping: {0, 1} -> {-5, +5}
+        want += ((t - t.mean()) / (t.std() + 1e-5)).tolist()
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-5)

@@ -472,32 +472,35 @@ def _std(v: list[float]) -> float:
     return math.sqrt(sum((x - mu) ** 2 for x in v) / (len(v) - 1))
 
 
+G_IDS = torch.arange(3).repeat_interleave(4)  # the (n g) rows of G_REWARD as real group ids
+
+
+def _by_group(cfg) -> torch.Tensor:
+    """The group estimator ``cfg`` (a normalize preset) on G_REWARD's groups, back in the (n g) layout."""
+    return normalize.normalize(G_REWARD.reshape(-1), cfg=cfg, group_ids=G_IDS).reshape(G_REWARD.shape)
+
+
 def case_group_grpo():
-    check(group.grpo(G_REWARD), [[(x - _mean(r)) / (_std(r) + 1e-5) for x in r] for r in _rows(G_REWARD)])
+    check(_by_group(normalize.GRPO), [[(x - _mean(r)) / (_std(r) + 1e-5) for x in r] for r in _rows(G_REWARD)])
 
 
 def case_group_dr_grpo():
-    check(group.dr_grpo(G_REWARD), [[x - _mean(r) for x in r] for r in _rows(G_REWARD)])
+    check(_by_group(normalize.DR_GRPO), [[x - _mean(r) for x in r] for r in _rows(G_REWARD)])
 
 
 def case_group_reinforce_pp_baseline():
-    check(group.reinforce_pp_baseline(G_REWARD), [[x - _mean(r) for x in r] for r in _rows(G_REWARD)])
-
-
-def case_group_reinforce_pp():
-    check(group.reinforce_pp(G_REWARD), _rows(G_REWARD))
+    check(_by_group(normalize.REINFORCE_PP_BASELINE), [[x - _mean(r) for x in r] for r in _rows(G_REWARD)])
 
 
 def case_group_lite_ppo():
     centred = [[x - _mean(r) for x in r] for r in _rows(G_REWARD)]
     flat = [x for r in centred for x in r]
     sd = math.sqrt(sum(x * x for x in flat) / (len(flat) - 1))
-    check(group.lite_ppo(G_REWARD), [[x / (sd + 1e-5) for x in r] for r in centred])
+    check(_by_group(normalize.LITE_PPO), [[x / (sd + 1e-5) for x in r] for r in centred])
 
 
 def case_group_rloo():
-    check(group.rloo(G_REWARD), [[x - (sum(r) - x) / (len(r) - 1) for x in r] for r in _rows(G_REWARD)])
-    assert group.rloo(G_REWARD[:, :1]).dtype == F64
+    check(_by_group(normalize.RLOO), [[x - (sum(r) - x) / (len(r) - 1) for x in r] for r in _rows(G_REWARD)])
 
 
 def case_group_turn_discounted():
@@ -609,7 +612,7 @@ LOW = {
     "rejection": lambda x, m: rejection.keep_mask(x, x, m, cfg=RS_CLAMP)[1],
     "icepop": lambda x, m: icepop.keep_mask(x, x, m, cfg=icepop.IcePopConfig())[1],
     "normalize": lambda x, m: normalize.normalize(x, m, cfg=normalize.BATCH_ZSCORE),
-    "grpo": lambda x, m: group.grpo(x),
+    "grpo": lambda x, m: normalize.normalize(x, cfg=normalize.GRPO, group_ids=torch.zeros(x.shape[0], dtype=torch.long)),
     "token_gae": lambda x, m: gae.compute_advantages(x[:, 0], m, torch.tensor(LENGTHS), TRUNCATED, cfg=GAE_CFG,
                                                      value=x, logp_old=x, logp_ref=x).adv,
     "prox": lambda x, m: prox.prox_logp(x, x, VERSION, m, current_version=5, cfg=prox.ProxConfig())[0],

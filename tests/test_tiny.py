@@ -158,7 +158,7 @@ def test_sft_warmstart_smoke(tmp_path):
 # process itself is tested in tests/rollout/test_remote.py, the engine process in tests/inference/test_process.py.
 @pytest.mark.parametrize("layout", ["processes", pytest.param("rollout-process", marks=pytest.mark.slow),
                                     pytest.param("process", marks=pytest.mark.slow)])  # fmt: skip
-def test_tiny_cpu_main_job_smoke(layout, capsys):
+def test_tiny_cpu_main_job_smoke(layout, capsys, monkeypatch):
     """The README's main job composes engine, client, controller, train_step and publish_weights end to end in each
     process layout: engine server + rollout process + trainer (the default), engine and rollout in one child, or the
     engine alone in a child with the weights through /dev/shm. The children's CPU time is counted; the float32
@@ -171,14 +171,15 @@ def test_tiny_cpu_main_job_smoke(layout, capsys):
     spec.loader.exec_module(mod)
     assert mod.Config().engine == "processes" and mod.Config().engine_servers == 2
     started = []
-    real_start = mod.start_engine_servers
+    real_start = process.engine_process
 
-    def start(cfg, cpus, stack):  # the server layouts start cfg.engine_servers replicas on distinct ports
-        eps = real_start(cfg, cpus, stack)
-        started.extend(ep.address for ep in eps)
-        return eps
+    @contextlib.contextmanager
+    def start(cfg):  # the server layouts (engines.open_layout) start cfg.engine_servers replicas on distinct ports
+        with real_start(cfg) as ep:
+            started.append(ep.address)
+            yield ep
 
-    mod.start_engine_servers = start
+    monkeypatch.setattr(process, "engine_process", start)
     out = mod.main(dataclasses.replace(mod.SMOKE, engine=layout))
     assert len(set(started)) == len(started) == (2 if layout in ("processes", "process") else 0)
     assert out["steps"] >= 1
@@ -359,13 +360,12 @@ def _load(name: str):
 
 GONE = [r"\brl_step\b", r"RLStepConfig", r"legacy_loss_fn", r"rl_prepare", r"OBJECTIVES", r"MASKS", r"objective_name"]
 SHAPE = {  # experiment -> [(function, calls that must appear in it in this order)]
-    "gpu_learning_run": [("rl_run", [r"\.prepare_batch\(", r"step\.policy_logp\(", r"shaping_lib\.shape_rewards\(",
-                                     r"normalize\.normalize\(", r"gae_lib\.compute_advantages\(", r"make_loss_fn\(",
-                                     r"step\.train_step\(", r"monitor\(", r"weight_sync\.publish_weights\("]),
+    "gpu_learning_run": [("rl_run", [r"\.prepare_batch\(", r"step\.policy_logp\(", r"advantages\.estimate\(",
+                                     r"make_loss_fn\(", r"step\.train_step\(", r"monitor\(",
+                                     r"weight_sync\.publish_weights\("]),
                          ("make_loss_fn", [r"ppo\.loss\(", r"mb\.denom\("])],
-    "tiny_cpu": [("build_loss_fn", [r"step\.old_logp\(", r"gspo\.loss\(", r"cispo\.loss\(", r"ppo\.loss\("]),
-                 ("train_batch", [r"shaping_lib\.shape_rewards\(", r"normalize\.normalize\(",
-                                  r"gae_lib\.compute_advantages\(", r"offpolicy\.first_forward\(",
+    "tiny_cpu": [("build_loss_fn", [r"step\.old_logp\(", r"obj\(", r"mb\.denom\("]),
+                 ("train_batch", [r"advantages\.estimate\(", r"offpolicy\.first_forward\(",
                                   r"step\.train_step\(", r"offpolicy\.step_metrics\("]),
                  ("main", [r"build_loss_fn\(", r"\.prepare_batch\(", r"recorder\.step\(train_batch",
                            r"weight_sync\.publish_weights\(", r"monitor\.check\("])],
@@ -452,6 +452,7 @@ def test_tiny_cpu_train_batch_gradient_equals_hand_composed_leaves(name):
     batch["logprobs"] = torch.where(batch["loss_mask"], -4.1 + 0.5 * torch.randn(batch["logprobs"].shape, generator=g),
                                     batch["logprobs"])
     batch["rewards"] = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1])
+    batch["group_ids"] = torch.arange(8) // cfg.group_size  # two prompt groups of G = 4
     st = tts.state64()
     _, mask, behav, _ = tts.shifted(batch)
     r = normalize.normalize(batch["rewards"], cfg=dataclasses.replace(normalize.GRPO, group_size=cfg.group_size))
@@ -551,3 +552,71 @@ def test_tiny_cpu_bad_model_dir_and_unwritable_log_dir_are_one_line_errors(tmp_p
     mod.open_rollout = lambda *a, **k: pytest.fail("no process may start before the log dir is checked")
     with pytest.raises(metrics.LogDirError, match="pass --log-dir"):
         mod.main(dataclasses.replace(mod.SMOKE, log_dir=str(blocker / "sub")))
+
+
+def _captured_advantages(mod, cfg, batch) -> torch.Tensor:
+    """The per-row advantage ``train_batch`` hands to the loss (the first sampled token of every row)."""
+    from rlcore.objectives import ppo
+    from tests.training import test_train_step as tts
+
+    seen: list[torch.Tensor] = []
+    inner = mod.build_loss_fn(dataclasses.replace(cfg, objective=ppo.PPOConfig()))
+
+    def loss_fn(logp, mb):
+        first = mb.loss_mask.float().argmax(1)
+        seen.append(mb.adv.gather(1, first[:, None])[:, 0].detach())
+        return inner(logp, mb)
+
+    mod.train_batch(tts.state64(), batch, loss_fn, cfg)
+    return torch.cat(seen)
+
+
+def test_tiny_cpu_normalises_by_the_real_groups_a_short_group_cannot_corrupt_its_neighbours():
+    """Groups of 2, 4, 2, 4 rows with G = 4 (two samples lost their reward): every row's advantage is its own
+    group's GRPO z-score. Before, fixed slices of G rows straddled the groups (max error ~0.8, silently)."""
+    from rlcore.data import trajectory
+    from tests.training import test_train_step as tts
+
+    mod = _load("tiny_cpu")
+    cfg = dataclasses.replace(mod.SMOKE, group_size=4, max_grad_norm=0.0)
+    sizes, rewards = [2, 4, 2, 4], [[1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
+    rows = tts.common.make_batch(11, n=12)
+    groups, start = [], 0
+    for n, r in zip(sizes, rewards):
+        g = {k: v[start:start + n] for k, v in rows.items()}
+        groups.append({**g, "rewards": torch.tensor(r)})
+        start += n
+    batch = trajectory.concat(groups)  # what trajectory.concat_groups(groups) returns, ids spelled out
+    batch["group_ids"] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    got = _captured_advantages(mod, cfg, batch)
+    want = []
+    for r in rewards:
+        t = torch.tensor(r, dtype=torch.float64)
+        want += ((t - t.mean()) / (t.std() + 1e-5)).tolist()
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_minibatches", [1, 2])
+def test_tiny_cpu_clip_knob_acts_only_with_several_minibatches(n_minibatches):
+    """With one minibatch the ratio is exactly 1, so the clip range changes nothing (every clip-based objective
+    coincides); with ``ppo_n_minibatches = 2`` the proximal log-probs are recomputed once per batch, the second
+    minibatch's ratio moves off 1 and the clip knob changes the update."""
+    from rlcore.objectives import ppo
+    from tests.training import test_train_step as tts
+
+    mod = _load("tiny_cpu")
+    batch = tts.common.make_batch(5, n=8)
+    batch["rewards"] = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1])
+    batch["group_ids"] = torch.arange(8) // 4
+    deltas, clip = {}, {}
+    for eps in (1e-4, 10.0):
+        obj = ppo.PPOConfig(clip_low=eps, clip_high=eps)
+        cfg = dataclasses.replace(mod.SMOKE, objective=obj, ppo_n_minibatches=n_minibatches, max_grad_norm=0.0)
+        (_, m), deltas[eps] = tts.run_and_delta(
+            lambda s, c=cfg: mod.train_batch(s, batch, mod.build_loss_fn(c), c), tts.state64())
+        clip[eps] = float(m.get("ppo/clip_frac_mb1", m["ppo/clip_frac"]))
+    diff = max(float((deltas[1e-4][k] - deltas[10.0][k]).abs().max()) for k in deltas[10.0])
+    if n_minibatches == 1:
+        assert diff == 0.0 and clip[1e-4] == 0.0
+    else:
+        assert diff > 1e-6 and clip[1e-4] > 0.5 and clip[10.0] == 0.0, (diff, clip)

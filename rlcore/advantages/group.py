@@ -1,10 +1,8 @@
-"""Group-relative reward recipes on ``(n g)`` rewards (n prompts × g samples), docs/spec/algorithms.md §14–15.
+"""Group filters and the multi-turn discount on ``(n g)`` rewards (n prompts × g samples), docs/spec/algorithms.md §14.
 
-* GRPO (https://arxiv.org/abs/2402.03300): ``(R − mean_g) / (std_g + eps)`` (unbiased std).
-* Dr.GRPO (https://arxiv.org/abs/2503.20783): ``R − mean_g``.
-* LitePPO (https://arxiv.org/abs/2508.08221): ``(R − mean_g) / (batch std of the centred rewards + eps)``.
-* RLOO (https://arxiv.org/abs/2402.14740): ``R_i − mean_{j≠i} R_j`` (0 for g = 1).
-* REINFORCE++ (https://arxiv.org/abs/2501.03262): ``R`` unchanged; "+baseline": ``R − mean_g``.
+The group estimators themselves (GRPO, Dr.GRPO, LitePPO, RLOO, REINFORCE++) exist once, as ``normalize`` presets
+over the batch's real group ids, composed by ``rlcore.advantages.estimate`` (docs/advantages.md).
+
 * Multi-turn discount (§14.4): ``R_i = Σ_{j≥i} γ^{j−i} r_j`` over a run's interactions.
 * DAPO dynamic sampling (https://arxiv.org/abs/2503.14476, §14.2): keep groups whose rewards are not all
   equal; success-rate band ``lb < mean_g < ub``. Both return a bool ``(n,)`` keep mask.
@@ -26,8 +24,6 @@ from torch import Tensor
 class GroupConfig:
     """Knobs of the group recipes and filters."""
 
-    eps: float = 1e-5
-    """Added to the std before dividing (GRPO, LitePPO)."""
     turn_discount: float = 1.0
     """γ_turn of the backward reward propagation over a run's interactions, in (0, 1]."""
     success_lb: float = 0.0
@@ -42,57 +38,11 @@ class GroupConfig:
             raise ValueError(
                 f"GroupConfig.success_lb={self.success_lb} must be < success_ub={self.success_ub}; swap them"
             )
-        if self.eps < 0:
-            raise ValueError(f"GroupConfig.eps must be >= 0, got {self.eps}")
 
 
 def _out(x: Tensor, reward: Tensor) -> Tensor:
     """Cast a float64 result to the reward's dtype, at least float32."""
     return x.to(torch.promote_types(reward.dtype, torch.float32) if reward.is_floating_point() else torch.float32)
-
-
-def _centred(reward: Tensor) -> Tensor:
-    r = reward.double()
-    return r - r.mean(-1, keepdim=True)
-
-
-def grpo(reward: Tensor, *, cfg: GroupConfig = GroupConfig()) -> Tensor:
-    """GRPO: ``(n g) -> (n g)`` group z-score with unbiased std (std := 1 when g = 1)."""
-    c = _centred(reward)
-    g = reward.shape[-1]
-    std = (c.pow(2).sum(-1, keepdim=True) / max(g - 1, 1)).sqrt() if g > 1 else torch.ones_like(c[..., :1])
-    return _out(c / (std + cfg.eps), reward)
-
-
-def dr_grpo(reward: Tensor) -> Tensor:
-    """Dr.GRPO (and REINFORCE++-baseline): ``(n g) -> (n g)`` group-centred rewards."""
-    return _out(_centred(reward), reward)
-
-
-reinforce_pp_baseline = dr_grpo
-
-
-def reinforce_pp(reward: Tensor) -> Tensor:
-    """REINFORCE++: no group baseline; the batch z-score happens later in ``adv_norm``."""
-    return _out(reward, reward)
-
-
-def lite_ppo(reward: Tensor, *, cfg: GroupConfig = GroupConfig()) -> Tensor:
-    """LitePPO: group mean, batch std of the group-centred rewards (unbiased over all n·g elements)."""
-    c = _centred(reward)
-    n = c.numel()
-    std = (c.pow(2).sum() / max(n - 1, 1)).sqrt() if n > 1 else torch.ones((), dtype=c.dtype)
-    return _out(c / (std + cfg.eps), reward)
-
-
-def rloo(reward: Tensor) -> Tensor:
-    """RLOO: ``R_i − mean_{j≠i} R_j`` per group ``(n g)``; a singleton group gives 0."""
-    r = reward.double()
-    g = r.shape[-1]
-    if g == 1:
-        return _out(torch.zeros_like(r), reward)
-    loo = (r.sum(-1, keepdim=True) - r) / (g - 1)
-    return _out(r - loo, reward)
 
 
 def turn_discounted(reward: Tensor, present: Tensor | None = None, *, cfg: GroupConfig = GroupConfig()) -> Tensor:

@@ -8,8 +8,10 @@ centring only (Liu et al. 2025, https://arxiv.org/abs/2503.20783), RLOO's leave-
     y = m · (x − μ) / (σ + eps)
 
 Shapes: ``x`` is ``(b,)`` (one reward per row) or ``(b t)`` (per-token advantages) with an optional
-bool ``mask`` of the same shape. Groups are consecutive rows: ``(n g)`` when every group has ``g`` rows
-(reduced with einops), or ragged ``group_sizes`` (reduced with ``index_add`` segment sums). Statistics
+bool ``mask`` of the same shape. Groups are the rows' ``group_ids`` (``(b,)`` ints, any order, any sizes: a group
+that lost a sample is just smaller), ragged consecutive ``group_sizes``, or, with neither, ``(n g)`` blocks of
+``cfg.group_size`` rows (reduced with einops; the batch size must be a multiple). Ragged groups are reduced with
+``index_add`` segment sums. Statistics
 are float64 and token-weighted under a mask; the output is float32, or float64 for a float64 ``x`` (rlcore: the
 leaf returns the dtype it is given; AReaL always returns float32).
 """
@@ -90,6 +92,7 @@ def normalize(
     *,
     cfg: NormConfig,
     group_sizes: Sequence[int] | Tensor | None = None,
+    group_ids: Tensor | None = None,
     batch_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Centre and scale ``x`` by batch or group statistics (docs/spec/algorithms.md §3).
@@ -98,7 +101,9 @@ def normalize(
       x: ``(b,)`` rewards or ``(b t)`` advantages; values off the mask may be garbage (NaN, inf).
       cfg: the normalisation settings.
       mask: bool, same shape as ``x``; None means every element counts.
-      group_sizes: sizes of consecutive row groups, summing to ``b``; None means ``cfg.group_size``.
+      group_sizes: sizes of consecutive row groups, summing to ``b``; None means ``group_ids`` or ``cfg.group_size``.
+      group_ids: ``(b,)`` int group of every row (rows of one group need not be adjacent); exclusive with
+        ``group_sizes``. The exact statistics of each real group, whatever its size.
       batch_sum: applied to every batch-level sum (0-dim float64 counts, sums, sums of squares) before it is
         used; pass a sum over data-parallel ranks (``rlcore.training.dp_rollout.DPRollout.batch_sum``) so a rank's
         shard is normalised by the statistics of the global batch. Every rank must call ``normalize`` with the
@@ -114,7 +119,14 @@ def normalize(
     g: int | None = None
     seg: Tensor | None = None
     nseg = 0
-    if uses_groups:
+    if group_ids is not None and group_sizes is not None:
+        raise ValueError("normalize takes group_sizes= or group_ids=, not both; pass the batch's group_ids")
+    if uses_groups and group_ids is not None:
+        if tuple(group_ids.shape) != (b,):
+            raise ValueError(f"group_ids must have shape ({b},) (one id per row), got {tuple(group_ids.shape)}")
+        _, seg = torch.unique(group_ids.long().cpu(), return_inverse=True)
+        nseg = int(seg.max()) + 1 if b else 0
+    elif uses_groups:
         if group_sizes is None:
             if b % cfg.group_size:
                 # [AReaL quirk] leftover rows would be divided by eps; rlcore refuses instead.

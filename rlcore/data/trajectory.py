@@ -11,6 +11,7 @@ A trajectory is a plain ``dict[str, Tensor]`` with a leading row dimension (docs
 | versions       | int64   | (b, l)  | weight version that produced each sampled token, -1 else    |
 | turn_ids       | int64   | (b, l)  | assistant-turn index on sampled tokens, -1 else             |
 | rewards        | float32 | (b,)    | one scalar reward per row                                   |
+| group_ids      | int64   | (b,)    | the prompt group of every row (``concat_groups``; optional) |
 
 Token-own alignment is kept here; the single shift to predictive alignment happens in
 ``rlcore.training.step`` (docs/spec/algorithms.md §0.2).
@@ -154,6 +155,16 @@ def concat(trajs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
                     v = torch.cat([v, torch.full((v.shape[0], pad, *v.shape[2:]), fill, dtype=v.dtype)], dim=1)
             out.setdefault(k, []).append(v)
     return {k: torch.cat(vs, dim=0) for k, vs in out.items()}
+
+
+def concat_groups(groups: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``concat`` of whole groups (one prompt's samples each), plus ``group_ids (b,)`` int64: the index of each row's
+    group in ``groups``. Group statistics (GRPO, RLOO, ...) are taken over these real groups, so a group that lost a
+    sample (a failed reward, a dropped row) is exactly a smaller group and never borrows its neighbour's rows."""
+    out = concat(groups)
+    sizes = torch.tensor([num_rows(g) for g in groups], dtype=torch.long)
+    out["group_ids"] = torch.repeat_interleave(torch.arange(len(groups), dtype=torch.long), sizes)
+    return out
 
 
 def _concat_single_rows(

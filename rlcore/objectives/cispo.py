@@ -55,6 +55,13 @@ class CISPOConfig:
         if not self.max_log_ratio > 0:
             raise ValueError(f"max_log_ratio must be > 0, got {self.max_log_ratio}; use 20.0")
 
+    def __call__(self, logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor, *,
+                 denom: Tensor | float | None = None, denom_mask: Tensor | None = None,
+                 weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The objective as a value: ``loss(..., cfg=self)`` (every tensor ``(b t)``; see :func:`loss`)."""
+        return loss(logp, logp_prox, logp_behav, adv, mask, cfg=self, denom=denom, denom_mask=denom_mask,
+                    weight=weight)
+
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)).detach()
@@ -86,7 +93,6 @@ def loss(
     denom: Tensor | float | None = None,
     denom_mask: Tensor | None = None,
     weight: Tensor | None = None,
-    **unused,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO loss, to be minimised (its value is not meaningful; its gradient is).
 
@@ -99,13 +105,11 @@ def loss(
         aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
         is taken on it, so a rejected token leaves the numerator only (docs/spec/algorithms.md §6.4). None: ``mask``.
       weight: optional (b t) precomputed behaviour weight, replacing ``exp(logp_prox - logp_behav)``.
-      unused: extra inputs of other objectives; ignored.
 
     Returns:
       (loss, metrics): scalar loss; ``cispo/clip_frac`` (fraction with rhat != r), ``cispo/importance_weight``
       (mean r), ``cispo/behav_weight``, ``cispo/approx_kl``; 0-dim, detached.
     """
-    del unused
     dt = torch.promote_types(logp.dtype, torch.float32)
     logp = torch.where(mask, logp, 0.0).to(dt)  # double-where: off-mask garbage never reaches the loss
     logp_behav = torch.where(mask, logp_behav.detach(), 0.0).to(dt)

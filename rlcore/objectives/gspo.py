@@ -8,8 +8,8 @@ form (docs/spec/algorithms.md section 7.1). For sequence ``i`` with ``n_i = max(
     l_t = -w_t * min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)    on every valid token of i
 
 ``w_t = sg(exp(logp_prox_t - logp_behav_t))`` is the per-token behaviour weight (decoupled mode). The gradient
-reaches every token's ``logp`` through ``s_i``. Equal to ``ppo.loss`` with ``level="sequence"``; this file
-stands alone so it can be copied out. All tensors are padded ``(b t)``; ``mask`` is bool.
+reaches every token's ``logp`` through ``s_i``. This is the one GSPO (``ppo.loss`` is token-level only); on
+length-1 sequences it equals token-level PPO. The file stands alone so it can be copied out. All tensors are padded ``(b t)``; ``mask`` is bool.
 """
 
 from __future__ import annotations
@@ -61,6 +61,13 @@ class GSPOConfig:
         if not self.max_log_ratio > 0:
             raise ValueError(f"max_log_ratio must be > 0, got {self.max_log_ratio}; use 20.0")
 
+    def __call__(self, logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor, *,
+                 denom: Tensor | float | None = None, denom_mask: Tensor | None = None,
+                 weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The objective as a value: ``loss(..., cfg=self)`` (every tensor ``(b t)``; see :func:`loss`)."""
+        return loss(logp, logp_prox, logp_behav, adv, mask, cfg=self, denom=denom, denom_mask=denom_mask,
+                    weight=weight)
+
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)).detach()
@@ -101,7 +108,6 @@ def loss(
     denom: Tensor | float | None = None,
     denom_mask: Tensor | None = None,
     weight: Tensor | None = None,
-    **unused,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequence-level clipped surrogate, to be minimised.
 
@@ -114,13 +120,11 @@ def loss(
         aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
         is taken on it, so a rejected token leaves the numerator only (docs/spec/algorithms.md §6.4). None: ``mask``.
       weight: optional (b t) precomputed behaviour weight, replacing ``exp(logp_prox - logp_behav)``.
-      unused: extra inputs of other objectives; ignored.
 
     Returns:
       (loss, metrics): scalar loss; ``gspo/clip_frac``, ``gspo/dual_clip_frac``, ``gspo/importance_weight``
       (token mean of s_i), ``gspo/behav_weight``, ``gspo/approx_kl``, all 0-dim detached means over ``mask``.
     """
-    del unused
     dt = torch.promote_types(logp.dtype, torch.float32)
     logp = torch.where(mask, logp, 0.0).to(dt)  # double-where: off-mask garbage never reaches exp
     logp_behav = torch.where(mask, logp_behav.detach(), 0.0).to(dt)

@@ -8,8 +8,8 @@ Decoupled PPO (Fu et al. 2025, AReaL, https://arxiv.org/abs/2505.24298), per tok
 
 Coupled (standard) PPO (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) is ``decoupled=False``: the
 proximal policy is the behaviour policy, so ``w = 1``. Clip-higher is DAPO's (https://arxiv.org/abs/2503.14476),
-dual clip is from Ye et al. 2020 (https://arxiv.org/abs/1912.09729), and ``level="sequence"`` is GSPO's
-geometric-mean sequence ratio with a per-sequence mean advantage (https://arxiv.org/abs/2507.18071).
+and dual clip is from Ye et al. 2020 (https://arxiv.org/abs/1912.09729). The sequence-level ratio is GSPO's own
+leaf (``rlcore.objectives.gspo``).
 Spec: docs/spec/algorithms.md sections 6-7. All tensors are padded ``(b t)``; ``mask`` is bool.
 """
 
@@ -34,8 +34,6 @@ class PPOConfig:
     """Upper clip range eps_h (clip-higher); None means ``clip_low`` (symmetric clip)."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1: caps the loss of a negative-advantage token at ``c * |A|``; None disables."""
-    level: Literal["token", "sequence"] = "token"
-    """Importance-ratio level: per token, or GSPO's per-sequence geometric mean with mean advantage."""
     decoupled: bool = True
     """True: ratio against ``logp_prox`` times the behaviour weight. False: coupled PPO (prox := behav, w = 1)."""
     behav_weight_cap: float | None = None
@@ -50,8 +48,7 @@ class PPOConfig:
     generation budget, max_new_tokens)."""
     max_log_ratio: float = 20.0
     """Log-ratios and log behaviour weights are clamped to +-this before exp, so far off-policy tokens keep finite
-    losses and gradients (beyond the bound their ratio gradient is zero). At ``level="sequence"`` the row's mean
-    log-ratio is clamped, not each token's. Use float('inf') to disable."""
+    losses and gradients (beyond the bound their ratio gradient is zero). Use float('inf') to disable."""
 
     def __post_init__(self):
         if self.clip_low < 0:
@@ -66,6 +63,13 @@ class PPOConfig:
             raise ValueError(f"norm_len must be > 0, got {self.norm_len}; use the generation budget")
         if not self.max_log_ratio > 0:
             raise ValueError(f"max_log_ratio must be > 0, got {self.max_log_ratio}; use 20.0")
+
+    def __call__(self, logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor, *,
+                 denom: Tensor | float | None = None, denom_mask: Tensor | None = None,
+                 weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The objective as a value: ``loss(..., cfg=self)`` (every tensor ``(b t)``; see :func:`loss`)."""
+        return loss(logp, logp_prox, logp_behav, adv, mask, cfg=self, denom=denom, denom_mask=denom_mask,
+                    weight=weight)
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,6 @@ def loss(
     denom: Tensor | float | None = None,
     denom_mask: Tensor | None = None,
     weight: Tensor | None = None,
-    **unused,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled (or coupled) clipped PPO loss, to be minimised.
 
@@ -129,14 +132,12 @@ def loss(
         is taken on it, so a rejected token leaves the numerator only (docs/spec/algorithms.md §6.4). None: ``mask``.
       weight: optional (b t) precomputed behaviour weight (e.g. ``rejection.process``), replacing
         ``exp(logp_prox - logp_behav)``; detached. Ignored when ``cfg.decoupled`` is False.
-      unused: extra inputs other objectives take (e.g. ``logp_ref``); ignored.
 
     Returns:
       (loss, metrics): scalar float32 loss; metrics ``ppo/clip_frac``, ``ppo/dual_clip_frac``,
       ``ppo/importance_weight`` (mean r), ``ppo/behav_weight`` (mean w), ``ppo/approx_kl`` (mean logp - logp_prox),
       all 0-dim detached means over ``mask``.
     """
-    del unused
     dt = torch.promote_types(logp.dtype, torch.float32)
     logp = torch.where(mask, logp, 0.0).to(dt)  # double-where: off-mask garbage never reaches exp
     logp_behav = torch.where(mask, logp_behav.detach(), 0.0).to(dt)
@@ -144,16 +145,7 @@ def loss(
     adv = torch.where(mask, adv.detach(), 0.0).to(dt)
     bound = cfg.max_log_ratio
 
-    log_ratio = logp - logp_prox
-    if cfg.level == "sequence":  # GSPO: geometric mean ratio and mean advantage per sequence
-        n = mask.sum(-1, keepdim=True).clamp(min=1)
-        # clamp the row's mean log-ratio, not each token's: s_i stays the exact geometric mean (spec 7.1)
-        # whenever it is representable, even if single tokens lie beyond the bound
-        mean_log_ratio = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / n
-        ratio = torch.exp(mean_log_ratio.clamp(-bound, bound)).expand_as(logp)
-        adv = (adv.sum(-1, keepdim=True) / n).expand_as(logp)
-    else:
-        ratio = torch.exp(log_ratio.clamp(-bound, bound))
+    ratio = torch.exp((logp - logp_prox).clamp(-bound, bound))
     clip_high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + clip_high)

@@ -8,10 +8,13 @@ Soft Adaptive Policy Optimization (Gao et al. 2025, https://arxiv.org/abs/2511.2
     l_t   = -g_t * A_t
 
 At ``r = 1`` the gate's slope is 1, so the gradient equals PPO's, while the loss value is ``-2 A / tau``.
-``logp_old`` is the behaviour log-prob (AReaL's shipped SAPO runs coupled; ``ratio_against="prox"`` gives the
-recomputed variant: pass the recomputed log-probs as ``logp_prox``, as ``experiments/gsm8k_grpo.py`` does with
-``--objective.ratio-against prox --prox recompute``). No behaviour weight and no rejection sampling. ``level="sequence"`` uses GSPO's
-geometric-mean ratio and mean advantage. All tensors are padded ``(b t)``; ``mask`` is bool.
+The decoupled switch has the same name and meaning as in every other objective (``ppo``, ``gspo``, ``cispo``):
+``decoupled=False`` (AReaL's shipped SAPO, the default) takes ``logp_old = logp_behav``, whatever tensor the caller
+passes there (the engine's log-probs, or the recomputed ones for the coupled-recompute variant of docs/spec/algorithms.md §4.1), and no
+behaviour weight; ``decoupled=True`` takes the ratio against ``logp_prox`` and multiplies each token's loss by the
+behaviour weight ``w_t = sg(exp(logp_prox_t - logp_behav_t))`` (or by ``weight=`` when given, e.g. the rejection
+filter's processed weight). ``level="sequence"`` uses GSPO's geometric-mean ratio and mean advantage. All tensors are
+padded ``(b t)``; ``mask`` is bool.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ class SAPOConfig:
     """Gate temperature for tokens with positive advantage (> 0)."""
     tau_neg: float = 1.05
     """Gate temperature for tokens with non-positive advantage (> 0)."""
-    ratio_against: Literal["behav", "prox"] = "behav"
-    """Which log-prob the ratio is taken against: the engine's (AReaL recipe) or the recomputed proximal one."""
+    decoupled: bool = False
+    """False (AReaL's recipe): ratio against ``logp_behav``, no behaviour weight. True: ratio against ``logp_prox``
+    times the behaviour weight ``exp(logp_prox - logp_behav)`` (or ``weight=``), as in decoupled PPO."""
     level: Literal["token", "sequence"] = "token"
     """Per-token ratio, or GSPO's per-sequence geometric mean ratio with mean advantage."""
     agg: Agg = "token_mean"
@@ -54,6 +58,13 @@ class SAPOConfig:
             raise ValueError(f"norm_len must be > 0, got {self.norm_len}; use the generation budget")
         if not self.max_log_ratio > 0:
             raise ValueError(f"max_log_ratio must be > 0, got {self.max_log_ratio}; use 20.0")
+
+    def __call__(self, logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor, *,
+                 denom: Tensor | float | None = None, denom_mask: Tensor | None = None,
+                 weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The objective as a value: ``loss(..., cfg=self)`` (every tensor ``(b t)``; see :func:`loss`)."""
+        return loss(logp, logp_prox, logp_behav, adv, mask, cfg=self, denom=denom, denom_mask=denom_mask,
+                    weight=weight)
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -98,14 +109,14 @@ def loss(
     cfg: SAPOConfig,
     denom: Tensor | float | None = None,
     denom_mask: Tensor | None = None,
-    **unused,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO loss, to be minimised.
 
     Args:
       logp: (b t) log-probs under the policy being trained (the only input with gradient).
-      logp_prox: (b t) proximal log-probs; used only with ``cfg.ratio_against="prox"``.
-      logp_behav: (b t) behaviour log-probs; the ratio's reference by default.
+      logp_prox: (b t) proximal log-probs; used only with ``cfg.decoupled``.
+      logp_behav: (b t) behaviour log-probs: the ratio's reference when coupled, the weight's when decoupled.
       adv: (b t) advantages.
       mask: (b t) bool; off-mask values may be NaN/inf and get exactly zero gradient.
       cfg: SAPOConfig.
@@ -113,21 +124,26 @@ def loss(
       denom_mask: optional (b t) bool, the mask BEFORE keep-masks (a superset of ``mask``); every count the
         aggregation divides by (a sequence's own token count for ``seq_mean_token_mean``, the default ``denom``)
         is taken on it, so a rejected token leaves the numerator only (docs/spec/algorithms.md §6.4). None: ``mask``.
-      unused: extra inputs of other objectives (e.g. ``weight``); ignored, SAPO has no behaviour correction.
+      weight: optional (b t) precomputed behaviour weight (e.g. ``rejection.process``), replacing
+        ``exp(logp_prox - logp_behav)``; detached. Ignored when ``cfg.decoupled`` is False, as in ``ppo.loss``.
 
     Returns:
-      (loss, metrics): scalar loss; ``sapo/soft_gate`` (mean g), ``sapo/gate_pos`` / ``sapo/gate_neg`` (mean g over
+      (loss, metrics): scalar loss; ``sapo/behav_weight`` (mean w), ``sapo/soft_gate`` (mean g), ``sapo/gate_pos`` / ``sapo/gate_neg`` (mean g over
       tokens with A > 0 / A <= 0), ``sapo/importance_weight`` (mean r), ``sapo/approx_kl``; 0-dim, detached.
     """
-    del unused
-    logp_old = logp_behav if cfg.ratio_against == "behav" else logp_prox
-    del logp_prox, logp_behav
     dt = torch.promote_types(logp.dtype, torch.float32)
     logp = torch.where(mask, logp, 0.0).to(dt)  # double-where: off-mask garbage never reaches exp
-    logp_old = torch.where(mask, logp_old.detach(), 0.0).to(dt)
+    logp_behav = torch.where(mask, logp_behav.detach(), 0.0).to(dt)
+    logp_old = torch.where(mask, logp_prox.detach(), 0.0).to(dt) if cfg.decoupled else logp_behav
     adv = torch.where(mask, adv.detach(), 0.0).to(dt)
 
     bound = cfg.max_log_ratio
+    if not cfg.decoupled:
+        w = torch.ones_like(logp)
+    elif weight is None:
+        w = torch.exp((logp_old - logp_behav).clamp(-bound, bound))
+    else:
+        w = torch.where(mask, weight.detach(), 0.0).to(dt)
     log_ratio = logp - logp_old
     if cfg.level == "sequence":  # clamp the row's mean log-ratio, not each token's (exact geometric mean)
         n = mask.sum(-1, keepdim=True).clamp(min=1)
@@ -138,8 +154,9 @@ def loss(
         ratio = torch.exp(log_ratio.clamp(-bound, bound))
     g = gate(ratio, adv, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
 
-    out = _agg(-g * adv, mask, agg=cfg.agg, denom=denom, norm_len=cfg.norm_len, denom_mask=denom_mask)
+    out = _agg(-g * adv * w, mask, agg=cfg.agg, denom=denom, norm_len=cfg.norm_len, denom_mask=denom_mask)
     metrics = {
+        "sapo/behav_weight": _masked_mean(w, mask),
         "sapo/soft_gate": _masked_mean(g, mask),
         "sapo/gate_pos": _masked_mean(g, mask & (adv > 0)),
         "sapo/gate_neg": _masked_mean(g, mask & (adv <= 0)),

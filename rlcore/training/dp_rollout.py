@@ -175,7 +175,7 @@ class DPRollout:
             return [Shard(None, (), (), number, 0, 0)] * self.world_size
         sizes = [trajectory.num_rows(g) for g in groups]
         tokens = [int(g["attention_mask"].sum()) for g in groups]
-        full = TokenBatch.from_rollout(trajectory.concat(groups))
+        full = TokenBatch.from_rollout(trajectory.concat_groups(groups))  # group_ids: each rank normalises by its real groups
         starts = [0, *itertools.accumulate(sizes)]  # first row of each group
         out = []
         for mine in split_groups(tokens, self.world_size):

@@ -4,6 +4,9 @@
   SGLang / ``rlcore.serve`` servers from ``--engine.engine-addrs`` or ``$RLCORE_ENGINE_ADDRS`` (set by
   ``rlcore.launch``). It yields :class:`Engines`: the rollout client and the targets ``publish`` pushes to.
 * :func:`publish` — ``weight_sync.publish_weights`` with those targets (``version + 1``).
+* :func:`open_layout` — the CPU layouts of a run whose rollout side is a function (``RolloutParts``): engine
+  thread, engine inside the rollout process, N engine servers with the rollout loop here or in its own process;
+  it picks the publish transport that fits and returns the controller, the targets and the child pids.
 
 It lives in the training wing because publishing reads the trainer's parameters; the rollout wing only gets
 the client. Ordering: ``publish`` must not run while ``train_step`` changes the parameters; every rank calls it
@@ -183,5 +186,110 @@ def publish(state: TrainState, eng: Engines, rollout: Any = None) -> TrainState:
     return state
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The CPU layouts of a run whose rollout side is built by a function (engine thread / process / servers /
+# engine inside the rollout process)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """Where the engine(s) and the rollout loop run, and how a publish reaches them (CPU runs)."""
+
+    layout: Literal["processes", "rollout-process", "process", "thread"] = "processes"
+    """processes: engine servers + a rollout process + this trainer (three GILs); rollout-process: engine and rollout
+    loop in one child; process: engine servers, rollout loop in a thread here; thread: everything in this process."""
+    servers: int = 2
+    """Engine server processes (processes / process layouts), data-parallel replicas of the same weights."""
+    engine_threads: int = 1
+    """torch intra-op threads of each engine process."""
+    trainer_threads: int = 1
+    """torch intra-op threads of this process (pinned to its cores with ``pin_cores``)."""
+    pin_cores: bool = False
+    """Pin the engines to the last ``engine_threads`` CPUs and the trainer to the others."""
+    pause_mode: Literal["none", "in_place"] = "none"
+    """Publish without a pause (committed between two forward passes) or pause the engines around it."""
+    lora_keep_versions: int = 3
+    """LoRA adapters kept loaded in the engines (every version a request in flight may name)."""
+
+    def __post_init__(self) -> None:
+        if self.servers < 1:
+            raise ValueError(f"LayoutConfig.servers must be >= 1, got {self.servers}")
+
+
+@dataclass
+class Layout:
+    """A started rollout side: the controller (not started), the publish targets and transport, the child pids."""
+
+    ctl: Any
+    """``RolloutController`` (in this process) or the rollout process's ``RemoteController``."""
+    targets: list
+    """What ``weight_sync.publish_weights`` pushes to."""
+    publish: weight_sync.PublishConfig
+    """The transport that fits the layout (state dict in process / over the pipe, /dev/shm files to servers)."""
+    pids: tuple[int, ...]
+    """The child processes (engines, rollout), for ``metrics.CoresBusy``."""
+    set_lora: Any
+    """Names the adapter every later request uses (LoRA runs)."""
+
+
+def open_layout(cfg: LayoutConfig, server: Any, parts: Any, *parts_args: Any,
+                stack: contextlib.ExitStack) -> Layout:
+    """Start the engine(s) and build the rollout controller (not started) in layout ``cfg.layout``.
+
+    ``server`` is the ``rlcore.inference.process.EngineProcessConfig`` of one engine server (replica ``i`` samples
+    with ``seed + i``); ``parts(*parts_args, address=None)`` is a module-level function returning
+    ``rlcore.rollout.remote.RolloutParts`` (with ``address``: the servers' comma-separated addresses, else an engine
+    of its own), called in the rollout process or here. Everything started is closed with ``stack``. Every publish
+    must reach every server (``on_partial_failure="raise"``): a rollout client that routes to the same servers would
+    not see an eviction."""
+    import dataclasses as dc
+
+    from rlcore.inference import coalesce
+    from rlcore.inference import process as engine_process
+    from rlcore.rollout import controller as rollout_lib
+    from rlcore.rollout import remote
+
+    engine_cpus, trainer_cpus = engine_process.split_cores(cfg.engine_threads) if cfg.pin_cores else ((), ())
+    if trainer_cpus and cfg.layout != "thread":
+        engine_process.pin_threads(cfg.trainer_threads, trainer_cpus)
+    keep, pause = cfg.lora_keep_versions, cfg.pause_mode
+
+    def servers() -> list:
+        return [stack.enter_context(engine_process.engine_process(dc.replace(
+            server, threads=cfg.engine_threads, cpus=tuple(engine_cpus), seed=server.seed + i)))
+            for i in range(cfg.servers)]
+
+    shm = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode=pause, lora_keep_versions=keep,
+                                    on_partial_failure="raise")
+    in_process = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode=pause,
+                                           lora_keep_versions=keep)
+    if cfg.layout == "processes":  # rollout process -> HTTP -> servers; weights to the servers through /dev/shm
+        eps = servers()
+        address = ",".join(ep.address for ep in eps)
+        rp = stack.enter_context(remote.RolloutProcess(remote.by_reference(parts, *parts_args, address)))
+        control = stack.enter_context(engine_client.connect(address))  # its fan-out loads every server
+        return Layout(rp.controller, [control], shm, (*(ep.pid for ep in eps), rp.pid), rp.controller.set_lora)
+    if cfg.layout == "rollout-process":  # engine + rollout in one child; batches and float32 weights over a pipe
+        rp = stack.enter_context(remote.RolloutProcess(
+            remote.by_reference(parts, *parts_args),
+            remote.RolloutProcessConfig(threads=cfg.engine_threads, cpus=tuple(engine_cpus)),
+        ))
+        return Layout(rp.controller, [rp.engine], in_process, (rp.pid,), rp.controller.set_lora)
+    if cfg.layout == "thread":  # the engine in a thread here, in-process transport (no HTTP)
+        built = parts(*parts_args)
+        engine = stack.enter_context(built.engine)
+        client = engine_client.EngineClient(engine)
+        targets, pub, pids = [engine], in_process, ()
+    else:  # "process": engine servers; the rollout loop in a thread here, one tick's /generate calls batched
+        eps = servers()
+        address = ",".join(ep.address for ep in eps)
+        built = parts(*parts_args, address)
+        client = engine_client.EngineClient([coalesce.CoalescingHTTP(ep.address) for ep in eps])
+        targets, pub, pids = [stack.enter_context(engine_client.connect(address))], shm, tuple(ep.pid for ep in eps)
+    ctl = rollout_lib.RolloutController(client, built.episode, built.loader, built.rollout)
+    return Layout(ctl, targets, pub, pids, client.set_lora)
+
+
 __all__ = ["ENV_ADDRS", "ENV_SYNC_HOST", "EngineSetup", "Engines", "engine_addresses", "weight_sync_host",
-           "open_engines", "publish"]
+           "open_engines", "publish", "LayoutConfig", "Layout", "open_layout"]

@@ -177,3 +177,35 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class CoresBusy:
+    """Average cores kept busy since construction: CPU seconds of this process and of ``pids`` (its engine,
+    rollout and evaluation children) per second of wall-clock (``perf/cores_busy*``)."""
+
+    def __init__(self, pids: tuple[int, ...]):
+        self.pids = pids
+        self.t0, self.cpu0 = time.perf_counter(), self._cpu()
+
+    def _cpu(self) -> tuple[float, float]:
+        from rlcore.inference import process as engine_process  # lazy: the logger itself needs no engine
+
+        return engine_process.cpu_seconds(), sum(engine_process.cpu_seconds(p) for p in self.pids)
+
+    def __call__(self) -> dict[str, float]:
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        (tr, eng), (tr0, eng0) = self._cpu(), self.cpu0
+        return {"perf/cores_busy": (tr - tr0 + eng - eng0) / wall, "perf/cores_busy_trainer": (tr - tr0) / wall,
+                "perf/cores_busy_engine": (eng - eng0) / wall}
+
+
+def run_dir(log_dir: str, *, default_root: str, seed: int) -> str:
+    """A run's TensorBoard directory: ``log_dir`` when the user named one, else a fresh ``<UTC time>-seed<seed>``
+    subdirectory of ``default_root`` (so reruns never overlay; ``tensorboard --logdir runs`` shows them side by side)."""
+    if log_dir != default_root:
+        return log_dir
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path, k = Path(default_root) / f"{stamp}-seed{seed}", 1
+    while path.exists():  # two runs started in the same second
+        path, k = Path(default_root) / f"{stamp}-seed{seed}-{k}", k + 1
+    return str(path)

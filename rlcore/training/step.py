@@ -14,7 +14,8 @@ aggregation names (``mb.denom(cfg.agg)``: tokens for ``token_mean``, sequences f
 so ``J = Σ_μ L_μ`` is independent of how the minibatch is split into micro-batches and ranks. Everything else
 an RL step needs is a small function the experiment calls explicitly, before ``train_step``:
 :func:`policy_logp` (proximal recompute), :func:`ref_logp`, :func:`teacher_logp`, :func:`critic_values`,
-:func:`old_logp` (which tensor is ``ℓ^old``, docs/spec/algorithms.md §4.1), :func:`compute_batch_advantages`, :func:`minibatches`,
+:func:`old_logp` (which tensor is ``ℓ^old``, docs/spec/algorithms.md §4.1), :func:`minibatches` (the advantages are
+``rlcore.advantages.estimate``),
 and the critic update is ``train_step(state, batch, value_loss_fn(cfg), cfg=StepConfig(module="critic"))``.
 
 SFT, DPO and reward models are ``train_step`` with :func:`sft_loss_fn`, :func:`dpo_loss_fn`, :func:`rm_loss_fn`.
@@ -33,16 +34,12 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlcore.advantages import gae as gae_lib
-from rlcore.advantages import normalize as norm_lib
-from rlcore.advantages import shaping as shaping_lib
 from rlcore.data import microbatch, packing
 from rlcore.objectives import dpo as dpo_lib
 from rlcore.objectives import reward_model as rm_lib
@@ -78,8 +75,8 @@ class StepConfig:
     module: Literal["policy", "critic"] = "policy"
     """Which model/optimizer/scheduler of the state to update: ``state.model`` or ``state.critic``."""
     schedule: bool = True
-    """Advance the LR schedule after this step. Set False on all but the last minibatch of a training step so
-    the schedule advances once per training step (docs/spec/system.md §7.6)."""
+    """This call ends a training step: advance the LR schedule (and, for the policy, ``TrainState.step``). Set False
+    on all but the last minibatch of a training step, so both advance once per training step (docs/spec/system.md §7.6)."""
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -88,44 +85,9 @@ class StepConfig:
             raise ValueError(f"StepConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
 
 
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """Reward shaping, reward normalisation, GAE and advantage normalisation (docs/spec/algorithms.md §2 -> §4.7)."""
-
-    gae: gae_lib.GAEConfig = gae_lib.GAEConfig()
-    """GAE / KL-in-reward settings (γ = λ = 1 and no KL reproduce GRPO-style returns)."""
-    shaping: shaping_lib.ShapingConfig | None = None
-    """Reward bias/scale/clip and overlong penalty (docs/spec/algorithms.md §2); None leaves rewards as they are."""
-    reward_norm: norm_lib.NormConfig | None = None
-    """Reward normalisation (e.g. ``normalize.GRPO``); groups are ``group_size`` consecutive rows."""
-    adv_norm: norm_lib.NormConfig | None = None
-    """Advantage normalisation over the masked tokens (e.g. ``normalize.BATCH_ZSCORE``)."""
-    group_size: int = 1
-    """Rows per prompt group (samples per prompt) for group normalisation."""
-
-    def __post_init__(self) -> None:
-        if self.group_size < 1:
-            raise ValueError(f"AdvantageConfig.group_size must be >= 1, got {self.group_size}")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Alignment, micro-batches and forward passes
 # ----------------------------------------------------------------------------------------------------------
-
-
-def shift_to_predictive(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Dict form of :meth:`TokenBatch.from_rollout` (deprecated; kept for dict callers).
-
-    Adds ``targets = input_ids[:, t+1]`` and rolls ``loss_mask``, ``logprobs``, ``versions`` and ``turn_ids`` left by
-    one; the last column gets the padding value. Other keys pass through. The input dict is not modified.
-    """
-    fill = {"loss_mask": False, "logprobs": 0.0, "versions": -1, "turn_ids": -1}
-    out = dict(batch)
-    out["targets"] = torch.cat([batch["input_ids"][:, 1:], torch.zeros_like(batch["input_ids"][:, :1])], 1)
-    for k, f in fill.items():
-        if k in batch:
-            out[k] = torch.cat([batch[k][:, 1:], torch.full_like(batch[k][:, :1], f)], 1)
-    return out
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -141,7 +103,7 @@ def _h2d(x: Tensor, dev: torch.device) -> Tensor:
 
 def _forward_padded(
     model: nn.Module,
-    mb: TokenBatch | dict[str, Tensor],
+    mb: TokenBatch,
     *,
     temperature: float,
     pad_to_multiple: int | None,
@@ -151,10 +113,9 @@ def _forward_padded(
 
     ``lengths``: the rows' real lengths on the host (the step knows them), so packing reads no tensor value.
     """
-    get = mb.__getitem__ if isinstance(mb, dict) else partial(getattr, mb)
     dev = _device_of(model)
     pk = packing.pack(
-        {"input_ids": get("input_ids"), "targets": get("targets"), "attention_mask": get("attention_mask")},
+        {"input_ids": mb.input_ids, "targets": mb.targets, "attention_mask": mb.attention_mask},
         pad_to_multiple=pad_to_multiple, lengths=lengths,
     )
     out = model(
@@ -274,19 +235,17 @@ def _forward_nograd(model: nn.Module, batch: TokenBatch, *, cfg: StepConfig) -> 
 @torch.no_grad()
 def forward_logp(
     model: nn.Module,
-    batch: dict[str, Tensor] | TokenBatch,
+    batch: TokenBatch,
     *,
     temperature: float = 1.0,
     mb_cfg: microbatch.MicroBatchConfig = microbatch.MicroBatchConfig(),
     pad_to_multiple: int | None = None,
-    aligned: bool = False,
 ) -> tuple[Tensor, ...]:
     """No-grad forward over a padded batch in packed micro-batches (prox / ref / teacher / values / eval).
 
     Args:
       model: a ``PolicyModel`` (returns ``(logp, entropy)``) or ``CriticModel`` (returns ``values``).
-      batch: a :class:`TokenBatch`, or a padded ``(b l)`` dict in token-own alignment (or already shifted, with
-        ``targets``, when ``aligned`` is True).
+      batch: a :class:`TokenBatch` (``TokenBatch.from_rollout`` of the rollout rows: the one predictive shift).
       temperature: softmax temperature.
       mb_cfg: micro-batch budget (every rank must call this the same number of times).
 
@@ -295,9 +254,8 @@ def forward_logp(
       on the batch's device; positions beyond each row's length (and the last real position) are 0.
     """
     if not isinstance(batch, TokenBatch):
-        if "loss_mask" not in batch:  # a forward needs ids and the attention mask only
-            batch = {**batch, "loss_mask": torch.zeros_like(batch["attention_mask"], dtype=torch.bool)}
-        batch = TokenBatch.from_predictive_dict(batch) if aligned else TokenBatch.from_rollout(batch)
+        raise TypeError(f"forward_logp takes a TokenBatch, got {type(batch).__name__}; wrap rollout rows with "
+                        "TokenBatch.from_rollout(rows)")
     cfg = StepConfig(mb=mb_cfg, pad_to_multiple=pad_to_multiple, temperature=temperature)
     return _forward_nograd(model, batch, cfg=cfg)
 
@@ -381,7 +339,9 @@ def train_step(
     ``loss_fn(logp, mb)`` gets the micro-batch's ``(b t)`` log-probs with gradient (critic: values) and the
     micro-batch ``mb`` on the same device, with ``mb.entropy`` set and the GLOBAL ``mb.n_tokens``/``mb.n_seqs``;
     it must return a loss already divided by the global count its aggregation names (``mb.denom(agg)``), so the
-    step just sums micro-batch losses (``J = Σ_μ L_μ``, docs/spec/algorithms.md §0.4). Returns ``replace(state, step + 1)`` (and
+    step just sums micro-batch losses (``J = Σ_μ L_μ``, docs/spec/algorithms.md §0.4). Returns the state with ``step + 1`` when this
+    call ends a training step (``cfg.schedule`` on the policy: the last minibatch; ``TrainState.step`` counts training
+    steps and this is its one writer; a critic or an earlier minibatch leaves it), and
     ``skipped_steps + 1`` when the loss or gradient norm was not finite: gradients zeroed, weights untouched) and
     metrics: ``loss_fn``'s (micro-batch means weighted by token share) plus ``train/{loss,grad_norm,
     update_successful,lr,n_microbatches}``, ``train/mb_tokens_budget`` (the budget applied, absent when unlimited;
@@ -423,7 +383,9 @@ def train_step(
     acc.update({"train/loss": loss_sum.float(), "train/grad_norm": norm, "train/update_successful": torch.tensor(float(ok)),
                 "timing/step_s": torch.tensor(dt),
                 "perf/tokens_per_s": torch.tensor(float(sum(lengths)) / max(dt, 1e-9))})
-    new_state = dataclasses.replace(state, step=state.step + 1, skipped_steps=state.skipped_steps + (0 if ok else 1))
+    ends = cfg.schedule and cfg.module == "policy"  # the last minibatch of a training step: the one step writer
+    new_state = dataclasses.replace(state, step=state.step + int(ends),
+                                    skipped_steps=state.skipped_steps + (0 if ok else 1))
     return new_state, _to_host(acc)
 
 
@@ -478,42 +440,6 @@ def old_logp(batch: TokenBatch, *, coupled_recompute: bool) -> Tensor:
         need = "logp_prox (call policy_logp first)" if coupled_recompute else "logp_behav (the engine log-probs)"
         raise ValueError(f"old_logp needs TokenBatch.{need}")
     return t
-
-
-def compute_batch_advantages(
-    batch: TokenBatch,
-    *,
-    cfg: AdvantageConfig,
-    logp_old: Tensor | None,
-    value: Tensor | None = None,
-    logp_ref: Tensor | None = None,
-) -> gae_lib.Advantages:
-    """Spec §2 -> §4.7 on the whole predictive-aligned batch via ``rlcore.advantages`` (call it before minibatching).
-
-    ``logp_old`` ``(b t)`` is ``ℓ^old`` (:func:`old_logp`); it is required (it may be None only when
-    ``cfg.gae.kl_ctl == 0``) so the caller states which tensor the KL-in-reward uses.
-    """
-    if batch.rewards is None:
-        raise ValueError("compute_batch_advantages needs TokenBatch.rewards (b,)")
-    mask = batch.loss_mask.bool()
-    lengths = batch.attention_mask.sum(1)
-    truncated = batch.truncated if batch.truncated is not None else torch.zeros_like(lengths, dtype=torch.bool)
-    reward_norm = None
-    if cfg.reward_norm is not None:
-        reward_norm = partial(norm_lib.normalize, cfg=dataclasses.replace(cfg.reward_norm, group_size=cfg.group_size))
-    reward_fn = None
-    if cfg.shaping is not None or reward_norm is not None:
-        shaping = cfg.shaping or shaping_lib.ShapingConfig()
-        reward_fn = partial(shaping_lib.shape_rewards, cfg=shaping, gen_len=mask.sum(1), reward_norm=reward_norm)
-    adv_norm = None
-    if cfg.adv_norm is not None:
-        acfg = dataclasses.replace(cfg.adv_norm, group_size=cfg.group_size)
-        adv_norm = lambda a, m: norm_lib.normalize(a, cfg=acfg, mask=m)  # noqa: E731
-    return gae_lib.compute_advantages(
-        batch.rewards.float(), mask, lengths, truncated.bool(), cfg=cfg.gae, value=value,
-        logp_old=None if logp_old is None else logp_old.float(), logp_ref=logp_ref, turn_ids=batch.turn_ids,
-        reward_fn=reward_fn, adv_norm=adv_norm,
-    )
 
 
 def minibatches(batch: TokenBatch, n: int, *, granularity: int = 1) -> list[TokenBatch]:
@@ -583,9 +509,9 @@ def rm_loss_fn(*, n_pairs: Tensor | float) -> LossFn:
 
 
 __all__ = [
-    "StepConfig", "AdvantageConfig", "LossFn",
+    "StepConfig", "LossFn",
     "train_step", "with_global_counts", "global_sum", "minibatches",
-    "policy_logp", "ref_logp", "teacher_logp", "critic_values", "old_logp", "compute_batch_advantages",
-    "value_loss_fn", "sft_loss_fn", "dpo_loss_fn", "rm_loss_fn", "shift_to_predictive", "forward_logp",
+    "policy_logp", "ref_logp", "teacher_logp", "critic_values", "old_logp",
+    "value_loss_fn", "sft_loss_fn", "dpo_loss_fn", "rm_loss_fn", "forward_logp",
     "device_stream",
 ]

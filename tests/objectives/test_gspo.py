@@ -39,8 +39,8 @@ def configs(decoupled=None, dual=True):
     )
 
 
-def as_ppo(cfg: gspo.GSPOConfig, level: str) -> ppo.PPOConfig:
-    return ppo.PPOConfig(**dataclasses.asdict(cfg), level=level)
+def as_ppo(cfg: gspo.GSPOConfig) -> ppo.PPOConfig:
+    return ppo.PPOConfig(**dataclasses.asdict(cfg))
 
 
 def run(b: TokenBatch, cfg, **kw):
@@ -65,18 +65,6 @@ def test_sequence_ratio_is_geometric_mean_of_token_ratios(b):
         assert math.isclose(float(s[i]), expected, rel_tol=1e-4)
 
 
-@heavy
-@given(token_batches(), configs())
-def test_equals_ppo_at_sequence_level(b, cfg):
-    p = as_ppo(cfg, "sequence")
-    out, metrics = run(b, cfg)
-    out_p, metrics_p = ppo.loss(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=p)
-    torch.testing.assert_close(out, out_p)
-    torch.testing.assert_close(grad(b, cfg), grad(b, p, fn=ppo.loss))
-    for k, v in metrics.items():
-        torch.testing.assert_close(v, metrics_p["ppo/" + k.split("/")[1]])
-
-
 @given(token_batches(max_len=1), configs(), st.integers(0, 3), st.sampled_from(GARBAGE))
 def test_length_one_sequences_equal_token_ppo(b, cfg, k, value):
     # every row has at most one valid token; garbage padding columns make the rows wider than 1
@@ -85,7 +73,7 @@ def test_length_one_sequences_equal_token_ppo(b, cfg, k, value):
         pad_columns(b.mask, k, False),
         b.lengths,
     )
-    p = as_ppo(cfg, "token")
+    p = as_ppo(cfg)
     torch.testing.assert_close(
         run(b, cfg)[0], ppo.loss(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=p)[0]
     )
@@ -218,7 +206,7 @@ def test_sequence_ratio_stays_the_geometric_mean_when_single_tokens_exceed_max_l
         loss_ref += p * int(n[i])
         grad_ref[i] = torch.where(mask[i], dp_ds * s, 0.0)  # n_i tokens x (dp/ds) (ds/dlogp_t = s / n_i)
     total = int(n.sum())
-    for fn, c in ((gspo.loss, cfg), (ppo.loss, as_ppo(cfg, "sequence"))):
+    for fn, c in ((gspo.loss, cfg),):
         lp = logp.clone().requires_grad_(True)
         out, _ = fn(lp, logp_prox, logp_prox, adv, mask, cfg=c)
         (g,) = torch.autograd.grad(out, lp)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlcore.objectives import MASKS, icepop, rejection
+from rlcore.objectives import icepop, rejection
 from tests.strategies import extreme_token_batches, garbage_fill, token_batches
 
 configs = st.builds(icepop.IcePopConfig, lower=st.floats(0.2, 1.0), upper=st.floats(1.01, 3.0))
@@ -66,7 +66,7 @@ def test_hand_computed_icepop_recipe():
     assert math.isclose(band.lower, 0.5, rel_tol=1e-15) and math.isclose(band.upper, 5.0, rel_tol=1e-15)
     behav[0, 4] = float("nan")
     mask = torch.tensor([[True, True, True, True, True, False]])
-    cfg_cls, keep_mask = MASKS["icepop"]
+    cfg_cls, keep_mask = icepop.IcePopConfig, icepop.keep_mask
     keep, _, metrics = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=band)
     assert isinstance(band, cfg_cls)
     assert keep.tolist() == [[True, False, True, False, True, False]]

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlcore.objectives import MASKS, kpop, rejection
+from rlcore.objectives import kpop, rejection
 from tests.strategies import extreme_token_batches, garbage_fill, token_batches
 
 configs = st.builds(kpop.KPopConfig, upper=st.floats(1e-3, 3.0))
@@ -81,7 +81,7 @@ def test_hand_computed_kpop_recipe():
     stat = kpop.symmetric_binary_kl(prox, behav)
     assert math.isclose(float(stat[0, 0]), 0.5 * math.log(2) + 0.5 * math.log(2 / 3), rel_tol=1e-9)
     assert math.isclose(float(stat[0, 1]), 0.9 * math.log(90) + 0.1 * math.log(0.1 / 0.99), rel_tol=1e-9)
-    cfg_cls, keep_mask = MASKS["kpop"]
+    cfg_cls, keep_mask = kpop.KPopConfig, kpop.keep_mask
     keep, _, _ = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=cfg_cls())
     assert keep.tolist() == [[True, False, False]]
     keep, _, _ = keep_mask(prox, behav, mask, cfg=kpop.KPopConfig(upper=0.14))

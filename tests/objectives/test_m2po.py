@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rlcore.objectives import MASKS, m2po
+from rlcore.objectives import m2po
 from tests.strategies import extreme_token_batches, garbage_fill, token_batches
 
 # the costliest properties (torch.func transforms on every example) run half the profile's examples
@@ -124,7 +124,7 @@ def test_hand_computed_m2po_recipe():
     behav = torch.full((2, 4), -1.0, dtype=torch.float64)
     prox = behav - d
     mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
-    cfg_cls, keep_mask = MASKS["m2po"]
+    cfg_cls, keep_mask = m2po.M2POConfig, m2po.keep_mask
     keep, _, metrics = keep_mask(garbage_fill(prox, mask), behav, mask, cfg=cfg_cls())
     assert keep.tolist() == [[False, True, True, True], [True, True, False, False]]
     assert math.isclose(float(metrics["m2po/second_moment_kept"]), 0.0205, rel_tol=1e-6)

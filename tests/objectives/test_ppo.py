@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.objectives import OBJECTIVES, ppo
+from rlcore.objectives import cispo, gspo, ppo, sapo
 from tests.strategies import (
     GARBAGE,
     TokenBatch,
@@ -26,13 +26,12 @@ heavy = settings(max_examples=max(settings().max_examples // 2, 10))
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
-def configs(level=None, decoupled=None, dual=True, agg=None):
+def configs(level="token", decoupled=None, dual=True, agg=None):  # level: token only (GSPO is its own leaf)
     return st.builds(
         ppo.PPOConfig,
         clip_low=st.sampled_from([0.0, 0.1, 0.2, 0.4]),
         clip_high=st.sampled_from([None, 0.0, 0.28, 1.0]),
         dual_clip=st.sampled_from([None, 1.5, 3.0]) if dual else st.none(),
-        level=st.sampled_from(["token", "sequence"]) if level is None else st.just(level),
         decoupled=st.booleans() if decoupled is None else st.just(decoupled),
         agg=st.sampled_from(AGGS) if agg is None else st.just(agg),
         norm_len=st.sampled_from([1, 16]),
@@ -68,9 +67,6 @@ def reference_loss(b: TokenBatch, cfg: ppo.PPOConfig, denom=None) -> float:
         beh = [float(b.logp_behav[i, j]) for j in idx]
         prox = [float(b.logp_prox[i, j]) for j in idx] if cfg.decoupled else beh
         lr = [min(max(x - y, -bound), bound) for x, y in zip(lp, prox)]
-        if cfg.level == "sequence":
-            n = max(len(idx), 1)
-            lr, adv = [sum(lr) / n] * len(idx), [sum(adv) / n] * len(idx)
         terms = []
         for k in range(len(idx)):
             r, a = math.exp(lr[k]), adv[k]
@@ -176,12 +172,7 @@ def test_inside_the_band_loss_is_weighted_surrogate(b, cfg):
     out, metrics = run(b, wide)
     prox = b.logp_prox if cfg.decoupled else b.logp_behav
     r, w = torch.exp(b.logp - prox), torch.exp(prox - b.logp_behav)
-    if wide.level == "sequence":
-        n = b.mask.sum(-1, keepdim=True).clamp(min=1)
-        r = torch.exp(torch.where(b.mask, b.logp - prox, 0).sum(-1, keepdim=True) / n).expand_as(r)
-        adv = (torch.where(b.mask, b.adv, 0).sum(-1, keepdim=True) / n).expand_as(r)
-    else:
-        adv = b.adv
+    adv = b.adv
     expected = torch.where(b.mask, -w * r * adv, 0).sum() / b.mask.sum().clamp(min=1)
     torch.testing.assert_close(out, expected)
     assert metrics["ppo/clip_frac"] == 0
@@ -346,9 +337,8 @@ def test_hand_computed_dapo_clip_higher():
     # r 0.75, A -1 -> clipped at 0.8:          0.8,  no gradient
     # r 1.30, A +1 -> clipped at 1.28:        -1.28, no gradient
     b = hand_batch([1.25, 0.75, 1.3], [1.0, 1.0, 1.0], [1.0, -1.0, 1.0])
-    cfg_cls, loss_fn = OBJECTIVES["dapo"]
-    cfg = cfg_cls()
-    out, metrics = loss_fn(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=cfg)
+    cfg = ppo.DAPOConfig()
+    out, metrics = cfg(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask)
     assert math.isclose(float(out), (-1.25 + 0.8 - 1.28) / 3, rel_tol=1e-5)
     assert math.isclose(float(metrics["ppo/clip_frac"]), 2 / 3, rel_tol=1e-6)
     torch.testing.assert_close(grad(b, cfg)[0, :3], torch.tensor([-1.25 / 3, 0.0, 0.0]))
@@ -382,33 +372,42 @@ def test_config_validation_names_the_field(kw, field):
         ppo.PPOConfig(**kw)
 
 
-def test_registry_entries_share_the_signature():
-    cfg_cls, fn = OBJECTIVES["grpo"]
-    assert fn is ppo.loss and cfg_cls is ppo.PPOConfig
-    assert ppo.DAPOConfig().clip_high == 0.28 and isinstance(ppo.DAPOConfig(), ppo.PPOConfig)
+OBJECTIVE_VALUES = (ppo.PPOConfig(), ppo.DAPOConfig(), gspo.GSPOConfig(), sapo.SAPOConfig(),
+                    sapo.SAPOConfig(decoupled=True), cispo.CISPOConfig())
+
+
+@pytest.mark.parametrize("obj", OBJECTIVE_VALUES, ids=lambda o: f"{type(o).__name__}-{o.decoupled}")
+def test_objectives_are_values_with_one_signature(obj):
     b = hand_batch([1.0, 1.1], [1.0, 1.0], [1.0, -1.0])
-    for name, (cls, fn) in OBJECTIVES.items():
-        out, metrics = fn(
-            b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, cfg=cls(), denom=None, logp_ref=b.logp
-        )
-        assert torch.isfinite(out), name
-        prefix = {"gspo": "gspo/", "sapo": "sapo/", "cispo": "cispo/"}.get(name, "ppo/")
-        assert all(k.startswith(prefix) for k in metrics), name
+    out, metrics = obj(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, denom=None, denom_mask=b.mask, weight=None)
+    assert torch.isfinite(out) and isinstance(obj.decoupled, bool) and isinstance(obj.agg, str)
+    prefix = {gspo.GSPOConfig: "gspo/", sapo.SAPOConfig: "sapo/", cispo.CISPOConfig: "cispo/"}.get(type(obj), "ppo/")
+    assert all(k.startswith(prefix) for k in metrics)
+
+
+@pytest.mark.parametrize("obj", OBJECTIVE_VALUES, ids=lambda o: f"{type(o).__name__}-{o.decoupled}")
+def test_a_mistyped_keyword_raises(obj):
+    # an objective that swallowed unknown keywords would silently drop e.g. logp_ref= or a misspelt weight=
+    b = hand_batch([1.0, 1.1], [1.0, 1.0], [1.0, -1.0])
+    with pytest.raises(TypeError, match="logp_ref"):
+        obj(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, logp_ref=b.logp)
+    with pytest.raises(TypeError, match="weights"):
+        obj(b.logp, b.logp_prox, b.logp_behav, b.adv, b.mask, weights=b.adv)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_compiled_fullgraph_equals_eager(level):
+@pytest.mark.parametrize("leaf", ["ppo", "gspo"])
+def test_compiled_fullgraph_equals_eager(leaf):
     torch.manual_seed(0)
     mask = torch.rand(4, 9) < 0.7
     logp = garbage_fill(-torch.rand(4, 9) * 3, mask)
     prox = logp + 0.3 * torch.randn(4, 9)
     behav = prox + 0.3 * torch.randn(4, 9)
     adv = torch.randn(4, 9)
-    cfg = ppo.PPOConfig(clip_high=0.28, dual_clip=3.0, level=level)
+    cfg = (ppo.PPOConfig if leaf == "ppo" else gspo.GSPOConfig)(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
 
     def f(lp):
-        return ppo.loss(lp, prox, behav, adv, mask, cfg=cfg)
+        return cfg(lp, prox, behav, adv, mask)
 
     compiled = torch.compile(f, fullgraph=True)
     (eager, m_eager), (comp, m_comp) = f(logp), compiled(logp)

@@ -10,9 +10,17 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from rlcore.objectives import MASKS, ppo, rejection
+from rlcore.objectives import icepop, kpop, m2po, ppo, rejection
 from rlcore.objectives.rejection import RejectionConfig
 from tests.strategies import TokenBatch, extreme_token_batches, garbage_fill, token_batches
+
+# every keep-mask leaf, swept by the properties below: (ConfigClass, keep_mask)
+MASKS = {
+    "icepop": (icepop.IcePopConfig, icepop.keep_mask),
+    "kpop": (kpop.KPopConfig, kpop.keep_mask),
+    "m2po": (m2po.M2POConfig, m2po.keep_mask),
+    "rejection": (rejection.RejectionConfig, rejection.keep_mask),
+}
 
 levels, aggs = st.sampled_from(["token", "sequence"]), st.sampled_from(["sum", "mean", "max"])
 ratio_configs = st.builds(

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rlcore.objectives import ppo, sapo
+from rlcore.objectives import gspo, ppo, sapo
 from tests.strategies import (
     TokenBatch,
     check_masked_zero_grad_and_finite,
@@ -26,12 +26,12 @@ heavy = settings(max_examples=max(settings().max_examples // 2, 10))
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
-def configs(level=None, ratio_against=None):
+def configs(level=None, decoupled=None):
     return st.builds(
         sapo.SAPOConfig,
         tau_pos=st.sampled_from([0.5, 1.0, 2.0]),
         tau_neg=st.sampled_from([0.5, 1.05, 3.0]),
-        ratio_against=st.sampled_from(["behav", "prox"]) if ratio_against is None else st.just(ratio_against),
+        decoupled=st.booleans() if decoupled is None else st.just(decoupled),
         level=st.sampled_from(["token", "sequence"]) if level is None else st.just(level),
         agg=st.sampled_from(AGGS),
         norm_len=st.sampled_from([1, 16]),
@@ -50,13 +50,15 @@ def grad(b: TokenBatch, cfg, fn=sapo.loss, **kw):
 
 
 def reference_loss(b: TokenBatch, cfg: sapo.SAPOConfig) -> float:
-    """Slow Python transcription of spec 10.1 (token level, token mean)."""
-    old = b.logp_behav if cfg.ratio_against == "behav" else b.logp_prox
+    """Slow Python transcription of spec 10.1 (token level, token mean); decoupled: ratio against pi_prox and each
+    token's loss times the behaviour weight pi_prox / pi_behav."""
+    old = b.logp_prox if cfg.decoupled else b.logp_behav
     total, count = 0.0, 0
     for i, j in b.mask.nonzero().tolist():
         r, a = math.exp(float(b.logp[i, j] - old[i, j])), float(b.adv[i, j])
+        w = math.exp(float(b.logp_prox[i, j] - b.logp_behav[i, j])) if cfg.decoupled else 1.0
         tau = cfg.tau_pos if a > 0 else cfg.tau_neg
-        total += -(4 / tau) / (1 + math.exp(-tau * (r - 1))) * a
+        total += -w * (4 / tau) / (1 + math.exp(-tau * (r - 1))) * a
         count += 1
     return total / max(count, 1)
 
@@ -67,12 +69,14 @@ def test_matches_python_reference(b, cfg):
     assert math.isclose(float(run(b, cfg)[0]), reference_loss(b, cfg), rel_tol=1e-4, abs_tol=1e-5)
 
 
-@given(token_batches(), configs(ratio_against="behav"))
+@given(token_batches(), configs(decoupled=False))
 def test_on_policy_gradient_equals_ppo_and_value_is_minus_2a_over_tau(b, cfg):
     # spec 18.17: at r = 1 the gate's slope is 1, so the gradient equals (coupled) PPO's
     b = dataclasses.replace(b, logp=torch.where(b.mask, b.logp_behav, b.logp))
-    p = ppo.PPOConfig(clip_low=0.2, decoupled=False, level=cfg.level, agg=cfg.agg, norm_len=cfg.norm_len)
-    torch.testing.assert_close(grad(b, cfg), grad(b, p, fn=ppo.loss))
+    leaf = ppo if cfg.level == "token" else gspo  # sequence level: GSPO's ratio
+    p = (ppo.PPOConfig if leaf is ppo else gspo.GSPOConfig)(
+        clip_low=0.2, clip_high=0.2, decoupled=False, agg=cfg.agg, norm_len=cfg.norm_len)
+    torch.testing.assert_close(grad(b, cfg), grad(b, p, fn=leaf.loss))
     if cfg.level == "token" and cfg.agg == "token_mean":
         tau = torch.where(b.adv > 0, cfg.tau_pos, cfg.tau_neg)
         expected = torch.where(b.mask, -2 * b.adv / tau, 0).sum() / b.mask.sum().clamp(min=1)
@@ -117,11 +121,21 @@ def test_permutation_padding_and_microbatch_invariance(b, cfg, data):
 def test_ratio_reference_is_selected_by_config(b, cfg):
     # the unused reference log-prob may be anything, even NaN
     nan = torch.full_like(b.logp, float("nan"))
-    if cfg.ratio_against == "behav":
+    if not cfg.decoupled:
         other = dataclasses.replace(b, logp_prox=nan)
-    else:
+        torch.testing.assert_close(run(other, cfg)[0], run(b, cfg)[0])
+    else:  # decoupled: a given weight replaces pi_prox / pi_behav, so the behaviour log-probs are not read
+        w = torch.where(b.mask, torch.exp(b.logp_prox - b.logp_behav), 0.0)
         other = dataclasses.replace(b, logp_behav=nan)
-    torch.testing.assert_close(run(other, cfg)[0], run(b, cfg)[0])
+        torch.testing.assert_close(run(other, cfg, weight=w)[0], run(b, cfg)[0])
+
+
+@given(token_batches(), configs(decoupled=True), st.floats(0.1, 3.0))
+def test_decoupled_sapo_honours_the_weight(b, cfg, c):
+    # weight= multiplies every token's loss: a constant weight c scales the loss and its gradient by c
+    w = torch.full_like(b.logp, c)
+    torch.testing.assert_close(run(b, cfg, weight=w)[0], c * run(b, cfg, weight=torch.ones_like(w))[0])
+    torch.testing.assert_close(grad(b, cfg, weight=w), c * grad(b, cfg, weight=torch.ones_like(w)))
 
 
 @heavy
@@ -166,9 +180,9 @@ def test_config_validation_names_the_field(kw):
     st.lists(st.floats(-60, 60), min_size=2, max_size=6),
     st.floats(-15, 15),
     st.floats(-3, 3).filter(lambda a: a != 0),
-    st.sampled_from(["behav", "prox"]),
+    st.booleans(),
 )
-def test_sequence_level_ratio_is_exact_geometric_mean_beyond_max_log_ratio(tokens, mean, a, against):
+def test_sequence_level_ratio_is_exact_geometric_mean_beyond_max_log_ratio(tokens, mean, a, decoupled):
     # spec 10.1 with the GSPO ratio of 7.1: s = exp(mean_t (logp - logp_old)). Tokens beyond +-max_log_ratio (20)
     # inside a row whose mean log-ratio is moderate must not change s (the guard bounds the mean, not each token).
     lr = torch.tensor(tokens, dtype=torch.float64)
@@ -176,7 +190,7 @@ def test_sequence_level_ratio_is_exact_geometric_mean_beyond_max_log_ratio(token
     logp_old = torch.full_like(lr, -2.0)
     logp = (logp_old + lr).requires_grad_(True)
     mask = torch.ones_like(lr, dtype=torch.bool)
-    cfg = sapo.SAPOConfig(level="sequence", ratio_against=against)
+    cfg = sapo.SAPOConfig(level="sequence", decoupled=decoupled)  # prox == behav here: the weight is 1
     out, _ = sapo.loss(logp, logp_old, logp_old, torch.full_like(lr, a), mask, cfg=cfg)
     (g,) = torch.autograd.grad(out, logp)
     s = math.exp(float(lr.mean()))

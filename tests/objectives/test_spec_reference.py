@@ -191,19 +191,21 @@ def ref_cispo(logp, prox, behav, adv, mask, *, eps, eps_h, weight):
     return loss, grad
 
 
-def ref_sapo(logp, old, adv, mask, *, tau_pos, tau_neg):
-    """§10.1: g = (4/τ)σ(τ(r−1)), τ = τ+ iff A > 0; ℓ = −g A; Σ m ℓ / max(Σm,1). Grad: −A·4σ'(τ(r−1))·r / d."""
+def ref_sapo(logp, old, adv, mask, *, tau_pos, tau_neg, weight=None):
+    """§10.1: g = (4/τ)σ(τ(r−1)), τ = τ+ iff A > 0; ℓ = −w g A; Σ m ℓ / max(Σm,1). Grad: −w A·4σ'(τ(r−1))·r / d
+    (w = 1 unless a behaviour weight is given)."""
     b, t = mask.shape
     d = max(int(mask.sum()), 1)
     loss, grad = 0.0, torch.zeros(b, t, dtype=torch.float64)
     for i, j in _cells(mask):
         if mask[i, j]:
             a = float(adv[i, j])
+            w = 1.0 if weight is None else float(weight[i, j])
             tau = tau_pos if a > 0 else tau_neg
             r = math.exp(float(logp[i, j]) - float(old[i, j]))
             sig = 1 / (1 + math.exp(-tau * (r - 1)))
-            loss += -(4 / tau) * sig * a / d
-            grad[i, j] = -a * 4 * sig * (1 - sig) * r / d
+            loss += -w * (4 / tau) * sig * a / d
+            grad[i, j] = -w * a * 4 * sig * (1 - sig) * r / d
     return loss, grad
 
 
@@ -399,8 +401,7 @@ def test_ppo_zero_clip_gradient_at_r_equal_1_is_documented_full_gradient():
 def test_gspo_values_and_grads_match_spec(data, c):
     logp, prox, behav, adv, mask = data
     w = torch.exp(prox - behav)
-    for fn, cfg in ((gspo.loss, gspo.GSPOConfig(clip_low=0.2, clip_high=0.3, dual_clip=c)),
-                    (ppo.loss, ppo.PPOConfig(clip_low=0.2, clip_high=0.3, dual_clip=c, level="sequence"))):
+    for fn, cfg in ((gspo.loss, gspo.GSPOConfig(clip_low=0.2, clip_high=0.3, dual_clip=c)),):
         out, g = _grad(lambda lp, fn=fn, cfg=cfg: fn(lp, prox, behav, adv, mask, cfg=cfg)[0], logp)
         lp0 = torch.where(mask, logp, 0.0)
         ref, gref = _grad(lambda lp: ref_gspo(lp, prox, behav, adv, mask, eps=0.2, eps_h=0.3, c=c, weight=w), lp0)
@@ -414,12 +415,14 @@ def test_gspo_values_and_grads_match_spec(data, c):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@given(batches(), st.sampled_from([(1.0, 1.05), (0.5, 2.0)]), st.sampled_from(["behav", "prox"]))
-def test_sapo_values_and_grads_match_spec(data, taus, against):
+@given(batches(), st.sampled_from([(1.0, 1.05), (0.5, 2.0)]), st.booleans())
+def test_sapo_values_and_grads_match_spec(data, taus, decoupled):
     logp, prox, behav, adv, mask = data
-    cfg = sapo.SAPOConfig(tau_pos=taus[0], tau_neg=taus[1], ratio_against=against)
+    cfg = sapo.SAPOConfig(tau_pos=taus[0], tau_neg=taus[1], decoupled=decoupled)
     out, g = _grad(lambda lp: sapo.loss(lp, prox, behav, adv, mask, cfg=cfg)[0], logp)
-    ref, gref = ref_sapo(logp, behav if against == "behav" else prox, adv, mask, tau_pos=taus[0], tau_neg=taus[1])
+    # decoupled: the gate on pi / pi_prox, each token's loss times w = pi_prox / pi_behav (docs/spec/algorithms.md §7's weight)
+    w = torch.exp(prox - behav) if decoupled else None
+    ref, gref = ref_sapo(logp, prox if decoupled else behav, adv, mask, tau_pos=taus[0], tau_neg=taus[1], weight=w)
     _close(out, ref)
     _close(g, gref)
 

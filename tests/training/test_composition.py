@@ -58,9 +58,11 @@ OBJECTIVES = {
     "ppo_coupled": (ppo.PPOConfig(decoupled=False), "recompute", ppo.loss),  # ℓ^old = recomputed (docs/spec/algorithms.md §4.1)
     "ppo_coupled_interp": (ppo.PPOConfig(decoupled=False), "interpolate", ppo.loss),  # ℓ^old = engine log-probs
     "gspo": (gspo.GSPOConfig(clip_low=0.2, clip_high=0.2), "recompute", gspo.loss),
-    "sapo": (sapo.SAPOConfig(), "interpolate", sapo.loss),  # the experiment refuses SAPO(behav) with prox='recompute'
+    "sapo": (sapo.SAPOConfig(), "interpolate", sapo.loss),  # coupled: ℓ^old = the engine log-probs
     # SAPO's recomputed variant (docs/spec/algorithms.md §10.1 / §4.1): coupled, ℓ^old = the recomputed log-probs
-    "sapo_recomputed": (sapo.SAPOConfig(ratio_against="prox"), "recompute", sapo.loss),
+    "sapo_recomputed": (sapo.SAPOConfig(), "recompute", sapo.loss),
+    # decoupled SAPO: the gate on π/π_prox times the behaviour weight, as decoupled PPO
+    "sapo_decoupled": (sapo.SAPOConfig(decoupled=True), "recompute", sapo.loss),
     "cispo": (cispo.CISPOConfig(clip_low=0.2, clip_high=0.2), "recompute", cispo.loss),
 }
 # name -> {experiment Config field: mask config}; bands sized for log pi_prox - log pi_behav ~ N(0, 0.6)
@@ -81,8 +83,8 @@ LEAF_MASK = {"icepop": icepop.keep_mask, "kpop": kpop.keep_mask, "m2po": m2po.ke
 
 
 def _weighted(obj_cfg) -> bool:
-    """The objective applies a behaviour weight (decoupled ppo / gspo / cispo); SAPO and coupled PPO do not."""
-    return getattr(obj_cfg, "decoupled", False) is True
+    """The objective applies a behaviour weight: every decoupled objective does, no coupled one."""
+    return obj_cfg.decoupled is True
 
 
 def _invalid(obj_name: str, mask_name: str) -> bool:
@@ -97,10 +99,8 @@ def _identity(obj_name: str, mask_name: str) -> bool:
 
 
 def _coupled(obj_cfg) -> bool:
-    """Coupled (docs/spec/algorithms.md §4.1): PPO with ``decoupled=False``, or SAPO with ``ratio_against="prox"``."""
-    if isinstance(obj_cfg, sapo.SAPOConfig):
-        return obj_cfg.ratio_against == "prox"
-    return getattr(obj_cfg, "decoupled", True) is False
+    """Coupled (docs/spec/algorithms.md §4.1): any objective with ``decoupled=False`` (the one switch every objective has)."""
+    return obj_cfg.decoupled is False
 
 
 def _obj_cfg(obj_name: str, agg: str):
@@ -233,7 +233,7 @@ def test_weight_carrying_rejection_without_a_behaviour_weight_is_refused(obj_nam
     if carries:
         match = r"(?s)changes the behaviour weight.*use --rejection.action mask"
     else:
-        match = r"(?s)(--objective.no-decoupled|--objective.ratio-against prox) with --prox recompute.*keep every token"
+        match = r"(?s)--objective.no-decoupled with --prox recompute.*keep every token"
     with pytest.raises(ValueError, match=match):
         experiment_config(obj_name, mask_name, agg)
 
@@ -246,25 +246,23 @@ def test_the_matrix_covers_every_objective_mask_and_agg():
     assert {c[1] for c in INVALID if c[0] not in recomputed_old} == {"token_clamp", "seq_mask", "seq_clamp", "stack"}
 
 
-def test_sapo_ratio_against_prox_changes_the_gradient():
-    """Regression: gsm8k_grpo refused SAPO's documented recomputed variant (``--objective.ratio-against prox
-    --prox recompute``) and accepted ``--objective.ratio-against prox`` under ``--prox behav``, where it did nothing.
-    The variant now runs (its gradient equals SAPO against the recomputed log-probs: the ``sapo_recomputed`` cells of
-    the matrix), it differs from the behaviour-ratio recipe's, and the no-op pairing is refused."""
+def test_sapo_variants_change_the_gradient():
+    """SAPO has the decoupled switch of every objective: coupled on the engine log-probs (``--prox behav``, AReaL's
+    recipe), coupled on the recomputed ones (``--prox recompute``, docs/spec/algorithms.md §4.1) and decoupled (``--objective.decoupled``,
+    the gate on π/π_prox times the behaviour weight) are three different gradients, and each runs in gsm8k_grpo
+    (the matrix cells ``sapo*`` check each against the leaves composed by hand)."""
     scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=14), max_grad_norm=0.0)
     tb = step_batch(make_data(0, 6), tts.state64(0), "recompute", 0)
     deltas = {}
-    for against, prox in (("behav", "behav"), ("prox", "recompute")):
-        cfg = dataclasses.replace(GSM.BASE, objective=sapo.SAPOConfig(ratio_against=against), prox=prox, rejection=None)
+    for name, obj, prox in (("behav", sapo.SAPOConfig(), "behav"), ("recompute", sapo.SAPOConfig(), "recompute"),
+                            ("decoupled", sapo.SAPOConfig(decoupled=True), "recompute")):
+        cfg = dataclasses.replace(GSM.BASE, objective=obj, prox=prox, rejection=None)
         loss_fn = GSM.make_loss_fn(cfg, version=VERSION)
-        _, deltas[against] = tts.run_and_delta(lambda s, f=loss_fn: step.train_step(s, tb, f, cfg=scfg), tts.state64(0))
-    diff = max(float((deltas["prox"][k] - deltas["behav"][k]).abs().max()) for k in deltas["prox"])
+        _, deltas[name] = tts.run_and_delta(lambda s, f=loss_fn: step.train_step(s, tb, f, cfg=scfg), tts.state64(0))
     scale = max(float(v.abs().max()) for v in deltas["behav"].values())
-    assert diff > 1e-3 * scale, (diff, scale)
-    with pytest.raises(ValueError, match=r"--objective.ratio-against prox and --prox behav.*--prox recompute"):
-        dataclasses.replace(GSM.PRESETS["sapo"][1], objective=sapo.SAPOConfig(ratio_against="prox"))
-    with pytest.raises(ValueError, match=r"--objective.ratio-against behav.*--prox behav"):
-        dataclasses.replace(GSM.PRESETS["sapo"][1], prox="recompute")
+    for a, b in (("behav", "recompute"), ("recompute", "decoupled"), ("behav", "decoupled")):
+        diff = max(float((deltas[a][k] - deltas[b][k]).abs().max()) for k in deltas[a])
+        assert diff > 1e-3 * scale, (a, b, diff, scale)
 
 
 @pytest.mark.slow

@@ -196,8 +196,9 @@ def test_engine_with_the_adapter_gives_the_trainers_peft_log_probs():
             prompt, SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, seed=1)
         )
     ids = torch.tensor([prompt + out.output_ids])
+    ones = torch.ones_like(ids, dtype=torch.bool)
     lp = step.forward_logp(
-        st.model, {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)}
+        st.model, step.TokenBatch.from_rollout({"input_ids": ids, "attention_mask": ones, "loss_mask": ~ones})
     )[0]
     assert torch.allclose(torch.tensor(out.output_logprobs), lp[0, len(prompt) - 1 : -1], atol=1e-5)
     assert set(out.output_versions) == {1}

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
+from rlcore import advantages
 from rlcore.advantages import prox as prox_lib
 from rlcore.data import microbatch
 from rlcore.data.trajectory import concat, make_row
@@ -88,7 +89,7 @@ def ppo_loss_fn(obj_cfg=ppo.PPOConfig(), *, masks=(), prox="recompute", version=
     return loss_fn
 
 
-def rl_update(state, batch, loss_fn=None, *, prox="recompute", adv_cfg=step.AdvantageConfig(), n_minibatches=1,
+def rl_update(state, batch, loss_fn=None, *, prox="recompute", adv_cfg=advantages.AdvantageConfig(), n_minibatches=1,
               scfg=step.StepConfig(), teacher=None):
     """One RL training step on a rollout dict (not modified): no-grad forwards (critic values, proximal and
     teacher log-probs), advantages on the whole batch, then per minibatch ``train_step(loss_fn)`` and, with a
@@ -100,7 +101,9 @@ def rl_update(state, batch, loss_fn=None, *, prox="recompute", adv_cfg=step.Adva
         logp_prox=step.policy_logp(state, tb, cfg=scfg) if prox == "recompute" else None,
         logp_teacher=step.teacher_logp(teacher, tb, cfg=scfg) if teacher is not None else None,
     )
-    adv = step.compute_batch_advantages(tb, cfg=adv_cfg, logp_old=tb.logp_behav, value=tb.value_old)
+    if tb.group_ids is None:  # the tests' rollouts: consecutive pairs are one prompt's group
+        tb = dataclasses.replace(tb, group_ids=torch.arange(tb.num_rows) // 2)
+    adv = advantages.estimate(tb, cfg=adv_cfg, logp_old=tb.logp_behav)
     tb = dataclasses.replace(tb, adv=adv.adv, returns=adv.returns)
     loss_fn = loss_fn or ppo_loss_fn(prox=prox, version=state.version)
     st, metrics, mbs = state, {}, step.minibatches(tb, n_minibatches, granularity=scfg.mb.granularity)
@@ -133,20 +136,20 @@ def test_packed_forward_matches_per_sequence(arch, attn, mask_mode):
     torch.manual_seed(0)
     hf = models.load_causal_lm(arch_config(arch, attn), attn_implementation=attn).eval()
     pol = models.PolicyModel(hf, mask_mode=mask_mode).eval()  # GPT-2 has dropout
-    batch = step.shift_to_predictive(make_batch(1))
-    logp = step.forward_logp(pol, batch, aligned=True, pad_to_multiple=8)[0]
-    for i in range(batch["input_ids"].shape[0]):
-        n = int(batch["attention_mask"][i].sum())
+    batch = TokenBatch.from_rollout(make_batch(1))
+    logp = step.forward_logp(pol, batch, pad_to_multiple=8)[0]
+    for i in range(batch.num_rows):
+        n = int(batch.attention_mask[i].sum())
         with torch.no_grad():
-            logits = hf(input_ids=batch["input_ids"][i : i + 1, :n]).logits[0].float()
-        ref = torch.log_softmax(logits, -1).gather(1, batch["targets"][i, :n, None])[:, 0]
+            logits = hf(input_ids=batch.input_ids[i : i + 1, :n]).logits[0].float()
+        ref = torch.log_softmax(logits, -1).gather(1, batch.targets[i, :n, None])[:, 0]
         assert torch.allclose(logp[i, : n - 1], ref[: n - 1], atol=1e-5), (arch, attn, i)
         assert torch.all(logp[i, n - 1 :] == 0)
 
 
 def test_forward_logp_temperature_and_microbatching():
     st = fresh_state()
-    batch = make_batch(2)
+    batch = TokenBatch.from_rollout(make_batch(2))
     a = step.forward_logp(st.model, batch, temperature=0.7)
     b = step.forward_logp(st.model, batch, temperature=0.7, mb_cfg=microbatch.MicroBatchConfig(max_tokens_per_mb=14),
                           pad_to_multiple=8)
@@ -157,17 +160,18 @@ def test_forward_logp_temperature_and_microbatching():
 
 def test_shift_rolls_versions_and_turns():
     batch = make_batch(3, stale=True)
-    s = step.shift_to_predictive(batch)
-    for k in ("loss_mask", "logprobs", "versions", "turn_ids"):
-        assert torch.equal(s[k][:, :-1], batch[k][:, 1:])
-    assert torch.equal(s["targets"][:, :-1], batch["input_ids"][:, 1:])
-    assert (s["versions"][:, -1] == -1).all() and not s["loss_mask"][:, -1].any()
+    s = TokenBatch.from_rollout(batch)
+    for k, own in (("loss_mask", "loss_mask"), ("logp_behav", "logprobs"), ("versions", "versions"),
+                   ("turn_ids", "turn_ids")):
+        assert torch.equal(getattr(s, k)[:, :-1], batch[own][:, 1:])
+    assert torch.equal(s.targets[:, :-1], batch["input_ids"][:, 1:])
+    assert (s.versions[:, -1] == -1).all() and not s.loss_mask[:, -1].any()
 
 
 @pytest.mark.parametrize("prox", ["recompute", "interpolate"])
 def test_rl_update_independent_of_microbatch_split(prox, monkeypatch):
     batch = make_batch(4, stale=True)
-    adv_cfg = step.AdvantageConfig(group_size=2, reward_norm=step.norm_lib.GRPO)
+    adv_cfg = advantages.GRPO
     deltas = []
     for mb_cfg, extra_mbs in [(microbatch.MicroBatchConfig(), 0), (microbatch.MicroBatchConfig(max_tokens_per_mb=13), 0),
                               (microbatch.MicroBatchConfig(max_tokens_per_mb=20, algorithm="kk"), 2)]:
@@ -274,7 +278,7 @@ def test_init_from_dir_disables_dropout_and_schedules(tmp_path):
                           ).save_pretrained(str(tmp_path / "m"))
     st = ts.init_train_state(str(tmp_path / "m"), ts.OptimConfig(lr=1.0, schedule="cosine", warmup_steps=2, total_steps=6))
     assert st.model.training and all(m.p == 0.0 for m in st.model.modules() if isinstance(m, torch.nn.Dropout))
-    batch = step.shift_to_predictive(make_batch(12))
+    batch = TokenBatch.from_rollout(make_batch(12))
     with torch.no_grad():  # training-mode forwards agree: no dropout noise (GPT-2 defaults to p = 0.1)
         a = step._forward_padded(st.model, batch, temperature=1.0, pad_to_multiple=None)[0]
         b = step._forward_padded(st.model, batch, temperature=1.0, pad_to_multiple=None)[0]
@@ -291,26 +295,30 @@ def test_init_from_dir_disables_dropout_and_schedules(tmp_path):
 
 def test_dict_shift_and_typed_shift_agree_and_missing_inputs_are_named():
     batch = make_batch(24, stale=True)
-    d = step.shift_to_predictive(batch)
     tb = step.TokenBatch.from_rollout(batch)
-    assert torch.equal(d["targets"], tb.targets) and torch.equal(d["logprobs"], tb.logp_behav)
-    assert all(torch.equal(d[k], getattr(tb, k)) for k in ("loss_mask", "versions", "turn_ids"))
     tb = step.with_global_counts(tb)
     assert float(tb.n_tokens) == float(tb.loss_mask.sum()) and float(tb.n_seqs) == float((tb.loss_mask.sum(1) > 0).sum())
     with pytest.raises(ValueError, match="policy_logp"):
         step.old_logp(tb, coupled_recompute=True)
 
 
-def test_the_runtime_consults_no_registry():
-    """no string or type registry in the runtime; OBJECTIVES / MASKS are a convenience for notebooks and
-    for the ``rlcore-replay --objective NAME`` command line only (rlcore/replay.py, a tool outside the wings)."""
+def test_no_registry_and_no_type_ladder_on_objectives():
+    """Objectives are values: no ``OBJECTIVES`` / ``MASKS`` registry anywhere in rlcore, and no ``isinstance`` on an
+    objective or mask config outside the leaves (rlcore, experiments, notebooks): the caller calls the value."""
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "rlcore"
+    repo = Path(__file__).resolve().parents[2]
+    root = repo / "rlcore"
     pat = re.compile(r"\b(OBJECTIVES|MASKS|OBJECTIVE_NAMES)\b")
-    allowed = {root / "objectives" / "__init__.py", root / "replay.py"}
-    hits = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p not in allowed
+    hits = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if pat.search(line)]
-    assert not hits, f"the runtime looks objectives/masks up by name: {hits}"
+    assert not hits, f"objectives/masks looked up by name: {hits}"
+    configs = r"(PPOConfig|DAPOConfig|GSPOConfig|SAPOConfig|CISPOConfig|IcePopConfig|KPopConfig|M2POConfig|RejectionConfig)"
+    ladder = re.compile(r"isinstance\([^)]*" + configs)
+    files = [p for d in ("rlcore", "experiments", "notebooks") for p in (repo / d).rglob("*.py")
+             if "objectives" not in p.parts]
+    hits = [f"{p.relative_to(repo)}:{i}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if ladder.search(line)]
+    assert not hits, f"an objective/mask chosen by type: {hits}"
     assert not any(hasattr(step, n) for n in ("rl_step", "RLStepConfig", "legacy_loss_fn", "rl_prepare"))

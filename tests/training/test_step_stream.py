@@ -11,12 +11,13 @@ stream reads it next).
 import pytest
 import torch
 
+from rlcore import advantages
 from rlcore.training import step
 from rlcore.training import train_state as ts
 from tests.training.test_step import make_batch, params, ppo_loss_fn, rl_update, tiny_config, with_sgd
 
 CUDA = torch.cuda.is_available()
-ADV = step.AdvantageConfig(group_size=2, reward_norm=step.norm_lib.GRPO)
+ADV = advantages.GRPO
 
 
 def test_mode_is_validated_by_name():

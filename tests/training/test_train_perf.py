@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from rlcore import advantages
 from rlcore.advantages import prox as prox_lib
 from rlcore.data import microbatch
 from rlcore.data.trajectory import concat, make_row
@@ -99,7 +100,7 @@ def _rl_step_ops(tb: TokenBatch, mb_tokens: int) -> collections.Counter[str]:
     st.model.attention = "varlen"
     scfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=mb_tokens))
     with _CountOps() as c:
-        adv = step.compute_batch_advantages(tb, cfg=step.AdvantageConfig(), logp_old=tb.logp_behav)
+        adv = advantages.estimate(tb, cfg=advantages.AdvantageConfig(), logp_old=tb.logp_behav)
         step.train_step(st, dataclasses.replace(tb, adv=adv.adv.float()), _loss_fn, cfg=scfg)
     return c.calls
 
@@ -408,7 +409,7 @@ def test_compiled_layers_do_not_recompile_per_step(device_like_attention):
     graphs = []
     for i, (n, length) in enumerate([(4, 64), (3, 40), (5, 90), (2, 33), (6, 71)]):
         tb = _batch(n, length, seed=i)
-        adv = step.compute_batch_advantages(tb, cfg=step.AdvantageConfig(), logp_old=tb.logp_behav)
+        adv = advantages.estimate(tb, cfg=advantages.AdvantageConfig(), logp_old=tb.logp_behav)
         st, _ = step.train_step(st, dataclasses.replace(tb, adv=adv.adv.float()), _loss_fn, cfg=scfg)
         graphs.append(int(counters["stats"]["unique_graphs"]))
     assert graphs[-1] == graphs[1], graphs
@@ -429,7 +430,7 @@ def test_master_weights_survive_a_recover_checkpoint(tmp_path):
 
     def one(st, seed):
         tb = _batch(4, 32, seed=seed)
-        adv = step.compute_batch_advantages(tb, cfg=step.AdvantageConfig(), logp_old=tb.logp_behav)
+        adv = advantages.estimate(tb, cfg=advantages.AdvantageConfig(), logp_old=tb.logp_behav)
         return step.train_step(st, dataclasses.replace(tb, adv=adv.adv.float()), _loss_fn)[0]
 
     st = one(fresh(0), 1)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.func import functional_call, grad
 
+from rlcore import advantages
 from rlcore.advantages import gae as gae_lib
 from rlcore.data import microbatch, packing
 from rlcore.objectives import cispo, dpo, gspo, icepop, kpop, m2po, ppo, rejection, sapo, sft
@@ -206,9 +207,9 @@ def test_kl_reward_uses_recomputed_logp_when_coupled():
     st = common.fresh_state(ref=True)
     tb = step.TokenBatch.from_rollout(common.make_batch(15))
     tb = dataclasses.replace(tb, logp_prox=step.policy_logp(st, tb), logp_ref=step.ref_logp(st, tb))
-    acfg = step.AdvantageConfig(gae=gae_lib.GAEConfig(kl_ctl=0.1))
+    acfg = advantages.AdvantageConfig(gae=gae_lib.GAEConfig(kl_ctl=0.1))
     old = step.old_logp(tb, coupled_recompute=True)
-    adv = step.compute_batch_advantages(tb, cfg=acfg, logp_old=old, logp_ref=tb.logp_ref)
+    adv = advantages.estimate(tb, cfg=acfg, logp_old=old)
     assert float(adv.kl_rewards.abs().max()) == 0.0
     coupled = ppo.PPOConfig(decoupled=False)
 
@@ -219,7 +220,7 @@ def test_kl_reward_uses_recomputed_logp_when_coupled():
     _, m = step.train_step(st, dataclasses.replace(tb, adv=adv.adv), loss_fn)
     assert abs(float(m["ppo/importance_weight"]) - 1.0) < 1e-6 and abs(float(m["ppo/approx_kl"])) < 1e-6
     old = step.old_logp(tb, coupled_recompute=False)
-    adv = step.compute_batch_advantages(tb, cfg=acfg, logp_old=old, logp_ref=tb.logp_ref)
+    adv = advantages.estimate(tb, cfg=acfg, logp_old=old)
     assert abs(float(adv.kl_rewards[tb.loss_mask].mean())) > 1e-3  # decoupled: KL of the engine log-probs vs ref
 
 
@@ -233,7 +234,7 @@ def token_batch(batch, st, seed=0):
     tb = step.TokenBatch.from_rollout(batch)
     prox = step.policy_logp(st, tb)
     noise = 0.2 * torch.randn(prox.shape, generator=torch.Generator().manual_seed(seed), dtype=prox.dtype)
-    adv = step.compute_batch_advantages(tb, cfg=step.AdvantageConfig(), logp_old=None).adv
+    adv = advantages.estimate(tb, cfg=advantages.AdvantageConfig()).adv
     return dataclasses.replace(tb, logp_prox=torch.where(tb.loss_mask, prox + noise, 0.0), adv=adv)
 
 
@@ -344,13 +345,14 @@ def test_rollout_batch_bridge_and_errors():
         tb.denom("token_mean")
 
 
-def test_compute_batch_advantages_takes_logp_old_explicitly():
+def test_the_advantage_stage_takes_logp_old_explicitly():
     tb = step.TokenBatch.from_rollout(common.make_batch(20))
-    cfg = step.AdvantageConfig(gae=gae_lib.GAEConfig(kl_ctl=0.5))
+    cfg = advantages.AdvantageConfig(gae=gae_lib.GAEConfig(kl_ctl=0.5))
+    zero_ref = dataclasses.replace(tb, logp_ref=torch.zeros_like(tb.logp_behav))
     with pytest.raises(ValueError, match="logp_old"):
-        step.compute_batch_advantages(tb, cfg=cfg, logp_old=None, logp_ref=torch.zeros_like(tb.logp_behav))
-    a = step.compute_batch_advantages(tb, cfg=cfg, logp_old=tb.logp_behav, logp_ref=tb.logp_behav)
-    b = step.compute_batch_advantages(tb, cfg=cfg, logp_old=tb.logp_behav, logp_ref=torch.zeros_like(tb.logp_behav))
+        advantages.estimate(zero_ref, cfg=cfg, logp_old=None)
+    a = advantages.estimate(dataclasses.replace(tb, logp_ref=tb.logp_behav), cfg=cfg, logp_old=tb.logp_behav)
+    b = advantages.estimate(zero_ref, cfg=cfg, logp_old=tb.logp_behav)
     assert float(a.kl_rewards.abs().max()) == 0.0 and float(b.kl_rewards.abs().max()) > 0
 
 
@@ -397,7 +399,7 @@ def test_rm_and_critic_loss_fns_update_the_critic_only():
     assert all(torch.equal(v, pol0[k]) for k, v in common.params(st.model).items())
     assert any(not torch.equal(v, crit0[k]) for k, v in common.params(st.critic).items())
     values = step.critic_values(st2, tb)
-    adv = step.compute_batch_advantages(tb, cfg=step.AdvantageConfig(), logp_old=None, value=values)
+    adv = advantages.estimate(dataclasses.replace(tb, value_old=values), cfg=advantages.AdvantageConfig())
     tb = dataclasses.replace(tb, value_old=values, returns=adv.returns)
     halves = step.minibatches(tb, 2)
     assert len(halves) == 2 and sum(h.num_rows for h in halves) == tb.num_rows

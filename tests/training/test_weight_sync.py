@@ -168,7 +168,8 @@ def test_gloo_broadcast_to_engine_server(tmp_path):
             resp = client.generate(ModelRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=5, seed=1)))
         assert resp.output_versions == [1] * len(resp.output_tokens)
         ids = torch.tensor([prompt + resp.output_tokens])
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)}
+        ones = torch.ones_like(ids, dtype=torch.bool)
+        batch = step.TokenBatch.from_rollout({"input_ids": ids, "attention_mask": ones, "loss_mask": ~ones})
         logp = step.forward_logp(st.model, batch)[0][0, len(prompt) - 1 : -1]
         assert torch.allclose(logp, torch.tensor(resp.output_logprobs), atol=1e-4)
     finally:

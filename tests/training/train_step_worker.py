@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
+from rlcore import advantages  # noqa: E402
 from rlcore.data import microbatch  # noqa: E402
 from rlcore.training import fsdp, step  # noqa: E402
 from tests.training import test_step as common  # noqa: E402
@@ -36,7 +37,7 @@ def run(out_path: str, *, finish: bool = True) -> None:
             before = {k: fsdp.full_tensor(v.detach()).clone() for k, v in st.model.named_parameters()}
             tb = step.TokenBatch.from_rollout(local)
             prox = step.policy_logp(st, tb)
-            adv = step.compute_batch_advantages(tb, cfg=step.AdvantageConfig(), logp_old=None).adv
+            adv = advantages.estimate(tb, cfg=advantages.AdvantageConfig()).adv
             tb = dataclasses.replace(tb, logp_prox=torch.where(tb.loss_mask, prox + noise, 0.0), adv=adv)
             cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=13), max_grad_norm=0.0)
             step.train_step(st, tb, tts.leaf_loss_fn(fn, tts.obj_cfg_of(name, agg)), cfg=cfg)
