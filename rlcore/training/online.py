@@ -8,7 +8,7 @@ continuously::
     service: every turn, reward and end is written to the SessionStore before it is acknowledged
     trainer: rewarded, ended sessions -> rows (individual / concat export, turn discount) -> batch by a size or a
              time rule -> drop rows older than version - max_staleness (counted) -> group-normalised advantages
-             (sessions of one task_id form a group) -> decoupled PPO -> train_step -> publish (in flight)
+             (the sessions of one task_id form a group; rlcore.advantages.GRPO) -> decoupled PPO -> train_step -> publish (in flight)
              -> checkpoint -> the sessions are marked consumed with that checkpoint's step
 
 Endpoints (``Authorization: Bearer <key>``):
@@ -57,6 +57,7 @@ from typing import Any, Literal
 import torch
 from aiohttp import web
 
+from rlcore import advantages
 from rlcore.data import microbatch
 from rlcore.inference import guard
 from rlcore.inference.chat import OpenAIError, ProxyError, chat_chunk, finite, parse_body
@@ -191,25 +192,6 @@ def interactions_of(turns: list[dict[str, Any]]) -> OrderedDict[str, proxy_lib.I
         if parent is not None:
             out[parent].children.append(t["id"])
     return out
-
-
-def group_advantages(rewards: torch.Tensor, groups: list[str]) -> torch.Tensor:
-    """``(b,)`` advantages: reward minus its group's mean over its group's std (GRPO), where a group is the rows of
-    one ``task_id``; a group of one row, or one whose rewards are all equal, gets reward minus the batch mean."""
-    adv = torch.zeros_like(rewards)
-    batch_mean = rewards.mean()
-    index: dict[str, list[int]] = {}
-    for i, g in enumerate(groups):
-        index.setdefault(g, []).append(i)
-    for rows in index.values():
-        r = rewards[rows]
-        if len(rows) > 1 and float(r.std()) > 0:
-            adv[rows] = (r - r.mean()) / (r.std() + 1e-6)
-        elif len(rows) > 1:
-            adv[rows] = 0.0
-        else:
-            adv[rows] = r - batch_mean
-    return adv
 
 
 def ppo_loss_fn(clip: float) -> step.LossFn:
@@ -637,9 +619,9 @@ class OnlineService:
         if not rows:
             return None
         batch = TokenBatch.from_rollout(proxy_lib.rows_to_trajectory(rows))
-        adv_row = group_advantages(batch.rewards.float(), groups)
-        adv = (adv_row[:, None] * batch.loss_mask).float()
-        batch = dataclasses.replace(batch, adv=adv)
+        index = {g: i for i, g in enumerate(dict.fromkeys(groups))}  # the sessions of one task_id: one GRPO group
+        batch = dataclasses.replace(batch, group_ids=torch.tensor([index[g] for g in groups]))
+        batch = dataclasses.replace(batch, adv=advantages.estimate(batch, cfg=advantages.GRPO).adv.float())
         batch = dataclasses.replace(batch, logp_prox=step.policy_logp(self.state, batch, cfg=self.step_cfg))
         self.state, m = step.train_step(self.state, batch, ppo_loss_fn(cfg.clip), cfg=self.step_cfg)
         self.state = engines.publish(self.state, self.eng, rollout=self.eng.client)
@@ -688,5 +670,5 @@ def serve(cfg: OnlineConfig) -> dict[str, Any]:
         return snap
 
 
-__all__ = ["OnlineConfig", "OnlineService", "group_advantages", "interactions_of", "ppo_loss_fn", "serve",
+__all__ = ["OnlineConfig", "OnlineService", "interactions_of", "ppo_loss_fn", "serve",
            "turn_payload"]

@@ -103,17 +103,6 @@ def test_store_restart_bookkeeping_trains_each_session_once(tmp_path: Path):
     assert st.counts()["stale"] == 1 and st.ready(10) == []
 
 
-def test_group_advantages_normalise_within_a_task_and_fall_back_to_the_batch_mean():
-    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.5])
-    g = ["a", "a", "b", "b", "c", "c", "d"]
-    adv = online.group_advantages(r, g)
-    ref_a = (r[:2] - r[:2].mean()) / (r[:2].std() + 1e-6)
-    torch.testing.assert_close(adv[:2], ref_a)
-    torch.testing.assert_close(adv[2:4], ref_a)
-    assert adv[4:6].abs().max() == 0  # equal rewards: no signal
-    torch.testing.assert_close(adv[6], r[6] - r.mean())  # a lone session: against the batch mean
-
-
 # ------------------------------------------------------------------ the service, in this process
 def _cfg(tmp_path: Path, **kw) -> online.OnlineConfig:
     base = dict(run_dir=str(tmp_path / "run"), port=0, batch_sessions=4, min_batch_sessions=2, batch_timeout_s=0.5,
