@@ -26,6 +26,7 @@ import collections
 import concurrent.futures as cf
 import os
 import random
+import re
 import threading
 import traceback
 from collections.abc import Callable, Iterable
@@ -450,6 +451,15 @@ class Engine(WeightUpdates):
         r = self._s.by_rid.get(rid)
         return None if r is None else len(r.out_ids)
 
+    def alternatives_so_far(self, rid: str, n: int) -> tuple[list | None, list | None]:
+        """The first ``n`` positions of an in-flight request's ``top_logprobs_num`` alternatives and
+        ``token_ids_logprob`` values (what ``GenerateOutput`` will carry), for streaming; ``(None, None)`` when it
+        asks for neither or is not in flight. Reads lists the loop thread only appends to (a consistent prefix)."""
+        r = self._s.by_rid.get(rid)
+        if r is None:
+            return None, None
+        return (None if r.out_top is None else r.out_top[:n]), (None if r.out_tid is None else r.out_tid[:n])
+
     # -- submission ---------------------------------------------------------------------------------------------
 
     def submit(
@@ -484,6 +494,11 @@ class Engine(WeightUpdates):
             # (every token decodes to at least one byte), so one more token of context is enough.
             req.stop_window = max(len(x.encode("utf-8")) for x in req.stops) + 1
         req.penalized = uses_penalty(sampling)
+        req.stop_regex = tuple(re.compile(x) for x in sampling.stop_regex)
+        if sampling.top_logprobs_num > 0:
+            req.out_top = []
+        if sampling.token_ids_logprob:
+            req.out_tid = []
         if self._thread is None:
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
         self._inbox_reqs.append(None)  # deque appends and pops are atomic: submit may run on any thread
@@ -634,6 +649,12 @@ class Engine(WeightUpdates):
         """Awaitable ``prompt_logprobs``."""
         ids = list(input_ids)
         return await asyncio.wrap_future(self._command(lambda: self._s.prompt_logprobs(ids, int(start))))
+
+    async def aprompt_scores(self, input_ids: list[int], start: int, k: int = 0, token_ids: list[int] = ()) -> dict:
+        """Awaitable ``Scheduler.prompt_scores``: the prompt's log-probs from ``start`` on, with the ``k`` most
+        likely tokens and the log-probs of ``token_ids`` at each position (SGLang's ``input_top_logprobs``)."""
+        ids, tids = [int(t) for t in input_ids], [int(t) for t in token_ids]
+        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_scores(ids, int(start), int(k), tids)))
 
     async def arun_control(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run blocking control work ``fn(*args)`` on the engine's own bounded thread pool and await it.

@@ -257,6 +257,25 @@ class ModelForward:
         logits = self.model(**kwargs).logits[0, -(n + 1) : -1].float()  # (n v): predicts ids[start+1:]
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[start + 1 :, None])[:, 0]
 
+    def prompt_scores(
+        self, ids: torch.Tensor, start: int, k: int, token_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``prompt_logprobs`` plus, at each of its positions, the ``k`` most likely tokens and the log-probs of
+        ``token_ids (w,)`` (raw ``log_softmax``, as SGLang's ``input_top_logprobs`` / ``input_token_ids_logprobs``).
+
+        Returns:
+          ``(n,)`` the prompt tokens' log-probs, ``(n k)`` top values (descending), ``(n k)`` their ids and
+          ``(n w)`` the chosen ids' log-probs (None without ``token_ids``), ``n = L - 1 - start``.
+        """
+        n = ids.shape[0] - 1 - start
+        kwargs: dict[str, Any] = {"input_ids": ids[None], "use_cache": False}
+        if self.keep_kw is not None:
+            kwargs[self.keep_kw] = n + 1
+        lp = torch.log_softmax(self.model(**kwargs).logits[0, -(n + 1) : -1].float(), dim=-1)  # (n v)
+        vals, top = torch.topk(lp, k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        chosen = None if token_ids is None else lp.index_select(-1, token_ids)
+        return lp.gather(-1, ids[start + 1 :, None])[:, 0], vals, top, chosen
+
     def prefill_right(
         self, ids: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
     ) -> torch.Tensor:

@@ -32,12 +32,14 @@ from aiohttp import web
 
 from rlcore.inference import control, sse
 from rlcore.inference.chat import (
+    ENGINE_FIELDS,
     MAX_N,
     ChatRequest,
     CompletionRequest,
     OpenAIError,
     chat_chunk,
     chat_logprobs,
+    check_sglang_fields,
     check_supported,
     parse_body,
     usage,
@@ -45,7 +47,7 @@ from rlcore.inference.chat import (
 )
 from rlcore.inference.detok import StreamDecoder
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
-from rlcore.inference.protocol import SamplingParams, parallel_sampling
+from rlcore.inference.protocol import BadRequest, SamplingParams, parallel_sampling, parse_logit_bias
 from rlcore.inference.sampling import context_advice
 from rlcore.inference.tool_parsers import HERMES, ParseFn, ToolParser, resolve
 
@@ -85,6 +87,11 @@ class Plan:
     lora_path: list[str | None] = dataclasses.field(default_factory=list)
     """The adapter each prompt names (``resolve_lora``), checked to be loaded; the embedded engine serves every
     request with its applied adapter (docs/lora.md), as for ``/generate``'s ``lora_path``."""
+    no_stop_trim: bool = False
+    """Keep the matched stop string at the end of the text (SGLang's ``no_stop_trim``)."""
+    top_logprobs: int = 0
+    """Alternatives per token (completions ``logprobs=k``, chat ``top_logprobs=k``): the engine's
+    ``top_logprobs_num``, of the distribution each token was drawn from."""
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -174,7 +181,8 @@ def resolve_lora(engine: Engine, req: ChatRequest | CompletionRequest, n_prompts
 
 
 def _sampling(
-    engine: Engine, req: ChatRequest | CompletionRequest, endpoint: Endpoint, prompt_lens: list[int]
+    engine: Engine, req: ChatRequest | CompletionRequest, endpoint: Endpoint, prompt_lens: list[int],
+    top_logprobs: int = 0,
 ) -> list[SamplingParams]:
     """The validated sampling fields -> ``n`` engine settings. ``max_tokens`` is checked against the context."""
     room = engine.max_seq_len - max(prompt_lens)
@@ -221,7 +229,17 @@ def _sampling(
         "repetition_penalty": req.repetition_penalty,
         "ignore_eos": req.ignore_eos,
         "min_new_tokens": req.min_tokens,
+        "min_p": req.min_p or 0.0,
+        "stop_regex": req.stop_regexes,
+        "top_logprobs_num": top_logprobs,
     }
+    if req.logit_bias:
+        try:
+            kw["logit_bias"] = parse_logit_bias(req.logit_bias, "logit_bias")
+        except BadRequest as e:
+            raise OpenAIError(str(e), "logit_bias") from None
+        if any(t >= engine.vocab_size for t, _ in kw["logit_bias"]):
+            raise OpenAIError(f"logit_bias keys must be token ids in [0, {engine.vocab_size})", "logit_bias")
     if req.stop_token_ids is not None:
         if any(t >= engine.vocab_size for t in req.stop_token_ids):
             raise OpenAIError(
@@ -266,6 +284,7 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
     list of token ids or a list of token-id lists. Raises ``OpenAIError``; queues nothing."""
     _early_length_check(engine, body)
     req = validate(CompletionRequest, body)
+    check_sglang_fields(req, body)
     tok = _require_tokenizer(engine, "completions")
     raw = req.prompt
     if isinstance(raw, str):
@@ -285,17 +304,6 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
             "suffix is not supported by this server: insertion is not implemented; put the text in prompt",
             "suffix",
         )
-    if req.logit_bias:
-        raise OpenAIError(
-            "logit_bias is not supported by this server: the engine has no per-token logit bias; drop it",
-            "logit_bias",
-        )
-    if req.logprobs is not None and req.logprobs > 0:
-        raise OpenAIError(
-            f"logprobs={req.logprobs} asks for the top alternatives, which the engine does not compute; pass "
-            "logprobs=0 to get each sampled token's log-prob (token_logprobs)",
-            "logprobs",
-        )
     if req.echo and req.logprobs is not None:
         raise OpenAIError(
             "echo with logprobs needs prompt log-probs, which the engine does not compute; drop one of them",
@@ -304,7 +312,7 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options is only allowed with stream: true", "stream_options")
     adapters = resolve_lora(engine, req, len(prompts))
-    samples = _sampling(engine, req, "completions", [len(p) for p in prompts])
+    samples = _sampling(engine, req, "completions", [len(p) for p in prompts], req.logprobs or 0)
     if req.best_of is not None and req.best_of != len(samples):
         raise OpenAIError(
             "best_of is not supported (every sample is returned); omit it or set it to n", "best_of"
@@ -325,6 +333,8 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
         req.logprobs is not None,
         None,
         adapters,
+        no_stop_trim=req.no_stop_trim,
+        top_logprobs=req.logprobs or 0,
     )
 
 
@@ -333,7 +343,7 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
     proxy) and apply the tokenizer's chat template (``add_generation_prompt=True``). Raises ``OpenAIError``;
     queues nothing."""
     req = validate(ChatRequest, body)
-    check_supported(req)
+    check_supported(req, ENGINE_FIELDS)
     tok = _require_tokenizer(engine, "chat")
     if getattr(tok, "chat_template", None) is None:
         raise OpenAIError(
@@ -343,8 +353,11 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
         )
     messages, tools = req.template_messages(), req.template_tools()
     try:
-        kw: dict[str, Any] = {"tools": tools} if tools else {}
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        kw: dict[str, Any] = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        if req.continue_final_message:  # the reply continues the last assistant message (no new turn)
+            kw["continue_final_message"] = True
+        text = tok.apply_chat_template(messages, add_generation_prompt=not req.continue_final_message,
+                                       tokenize=False, **kw)
     except Exception as e:  # template errors (role order, missing fields) are the caller's to fix
         raise OpenAIError(
             f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages"
@@ -352,7 +365,7 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
     prompt = list(tok.encode(text, add_special_tokens=False))
     _check_prompt_ids(engine, prompt, "messages")
     adapters = resolve_lora(engine, req, 1)
-    samples = _sampling(engine, req, "chat", [len(prompt)])
+    samples = _sampling(engine, req, "chat", [len(prompt)], (req.top_logprobs or 0) if req.logprobs else 0)
     return Plan(
         "chat",
         _model_name(engine, req),
@@ -364,6 +377,8 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
         req.logprobs,
         resolve(tool_parser) if req.parse_tools else None,
         adapters,
+        no_stop_trim=req.no_stop_trim,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
     )
 
 
@@ -383,6 +398,8 @@ class Choice:
     logprobs: list[float]
     starts: list[int]
     """Offset of each returned token in ``text`` (cumulative lengths of the per-token decodes)."""
+    tops: list[list[tuple[str, float]]] = dataclasses.field(default_factory=list)
+    """Per returned token, its ``top_logprobs`` alternatives as ``(text, log-prob)`` (empty lists when none asked)."""
     content: str | None = None
     """Chat: the message content (text before the first tool call, or None when that is empty)."""
     tool_calls: list[dict] = dataclasses.field(default_factory=list)
@@ -409,7 +426,7 @@ def finish_choice(engine: Engine, plan: Plan, out: GenerateOutput) -> Choice:
     text = tok.decode(ids, skip_special_tokens=True)
     kind, matched = out.finish_reason.get("type"), out.finish_reason.get("matched")
     if kind == "stop" and isinstance(matched, str) and (pos := text.find(matched)) >= 0:
-        text = text[:pos]
+        text = text[: pos + len(matched)] if plan.no_stop_trim else text[:pos]
     finish = {"stop": "stop", "length": "length"}.get(kind, "abort")
     pieces: list[str] = []
     logps: list[float] = []
@@ -418,7 +435,8 @@ def finish_choice(engine: Engine, plan: Plan, out: GenerateOutput) -> Choice:
         pieces, starts = _pieces(tok, ids)
         keep = sum(s < len(text) for s in starts) if kind == "stop" else len(ids)
         pieces, starts, logps = pieces[:keep], starts[:keep], list(out.output_logprobs[:keep])
-    choice = Choice(text, finish, matched if kind == "stop" else None, pieces, logps, starts, content=text)
+    tops = alternatives(tok, (out.output_top_logprobs or [])[: len(pieces)], len(pieces))
+    choice = Choice(text, finish, matched if kind == "stop" else None, pieces, logps, starts, tops, content=text)
     if plan.tool_parser is not None:
         choice.content, choice.tool_calls = plan.tool_parser.parse(text)
         if choice.tool_calls and finish != "abort":
@@ -426,11 +444,37 @@ def finish_choice(engine: Engine, plan: Plan, out: GenerateOutput) -> Choice:
     return choice
 
 
-def _completion_logprobs(pieces: list[str], logps: list[float], starts: list[int], offset: int) -> dict:
+MASKED_LOGPROB = -9999.0
+"""What a log-prob of ``-inf`` (a token outside the sampled distribution: top-k / top-p / min-p, a -100 bias) is
+reported as on the OpenAI routes, vLLM's convention: JSON has no infinity."""
+
+
+def json_logprob(x: float) -> float:
+    """``x``, with ``-inf`` as ``MASKED_LOGPROB``."""
+    return x if x > MASKED_LOGPROB else MASKED_LOGPROB
+
+
+def alternatives(tok: Any, rows: list, n: int) -> list[list[tuple[str, float]]]:
+    """``(id, log-prob)`` alternatives per token -> ``(text, log-prob)`` (``n`` rows; empty when none were asked)."""
+    if not rows:
+        return [[] for _ in range(n)]
+    flat = [t for row in rows for t, _ in row]
+    texts = iter(tok.batch_decode([[t] for t in flat], skip_special_tokens=False)) if flat else iter(())
+    out = [[(next(texts), json_logprob(lp)) for _, lp in row] for row in rows]
+    return out + [[] for _ in range(n - len(out))]
+
+
+def _completion_logprobs(
+    pieces: list[str], logps: list[float], starts: list[int], offset: int, tops: list | None = None
+) -> dict:
+    """Completions' ``logprobs`` object; ``top_logprobs[i]`` maps the text of token ``i``'s alternatives and of the
+    sampled token to their log-probs (OpenAI's: up to ``logprobs + 1`` entries; tokens with the same text share
+    one key)."""
+    tops = tops or [[] for _ in pieces]
     return {
         "tokens": pieces,
-        "token_logprobs": logps,
-        "top_logprobs": [{p: lp} for p, lp in zip(pieces, logps)],  # the sampled token is always listed
+        "token_logprobs": [json_logprob(x) for x in logps],
+        "top_logprobs": [{**dict(alt), p: json_logprob(lp)} for p, lp, alt in zip(pieces, logps, tops)],
         "text_offset": [offset + s for s in starts],
     }
 
@@ -450,14 +494,14 @@ def response_body(engine: Engine, plan: Plan, outs: list[GenerateOutput]) -> dic
         if plan.endpoint == "completions":
             row["text"] = prefix + c.text
             row["logprobs"] = (
-                _completion_logprobs(c.pieces, c.logprobs, c.starts, len(prefix)) if plan.logprobs else None
+                _completion_logprobs(c.pieces, c.logprobs, c.starts, len(prefix), c.tops) if plan.logprobs else None
             )
         else:
-            msg: dict[str, Any] = {"role": "assistant", "content": c.content}
-            if c.tool_calls:
-                msg["tool_calls"] = c.tool_calls
+            # SGLang's ChatMessage: reasoning_content and tool_calls are always present (null when absent)
+            msg: dict[str, Any] = {"role": "assistant", "content": c.content, "reasoning_content": None,
+                                   "tool_calls": c.tool_calls or None}
             row["message"] = msg
-            row["logprobs"] = chat_logprobs(c.pieces, c.logprobs) if plan.logprobs else None
+            row["logprobs"] = chat_logprobs(c.pieces, c.logprobs, c.tops) if plan.logprobs else None
         choices.append(row)
     return {**plan.head(engine, chunk=False), "choices": choices, "usage": _usage(plan, outs)}
 
@@ -466,7 +510,13 @@ def _submit_all(engine: Engine, plan: Plan, on_token=None) -> tuple[list[str], l
     """Submit every (prompt, sample) of ``plan`` (``control.submit_each``: a refusal aborts the ones before it)."""
     n = len(plan.prompts) * plan.n
     rids = [f"{plan.response_id}-{k}" for k in range(n)]
-    cbs = [None if on_token is None else (lambda t, lp, v, k=k: on_token(k, t, lp)) for k in range(n)]
+    if on_token is None:
+        cbs: list = [None] * n
+    elif plan.top_logprobs:  # the token's alternatives are read on the loop thread, while the request is in flight
+        cbs = [lambda t, lp, v, k=k: on_token(k, t, lp, engine.alternatives_so_far(rids[k], 1 << 62)[0][-1])
+               for k in range(n)]
+    else:
+        cbs = [lambda t, lp, v, k=k: on_token(k, t, lp, None) for k in range(n)]
     jobs = ((plan.prompts[k // plan.n], plan.samples[k % plan.n], rids[k], cbs[k]) for k in range(n))
     return rids, control.submit_each(engine, jobs)
 
@@ -534,6 +584,8 @@ class _Live:
     blocked: bool = False
     """A hold string (stop string or tool-call tag) appeared: nothing more is sent before the finish."""
     logps: list[float] = dataclasses.field(default_factory=list)
+    tops: list[list] = dataclasses.field(default_factory=list)
+    """Per token, its ``(id, log-prob)`` alternatives (empty lists without ``top_logprobs``)."""
     sent_tokens: int = 0
     starts: list[int] = dataclasses.field(default_factory=list)
     pieces: list[str] = dataclasses.field(default_factory=list)
@@ -562,18 +614,20 @@ def _chunk(
     starts: list[int],
     finish: str | None,
     extra_delta: dict | None = None,
+    tops: list | None = None,
 ) -> dict:
     lp = None
     head = plan.head(engine, chunk=True)
     if plan.endpoint == "completions":
         if plan.logprobs:
-            lp = _completion_logprobs(pieces, logps, starts, len(plan.echo[k // plan.n]))
+            lp = _completion_logprobs(pieces, logps, starts, len(plan.echo[k // plan.n]), tops)
         row: dict[str, Any] = {"index": k, "finish_reason": finish, "text": text or "", "logprobs": lp}
         body: dict[str, Any] = {**head, "choices": [row]}
     else:
-        delta: dict[str, Any] = {} if text is None else {"content": text}
+        # SGLang's DeltaMessage: reasoning_content and tool_calls are always present (null when absent)
+        delta: dict[str, Any] = {"content": text, "reasoning_content": None, "tool_calls": None}
         delta.update(extra_delta or {})
-        body = chat_chunk(head, k, delta, finish, chat_logprobs(pieces, logps) if plan.logprobs else None)
+        body = chat_chunk(head, k, delta, finish, chat_logprobs(pieces, logps, tops) if plan.logprobs else None)
     if plan.include_usage:
         body["usage"] = None
     return body
@@ -597,9 +651,9 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
         if not loop.is_closed():
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    rids, futs = _submit_all(engine, plan, on_token=lambda k, t, lp: post((k, t, lp)))
+    rids, futs = _submit_all(engine, plan, on_token=lambda k, t, lp, alt: post((k, t, lp, alt)))
     for k, f in enumerate(futs):
-        f.add_done_callback(lambda f, k=k: post((k, None, None)))
+        f.add_done_callback(lambda f, k=k: post((k, None, None, None)))
     live = [_Live(StreamDecoder(tok)) for _ in futs]
     open_reqs = set(range(len(futs)))
     out = sse.EventWriter(request)
@@ -616,13 +670,14 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
             if items is None:  # the client went away
                 break
             touched: dict[int, bool] = {}
-            for k, t, lp in items:
+            for k, t, lp, alt in items:
                 if t is None:
                     touched[k] = True
                 elif k in open_reqs:
                     s = live[k]
                     s.decoder.step(t)
                     s.logps.append(lp)
+                    s.tops.append(alt or [])
                     if plan.logprobs:
                         s.pieces.append(tok.decode([t], skip_special_tokens=False))
                         s.starts.append(s.end)
@@ -652,6 +707,7 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
                                 c.starts[new],
                                 None,
                                 {"tool_calls": calls} if calls else None,
+                                c.tops[new],
                             )
                         )
                     await out.send(_chunk(engine, plan, k, None, [], [], [], c.finish_reason))
@@ -664,8 +720,9 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
                 if delta or n_new:
                     new = slice(s.sent_tokens, s.sent_tokens + n_new)
                     s.sent_tokens += n_new
+                    tops = alternatives(tok, s.tops[new], n_new) if plan.top_logprobs else None
                     await out.send(
-                        _chunk(engine, plan, k, delta, s.pieces[new], s.logps[new], s.starts[new], None)
+                        _chunk(engine, plan, k, delta, s.pieces[new], s.logps[new], s.starts[new], None, None, tops)
                     )
         if not open_reqs:
             if plan.include_usage:

@@ -11,6 +11,7 @@ import difflib
 import itertools
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,6 +74,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """CTRL rule, > 0 (1 = off): the logit of a token generated so far is divided by it when positive and
     multiplied by it otherwise. Penalties change the sampling distribution: RL should leave all three off."""
+    min_p: float = 0.0
+    """In [0, 1] (0 = off): drop tokens whose probability is below ``min_p`` times the most likely token's."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs added to the logits before sampling (OpenAI's ``logit_bias``; -100 bans)."""
+    stop_regex: tuple[str, ...] = ()
+    """Regular expressions: generation ends once the decoded output matches one (``re.search``); the matched text
+    is ``finish_reason.matched`` and the server's ``text`` is cut before it unless ``no_stop_trim``."""
+    top_logprobs_num: int = 0
+    """Report the ``k`` most likely tokens of every generated position (SGLang's top-level ``top_logprobs_num``,
+    not one of its ``sampling_params``): ``GenerateOutput.output_top_logprobs``."""
+    token_ids_logprob: tuple[int, ...] = ()
+    """Report these tokens' log-probs at every generated position (SGLang's top-level ``token_ids_logprob``):
+    ``GenerateOutput.output_token_ids_logprobs``."""
 
     def to_sglang(self) -> dict:
         """The ``sampling_params`` JSON object SGLang's /generate expects."""
@@ -100,6 +114,13 @@ class SamplingParams:
             d["presence_penalty"] = float(self.presence_penalty)
         if self.repetition_penalty != 1.0:
             d["repetition_penalty"] = float(self.repetition_penalty)
+        if self.min_p:
+            d["min_p"] = float(self.min_p)
+        if self.logit_bias:
+            d["logit_bias"] = {str(t): float(b) for t, b in self.logit_bias}
+        if self.stop_regex:
+            d["stop_regex"] = list(self.stop_regex)
+        # top_logprobs_num / token_ids_logprob are top-level /generate fields in SGLang, never sampling_params
         return d
 
 
@@ -119,6 +140,11 @@ class GenerateOutput:
     """Engine version when the request finished."""
     latency: float = 0.0
     ttft: float = 0.0
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``top_logprobs_num = k``: per generated token, its ``k`` most likely ``(token id, log-prob)`` pairs
+    (descending) under the distribution it was drawn from, the one ``output_logprobs`` reports; else None."""
+    output_token_ids_logprobs: list[list[float]] | None = None
+    """With ``token_ids_logprob``: per generated token, those tokens' log-probs under the same distribution."""
 
 
 class EngineError(ValueError):
@@ -328,17 +354,17 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
                 "supported by the embedded engine; drop the field and validate the output yourself, or serve with "
                 "a real SGLang server"
             )
-    if sp.get("min_p") not in (None, 0, 0.0):
-        raise BadRequest("sampling_params.min_p is not supported by the embedded engine; send 0 (off) or top_p")
-    if sp.get("logit_bias"):
-        raise BadRequest("sampling_params.logit_bias is not supported by the embedded engine; omit it")
+    if sp.get("min_p") is not None:
+        kw["min_p"] = json_float(sp["min_p"], "sampling_params.min_p")
+        if not 0 <= kw["min_p"] <= 1:
+            raise BadRequest("sampling_params.min_p must be in [0, 1] (0 = off)")
+    if sp.get("logit_bias") is not None:
+        kw["logit_bias"] = parse_logit_bias(sp["logit_bias"], "sampling_params.logit_bias")
     for key in ("skip_special_tokens", "spaces_between_special_tokens"):
         if sp.get(key) is not None and not isinstance(sp[key], bool):
             raise BadRequest(f"sampling_params.{key} must be true or false")
-    if sp.get("stop_regex"):
-        raise BadRequest(
-            "sampling_params.stop_regex is not supported by the embedded engine; use stop (plain strings)"
-        )
+    if sp.get("stop_regex") is not None:
+        kw["stop_regex"] = parse_stop_regex(sp["stop_regex"], "sampling_params.stop_regex")
     if sp.get("no_stop_trim") is not None:
         if not isinstance(sp["no_stop_trim"], bool):
             raise BadRequest("sampling_params.no_stop_trim must be true or false")
@@ -361,6 +387,40 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
 
 
 _INT64_MAX = (1 << 63) - 1
+
+
+def parse_logit_bias(x: Any, name: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's / SGLang's ``logit_bias``: ``{"token id": bias}`` (keys are token-id strings, as JSON keys must be)
+    -> sorted ``(id, bias)`` pairs. Biases must lie in OpenAI's [-100, 100]."""
+    if not isinstance(x, dict):
+        raise BadRequest(f'{name} must be an object mapping token ids to biases, e.g. {{"42": -100}}')
+    out = []
+    for k, b in x.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"{name}: key {k!r} is not a token id; keys are token ids as strings") from None
+        if t < 0:
+            raise BadRequest(f"{name}: key {k!r} is not a token id (>= 0)")
+        v = json_float(b, f"{name}[{k!r}]")
+        if not -100 <= v <= 100:
+            raise BadRequest(f"{name}[{k!r}] must be in [-100, 100], got {v}")
+        out.append((t, v))
+    return tuple(sorted(out))
+
+
+def parse_stop_regex(x: Any, name: str) -> tuple[str, ...]:
+    """``stop_regex``: a regular expression or a list of them, each compiled here so a bad one is a 400."""
+    pats = [x] if isinstance(x, str) else x
+    if not isinstance(pats, list) or not all(isinstance(p, str) and p for p in pats):
+        raise BadRequest(f"{name} must be a non-empty string or a list of non-empty strings (regular expressions)")
+    for p in pats:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise BadRequest(f"{name}: {p!r} is not a valid regular expression ({e})") from None
+    return tuple(pats)
+
 
 CONSTRAINED_DECODING = ("regex", "json_schema", "ebnf", "structural_tag")
 """SGLang's grammar-constrained ``sampling_params``: refused (400) by the embedded engine, never ignored."""

@@ -21,6 +21,10 @@ class Request:
     out_ids: list[int] = field(default_factory=list)
     out_logp: list[float] = field(default_factory=list)
     out_ver: list[int] = field(default_factory=list)
+    out_top: list[list[tuple[int, float]]] | None = None
+    """Per generated token, its ``top_logprobs_num`` alternatives (None when the request asks for none)."""
+    out_tid: list[list[float]] | None = None
+    """Per generated token, the log-probs of ``token_ids_logprob`` (None when the request gives none)."""
     slot: int = -1
     epoch: int = -1
     """Weight epoch its KV was computed under (-1: it has none, a prefill is due)."""
@@ -41,6 +45,8 @@ class Request:
     """Stop strings (normalised from ``sampling.stop``)."""
     stop_window: int = 0
     """Output tokens decoded per step to look for a stop string (0: the request has none)."""
+    stop_regex: tuple = ()
+    """Compiled ``sampling.stop_regex`` patterns (searched in the whole decoded output after each token)."""
     penalized: bool = False
     """Uses a frequency / presence / repetition penalty (its token counts live in ``Scheduler.counts``)."""
     on_token: Callable[[int, float, int], None] | None = None

@@ -110,6 +110,7 @@ class Scheduler(DecodeStep):
         self.step_rows: list[_Request] = []  # the requests of the forward in progress (failed alone on error)
         self.sp: RowParams | None = None
         self.counts: torch.Tensor | None = None  # (max_batch, vocab) output-token counts, for penalties only
+        self.alts: tuple | None = None  # the last ``sample``'s alternatives (``DecodeStep.sample``)
         self.hook_errors = 0
         self.error: BaseException | None = None
 
@@ -258,6 +259,8 @@ class Scheduler(DecodeStep):
             weight_version=self.version,
             latency=now - r.t_submit,
             ttft=(r.t_first - r.t_submit) if r.t_first else 0.0,
+            output_top_logprobs=r.out_top,
+            output_token_ids_logprobs=r.out_tid,
         )
         if not r.future.done():
             r.future.set_result(out)
@@ -363,6 +366,19 @@ class Scheduler(DecodeStep):
         if n <= 0:
             return []
         return self.fwd.prompt_logprobs(torch.tensor(ids, device=self.device), start).tolist()
+
+    def prompt_scores(self, ids: list[int], start: int, k: int, token_ids: list[int]) -> dict:
+        """``prompt_logprobs`` with SGLang's prompt alternatives: ``{"logprobs": [...], "top": [[(id, lp)] * k per
+        position], "chosen": [[lp per token_ids] per position] or None}`` for positions ``(start, len(ids))``."""
+        if "weights" in self.released:
+            raise EngineError("the weights are released (release_memory_occupation); resume them first")
+        if len(ids) - 1 - start <= 0:
+            return {"logprobs": [], "top": [], "chosen": [] if token_ids else None}
+        dev = self.device
+        tids = torch.tensor(token_ids, dtype=torch.long, device=dev) if token_ids else None
+        lp, vals, top, chosen = self.fwd.prompt_scores(torch.tensor(ids, device=dev), start, k, tids)
+        pairs = [list(zip(i, v)) for i, v in zip(top.tolist(), vals.tolist())]
+        return {"logprobs": lp.tolist(), "top": pairs, "chosen": None if chosen is None else chosen.tolist()}
 
     def isolate(self, e: BaseException) -> None:
         """A forward (prefill or decode) raised: fail its request when it ran alone, else retry each alone.

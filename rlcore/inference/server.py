@@ -29,6 +29,7 @@ from aiohttp import web
 from rlcore.inference import control, openai_api
 from rlcore.inference.control import RETRY_AFTER_S, _err, error_status
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
+from rlcore.inference.openai_api import MASKED_LOGPROB
 from rlcore.inference.protocol import (
     BadRequest,
     SamplingParams,
@@ -87,11 +88,55 @@ class TextOptions:
 
 
 def _triples(engine: Engine, lps: list, ids: list[int], with_text: bool) -> list[list]:
-    """SGLang's ``[logprob, token_id, text | None]`` triples."""
+    """SGLang's ``[logprob, token_id, text | None]`` triples. A log-prob of ``-inf`` (a token the sampler could not
+    draw: outside top-k / top-p / min-p, or biased by -100) is sent as ``MASKED_LOGPROB`` (JSON has no infinity)."""
+    lps = [lp if lp is None or lp > MASKED_LOGPROB else MASKED_LOGPROB for lp in lps]
     if with_text and engine.tokenizer is not None:
         texts = engine.tokenizer.batch_decode([[t] for t in ids])
         return [[lp, t, x] for lp, t, x in zip(lps, ids, texts)]
     return [[lp, t, None] for lp, t in zip(lps, ids)]
+
+
+@dataclasses.dataclass
+class PromptScores:
+    """Prompt-side log-probs of one /generate request from ``logprob_start_len`` on (SGLang's ``input_*`` fields)."""
+
+    values: list
+    """``input_token_logprobs`` values: None first, then ``log p(ids[j] | ids[:j])``."""
+    ids: list[int]
+    """The prompt ids those values are of (``prompt[start:]``)."""
+    top: list | None = None
+    """``input_top_logprobs``: None first, then ``(id, log-prob)`` pairs per position (with ``top_logprobs_num``)."""
+    chosen: list | None = None
+    """``input_token_ids_logprobs``: None first, then the log-probs of ``token_ids_logprob`` per position."""
+    token_ids: tuple[int, ...] = ()
+    """The request's ``token_ids_logprob`` (the ids of every ``*_token_ids_logprobs`` triple)."""
+
+
+def _logprob_meta(
+    engine: Engine, meta: dict, scores: PromptScores | None, prompt: list[int], opts: TextOptions,
+    out_lps: list, out_ids: list[int], out_top: list | None, out_tid: list | None,
+) -> None:
+    """Fill SGLang's log-prob fields of ``meta_info``: ``input_token_logprobs`` / ``output_token_logprobs``
+    (``[logprob, id, text]`` triples), and with ``top_logprobs_num`` ``input_top_logprobs`` /
+    ``output_top_logprobs`` (per position a list of triples, None for the first prompt position), and with
+    ``token_ids_logprob`` ``input_token_ids_logprobs`` / ``output_token_ids_logprobs`` (per position the triples of
+    the chosen ids, in their order)."""
+    sc = scores if scores is not None else PromptScores([None], prompt[-1:], [None], [None])
+    text = opts.text_in_logprobs
+    meta["input_token_logprobs"] = _triples(engine, sc.values, sc.ids, text)
+    meta["output_token_logprobs"] = _triples(engine, out_lps, out_ids, text)
+    if out_top is not None:
+        meta["input_top_logprobs"] = [None if row is None else _triples(engine, [lp for _, lp in row],
+                                                                        [t for t, _ in row], text)
+                                      for row in (sc.top if sc.top is not None else [None])]
+        meta["output_top_logprobs"] = [_triples(engine, [lp for _, lp in row], [t for t, _ in row], text)
+                                       for row in out_top]
+    if out_tid is not None:
+        chosen = list(sc.token_ids)
+        meta["input_token_ids_logprobs"] = [None if row is None else _triples(engine, row, chosen, text)
+                                            for row in (sc.chosen if sc.chosen is not None else [None])]
+        meta["output_token_ids_logprobs"] = [_triples(engine, row, chosen, text) for row in out_tid]
 
 
 def generate_response(
@@ -101,7 +146,7 @@ def generate_response(
     no_stop_trim: bool = False,
     *,
     opts: TextOptions | None = None,
-    input_logprobs: tuple[list, list[int]] | None = None,
+    input_logprobs: PromptScores | None = None,
 ) -> dict:
     """SGLang's /generate response body for one finished request.
 
@@ -116,9 +161,8 @@ def generate_response(
         "weight_version": str(out.weight_version),
     }
     if return_logprob:
-        vals, ids = input_logprobs if input_logprobs is not None else ([None], out.input_ids[-1:])
-        meta["input_token_logprobs"] = _triples(engine, vals, ids, opts.text_in_logprobs)
-        meta["output_token_logprobs"] = _triples(engine, out.output_logprobs, out.output_ids, opts.text_in_logprobs)
+        _logprob_meta(engine, meta, input_logprobs, out.input_ids, opts, out.output_logprobs, out.output_ids,
+                      out.output_top_logprobs, out.output_token_ids_logprobs)
     meta.update({
         "completion_tokens": len(out.output_ids),
         "cached_tokens": 0,
@@ -134,7 +178,7 @@ def generate_response(
 
 def _partial_response(
     engine: Engine, rid: str, prompt: list[int], toks: list[tuple[int, float, int]], return_logprob: bool,
-    opts: TextOptions, input_logprobs: tuple[list, list[int]] | None,
+    opts: TextOptions, input_logprobs: PromptScores | None,
 ) -> dict:
     """A streaming chunk of a running request: cumulative ``text`` / ``output_ids`` (SGLang's default)."""
     ids = [t for t, _, _ in toks]
@@ -145,9 +189,8 @@ def _partial_response(
         "weight_version": str(engine.version),
     }
     if return_logprob:
-        vals, in_ids = input_logprobs if input_logprobs is not None else ([None], prompt[-1:])
-        meta["input_token_logprobs"] = _triples(engine, vals, in_ids, opts.text_in_logprobs)
-        meta["output_token_logprobs"] = _triples(engine, [lp for _, lp, _ in toks], ids, opts.text_in_logprobs)
+        top, tid = engine.alternatives_so_far(rid, len(ids))
+        _logprob_meta(engine, meta, input_logprobs, prompt, opts, [lp for _, lp, _ in toks], ids, top, tid)
     meta.update({"completion_tokens": len(ids), "cached_tokens": 0, "output_token_versions": [v for _, _, v in toks]})
     body: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
     if engine.tokenizer is not None:
@@ -169,18 +212,25 @@ class _Plan:
     logprob_starts: list[int | None]
     """Per engine request: ``logprob_start_len`` when prompt log-probs beyond the last token are asked for."""
 
-    async def input_logprobs(self, engine: Engine) -> list[tuple[list, list[int]] | None]:
-        """``(values, ids)`` of ``input_token_logprobs`` per engine request (None: SGLang's default window, the
-        last prompt token only). Computed once per distinct (prompt, start)."""
-        done: dict[tuple[int, int], tuple[list, list[int]]] = {}
-        out: list[tuple[list, list[int]] | None] = []
-        for x, start in zip(self.prompts, self.logprob_starts):
+    async def input_logprobs(self, engine: Engine) -> list[PromptScores | None]:
+        """The prompt-side log-probs of each engine request (None: SGLang's default window, the last prompt token
+        only, without alternatives). Computed once per distinct (prompt, start, k, token ids)."""
+        done: dict[tuple, PromptScores] = {}
+        out: list[PromptScores | None] = []
+        for x, start, sp in zip(self.prompts, self.logprob_starts, self.params):
+            k, tids = sp.top_logprobs_num, sp.token_ids_logprob
             if start is None:
-                out.append(None)
+                out.append(PromptScores([None], x[-1:], [None], [None], tids) if k or tids else None)
                 continue
-            key = (id(x), start)
+            key = (id(x), start, k, tids)
             if key not in done:
-                done[key] = ([None, *await engine.aprompt_logprobs(x, start)], x[start:])
+                if k or tids:
+                    got = await engine.aprompt_scores(x, start, k, list(tids))
+                    done[key] = PromptScores(
+                        [None, *got["logprobs"]], x[start:], [None, *got["top"]],
+                        None if got["chosen"] is None else [None, *got["chosen"]], tids)
+                else:
+                    done[key] = PromptScores([None, *await engine.aprompt_logprobs(x, start)], x[start:])
             out.append(done[key])
         return out
 
@@ -203,11 +253,20 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
     if p.get("stream") is not None and not isinstance(p["stream"], bool):
         raise BadRequest("stream must be true or false")
     raw_sp = p.get("sampling_params")
-    if isinstance(raw_sp, list):
-        raise BadRequest("sampling_params must be one JSON object (per-prompt lists are not supported); "
-                         "send one request per distinct setting")
-    sp = parse_sampling_params(raw_sp)
-    n = parse_n(raw_sp)
+    sp_list = raw_sp if isinstance(raw_sp, list) else None  # SGLang: one object per prompt of a batch
+    if sp_list is not None:
+        if not sp_list:
+            raise BadRequest("sampling_params: a list needs one object per prompt, got an empty list")
+        sps = [parse_sampling_params(x) for x in sp_list]
+        ns = {parse_n(x) for x in sp_list}
+        if len(ns) > 1:
+            raise BadRequest("sampling_params: every entry of a per-prompt list must have the same n")
+        n = ns.pop()
+        raw_sp = sp_list[0]
+    else:
+        sps = [parse_sampling_params(raw_sp)]
+        n = parse_n(raw_sp)
+    sp = sps[0]
     return_logprob = p.get("return_logprob", False)
     if return_logprob is None:
         return_logprob = False
@@ -217,6 +276,11 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         if p.get(key) is not None and not isinstance(p[key], bool):
             raise BadRequest(f"{key} must be true or false")
     skip = raw_sp.get("skip_special_tokens") if isinstance(raw_sp, dict) else None
+    if sp_list is not None and len({(x or {}).get("skip_special_tokens") if isinstance(x, dict) else None
+                                    for x in sp_list}) > 1:
+        raise BadRequest("sampling_params: skip_special_tokens must be the same in every entry of a per-prompt list")
+    if sp_list is not None and len({s.no_stop_trim for s in sps}) > 1:
+        raise BadRequest("sampling_params: no_stop_trim must be the same in every entry of a per-prompt list")
     opts = TextOptions(no_stop_trim=sp.no_stop_trim, skip_special_tokens=True if skip is None else skip,
                        text_in_logprobs=bool(p.get("return_text_in_logprobs")))
     if p.get("input_ids") is not None:
@@ -258,8 +322,17 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         raise BadRequest("rid must be a string (or a list of strings)")
     _check_lora_path(engine, p.get("lora_path"), len(prompts))
     starts = _logprob_starts(p.get("logprob_start_len"), prompts) if return_logprob else [None] * len(prompts)
+    if sp_list is not None and len(sps) != len(prompts):
+        raise BadRequest(f"sampling_params: a list needs one object per prompt ({len(prompts)}), got {len(sps)}")
+    per = sps if sp_list is not None else [sp] * len(prompts)
+    tops = _per_prompt(p.get("top_logprobs_num"), len(prompts), "top_logprobs_num", _json_top_k)
+    tids = _per_prompt(p.get("token_ids_logprob"), len(prompts), "token_ids_logprob", _json_token_ids, nested=True)
+    if (any(tops) or any(tids)) and not return_logprob:
+        raise BadRequest("top_logprobs_num / token_ids_logprob need return_logprob: true (as in SGLang)")
+    per = [dataclasses.replace(s, top_logprobs_num=k, token_ids_logprob=t) if k or t else s
+           for s, k, t in zip(per, tops, tids)]
     # Validate all before queuing any, so a bad batch runs nothing (max_new_tokens clamped to each prompt's room).
-    checked = [engine.check(x, sp) for x in prompts]
+    checked = [engine.check(x, s) for x, s in zip(prompts, per)]
     total = len(prompts) * n
     if total > engine.cfg.max_waiting:
         raise BadRequest(
@@ -289,8 +362,6 @@ UNSUPPORTED_FIELDS = {
     "audio_data": "text-only models; send text or input_ids",
     "input_embeds": "send text or input_ids",
     "lora_id": "name the adapter with lora_path (its lora_name); SGLang's internal lora_id is not used",
-    "top_logprobs_num": "top-k log-probs are not returned; send 0 (output_token_logprobs holds the sampled token's)",
-    "token_ids_logprob": "log-probs of chosen token ids are not returned; use logprob_start_len on the full text",
     "return_hidden_states": "hidden states are not returned",
     "return_routed_experts": "MoE routing is not exposed",
     "return_entropy": "entropies are not returned",
@@ -323,6 +394,28 @@ def _check_lora_path(engine: Engine, raw: Any, n_prompts: int) -> None:
         if x not in loaded:
             raise BadRequest(f"lora_path {x!r} is not a loaded LoRA adapter (loaded: {list(loaded)}); load it first "
                              "with /load_lora_adapter")
+
+
+def _json_top_k(x: Any, name: str) -> int:
+    return json_int(x, name, 0)
+
+
+def _json_token_ids(x: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(x, list) or not all(type(t) is int for t in x):
+        raise BadRequest(f"{name} must be a flat list of integers (token ids), or one such list per prompt")
+    return tuple(x)
+
+
+def _per_prompt(raw: Any, n: int, name: str, parse: Any, nested: bool = False) -> list:
+    """A top-level /generate field given once for the batch or as a list with one entry per prompt (SGLang)."""
+    if raw is None:
+        return [() if nested else 0] * n
+    per = isinstance(raw, list) and (not nested or (bool(raw) and isinstance(raw[0], list)))
+    if per:
+        if len(raw) != n:
+            raise BadRequest(f"{name}: a list needs one entry per prompt ({n}), got {len(raw)}")
+        return [parse(x, f"{name}[{i}]") if x is not None else (() if nested else 0) for i, x in enumerate(raw)]
+    return [parse(raw, name)] * n
 
 
 def _logprob_starts(raw: Any, prompts: list[list[int]]) -> list[int | None]:
