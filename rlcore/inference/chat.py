@@ -381,8 +381,11 @@ _WHY_PROXY = "the agent proxy does not implement it; send it to rlcore.serve's /
 
 
 def _set(x: Any, default: Any = None) -> bool:
-    """A field counts as given when it is not absent / null / false / empty / zero / its default."""
-    return not (x is None or x is False or x == default or (isinstance(x, (dict, list, str, int, float)) and not x))
+    """A field counts as given when it is not null and not its default (an empty string, list or object counts as
+    not given where the default is null)."""
+    if x is None or (x == default and type(x) is type(default)):
+        return False
+    return not (default is None and isinstance(x, (dict, list, str)) and not x)
 
 
 SGLANG_REFUSED: dict[str, tuple[Any, str]] = {

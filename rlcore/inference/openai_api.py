@@ -285,6 +285,10 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
     _early_length_check(engine, body)
     req = validate(CompletionRequest, body)
     check_sglang_fields(req, body)
+    fmt = (req.model_extra or {}).get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise OpenAIError(f"response_format {fmt!r} is not supported (no constrained decoding); omit it or pass "
+                          '{"type": "text"}', "response_format")
     tok = _require_tokenizer(engine, "completions")
     raw = req.prompt
     if isinstance(raw, str):

@@ -294,6 +294,14 @@ def _check_sampling_keys(sp: dict) -> None:
         raise BadRequest("sampling_params.choice: constrained decoding is not supported by the embedded engine")
     if isinstance(sp.get("watermark"), dict) and sp["watermark"].get("enabled"):
         raise BadRequest("sampling_params.watermark is not supported by the embedded engine; omit it")
+    if sp.get("custom_params"):
+        raise BadRequest("sampling_params.custom_params: custom logit processors do not run in the embedded engine; "
+                         "omit it")
+    if sp.get("stream_interval") not in (None, 1):
+        raise BadRequest("sampling_params.stream_interval: the engine streams every token (1); omit it or send 1")
+    if sp.get("spaces_between_special_tokens") is False:
+        raise BadRequest("sampling_params.spaces_between_special_tokens: false is not supported (text is decoded "
+                         "by the tokenizer's own rule); omit it")
 
 
 def parse_sampling_params(sp: Any) -> SamplingParams:

@@ -247,8 +247,8 @@ def _max_token_chars(tok: Any) -> int | None:
 async def _plan(engine: Engine, p: dict) -> _Plan:
     """Parse and validate a /generate payload (raises ``BadRequest`` / ``EngineError``); nothing is queued."""
     if not p.keys().isdisjoint(UNSUPPORTED_FIELDS):
-        for key, why in UNSUPPORTED_FIELDS.items():
-            if p.get(key) not in (None, False, [], {}, 0, ""):
+        for key, (default, why) in UNSUPPORTED_FIELDS.items():
+            if key in p and p[key] not in (None, False, [], {}, 0, "", default):
                 raise BadRequest(f"{key} is not supported by the embedded engine: {why}")
     if p.get("stream") is not None and not isinstance(p["stream"], bool):
         raise BadRequest("stream must be true or false")
@@ -356,21 +356,63 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
     )
 
 
-UNSUPPORTED_FIELDS = {
-    "image_data": "text-only models; send text or input_ids",
-    "video_data": "text-only models; send text or input_ids",
-    "audio_data": "text-only models; send text or input_ids",
-    "input_embeds": "send text or input_ids",
-    "lora_id": "name the adapter with lora_path (its lora_name); SGLang's internal lora_id is not used",
-    "return_hidden_states": "hidden states are not returned",
-    "return_routed_experts": "MoE routing is not exposed",
-    "return_entropy": "entropies are not returned",
-    "custom_logit_processor": "custom logit processors do not run in the embedded engine",
-    "session_params": "sessions are not kept; send the whole prompt",
-    "bootstrap_host": "prefill/decode disaggregation is not available",
-    "bootstrap_room": "prefill/decode disaggregation is not available",
+_MM = "text-only models; send text or input_ids"
+_PD = "prefill/decode disaggregation is not available"
+_DP = "there is one data-parallel rank"
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    # field: (SGLang's default, why a non-default value is refused)
+    "session_id": (None, "sessions are not kept; send the whole prompt"),
+    "session_params": (None, "sessions are not kept; send the whole prompt"),
+    "input_embeds": (None, "send text or input_ids"),
+    "image_data": (None, _MM), "video_data": (None, _MM), "audio_data": (None, _MM), "mm_hashes": (None, _MM),
+    "mm_content_hashes": (None, _MM), "use_audio_in_video": (False, _MM), "video_config": (None, _MM),
+    "modalities": (None, _MM), "need_wait_for_mm_inputs": (None, _MM), "num_items_assigned": (None, _MM),
+    "encoder_urls": (None, _MM), "max_dynamic_patch": (None, _MM), "min_dynamic_patch": (None, _MM),
+    "image_max_dynamic_patch": (None, _MM), "video_max_dynamic_patch": (None, _MM), "images_config": (None, _MM),
+    "mm_processor_kwargs": (None, _MM),
+    "watermark": (None, "watermarking is not available"),
+    "return_sampling_mask": (False, "sampling masks are not returned"),
+    "sampling_logprobs_mode": (None, "log-probs are always those of the distribution sampled (docs/engine.md)"),
+    "return_flat_raw_top_logprobs": (False, "top log-probs come in the nested shape only"),
+    "return_flat_raw_output_top_logprobs": (False, "top log-probs come in the nested shape only"),
+    "return_flat_raw_top_logprobs_b64": (False, "top log-probs come in the nested shape only"),
+    "return_hidden_states": (False, "hidden states are not returned"),
+    "return_routed_experts": (False, "MoE routing is not exposed"),
+    "routed_experts_start_len": (0, "MoE routing is not exposed"),
+    "return_indexer_topk": (False, "sparse-attention indexers are not exposed"),
+    "return_entropy": (False, "entropies are not returned"),
+    "return_bytes": (False, "token bytes are not returned; use return_text_in_logprobs"),
+    "return_prompt_token_ids": (False, "send input_ids, or call /tokenize"),
+    "lora_id": (None, "name the adapter with lora_path (its lora_name); SGLang's internal lora_id is not used"),
+    "custom_logit_processor": (None, "custom logit processors do not run in the embedded engine"),
+    "positional_embed_overrides": (None, "positions are always 0..n-1"),
+    "bootstrap_host": (None, _PD), "bootstrap_port": (None, _PD), "bootstrap_room": (None, _PD),
+    "bootstrap_pair_key": (None, _PD), "decode_tp_size": (None, _PD), "disagg_prefill_dp_rank": (None, _PD),
+    "routed_dp_rank": (None, _DP), "data_parallel_rank": (None, _DP),
+    "background": (False, "requests are answered in the call that sends them"),
+    "require_reasoning": (False, "there is no reasoning parser"),
+    "max_thinking_tokens": (None, "there is no reasoning parser; cap the output with max_new_tokens"),
+    "priority": (None, "there is no priority scheduling"),
+    "multi_item_delimiter_indices": (None, "multi-item scoring is not available; score each item"),
+    "token_indices_to_pool": (None, "pooling is not available (generation only)"),
+    "kv_hints": (None, "KV placement hints are not used"),
 }
-"""Top-level /generate fields the embedded engine refuses (400 naming the field) rather than ignores."""
+"""Top-level fields of SGLang's ``GenerateReqInput`` (0.5.23) that /generate refuses (400 naming the field) when
+given a value other than SGLang's default, rather than ignores."""
+
+NO_EFFECT_FIELDS: dict[str, str] = {
+    "log_metrics": "metrics switch; SGLang's output does not depend on it",
+    "no_logs": "logging switch; SGLang's output does not depend on it",
+    "custom_labels": "metrics labels; SGLang's output does not depend on them",
+    "external_trace_header": "tracing header; SGLang's output does not depend on it",
+    "received_time": "a timestamp for SGLang's latency metrics",
+    "http_worker_ipc": "SGLang's internal worker address",
+    "routing_key": "a router's key; one server here",
+    "conversation_id": "a router's affinity key; one server here",
+    "extra_key": "a prefix-cache namespace key; there is no cache across requests to partition",
+    "cache_salt": "a prefix-cache salt; there is no cache across requests to salt",
+}
+"""Top-level ``GenerateReqInput`` fields accepted without effect: they change nothing in SGLang's output either."""
 
 
 def _check_lora_path(engine: Engine, raw: Any, n_prompts: int) -> None:
