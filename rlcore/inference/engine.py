@@ -248,6 +248,11 @@ class Engine(WeightUpdates):
             raise EngineError("Engine(model=...) must be an nn.Module or a local model directory path")
         self.model = cast_model(model, self.device, self.dtype).eval()  # RoPE tables, routers stay float32
         self.model_path = model_path
+        """The weights' source: set to the directory of every successful ``update_weights_from_disk`` (as SGLang's
+        ``/get_model_info`` and ``/get_server_info`` report it)."""
+        self.served_model_name = model_path
+        """The model id of ``/v1/models`` and the OpenAI routes: the start-up ``model_path``, unchanged by weight
+        updates (SGLang's ``served_model_name``)."""
         self.tokenizer_path = tokenizer_path or (model_path if tokenizer is not None else None)
         mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_seq_len, self.context_limit = architectures.context_length(mcfg, cfg.max_seq_len)
@@ -450,6 +455,12 @@ class Engine(WeightUpdates):
         """Tokens generated so far by an in-flight request, or None when ``rid`` is not in flight."""
         r = self._s.by_rid.get(rid)
         return None if r is None else len(r.out_ids)
+
+    def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
+        """``WeightUpdates.update_weights_from_disk``; on success ``model_path`` becomes ``path`` (SGLang's
+        tokenizer manager sets it the same way), a failed load leaves it unchanged."""
+        super().update_weights_from_disk(path, version)
+        self.model_path = str(path)
 
     def alternatives_so_far(self, rid: str, n: int) -> tuple[list | None, list | None]:
         """The first ``n`` positions of an in-flight request's ``top_logprobs_num`` alternatives and
@@ -702,7 +713,10 @@ class Engine(WeightUpdates):
                 self._inbox_reqs.pop()
                 r = item[1]
                 if r.rid in self._s.by_rid:
-                    r.future.set_exception(EngineError(f"rid {r.rid!r} is already in flight; use a unique rid"))
+                    r.future.set_exception(EngineError(
+                        f"Duplicate request ID detected: {r.rid} (a request with this rid is already in flight; "
+                        "use a unique rid)"
+                    ))
                 else:
                     self._s.accept(r)
             else:

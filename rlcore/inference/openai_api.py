@@ -137,7 +137,7 @@ def _model_name(engine: Engine, req: ChatRequest | CompletionRequest) -> str:
 
 def served_model_name(engine: Engine) -> str:
     """The id ``/v1/models`` lists for the base model (SGLang's ``served_model_name``)."""
-    return engine.model_path or "rlcore-engine"
+    return getattr(engine, "served_model_name", None) or engine.model_path or "rlcore-engine"
 
 
 def split_model(model: str, served: str) -> tuple[str, str | None]:
@@ -189,18 +189,27 @@ def _sampling(
     if room < 1:
         param = "messages" if endpoint == "chat" else "prompt"
         raise OpenAIError(
-            f"{param} has {max(prompt_lens)} tokens but the server's context is {engine.max_seq_len} tokens; "
-            f"shorten it{_context_advice(engine)}",
+            f"The input ({max(prompt_lens)} tokens) is longer than the model's context length ({engine.max_seq_len} "
+            f"tokens): shorten {param}{_context_advice(engine)}",
             param,
             code="context_length_exceeded",
         )
     key, want = req.max_new if isinstance(req, ChatRequest) else ("max_tokens", req.max_tokens)
     if want is None:  # completions: OpenAI's 16; chat: the rest of the context
         max_new = min(DEFAULT_COMPLETION_TOKENS, room) if endpoint == "completions" else room
-    elif want > room:
+    elif want > engine.max_seq_len:  # SGLang's serving_chat text
         raise OpenAIError(
-            f"{key}={want} plus the prompt ({max(prompt_lens)} tokens) exceeds the server's context of "
-            f"{engine.max_seq_len} tokens; lower {key} to at most {room}",
+            f"max_completion_tokens is too large: {want}. This model supports at most {engine.max_seq_len} "
+            f"completion tokens (lower {key} to at most {room} for this prompt)",
+            key,
+            code="context_length_exceeded",
+        )
+    elif want > room:  # SGLang's tokenizer-manager text
+        raise OpenAIError(
+            f"Requested token count exceeds the model's maximum context length of {engine.max_seq_len} tokens. You "
+            f"requested a total of {want + max(prompt_lens)} tokens: {max(prompt_lens)} tokens from the input "
+            f"messages and {want} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit (lower {key} to at most {room})",
             key,
             code="context_length_exceeded",
         )
@@ -266,8 +275,8 @@ def _early_length_check(engine: Engine, body: Any) -> None:
     longest = max(len(r) if isinstance(r, list) else 0 for r in rows)
     if longest >= engine.max_seq_len:
         raise OpenAIError(
-            f"prompt has {longest} tokens but the server's context is {engine.max_seq_len} tokens; shorten it"
-            f"{_context_advice(engine)}", "prompt", code="context_length_exceeded",
+            f"The input ({longest} tokens) is longer than the model's context length ({engine.max_seq_len} tokens): "
+            f"shorten prompt{_context_advice(engine)}", "prompt", code="context_length_exceeded",
         )
 
 
@@ -342,12 +351,9 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
     )
 
 
-def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn = HERMES) -> Plan:
-    """Validate a ``/v1/chat/completions`` body (``ChatRequest`` + ``check_supported``, shared with the agent
-    proxy) and apply the tokenizer's chat template (``add_generation_prompt=True``). Raises ``OpenAIError``;
-    queues nothing."""
-    req = validate(ChatRequest, body)
-    check_supported(req, ENGINE_FIELDS)
+def _render_chat(engine: Engine, req: ChatRequest, add_generation_prompt: bool | None = None) -> list[int]:
+    """The chat template applied to ``req`` (``add_generation_prompt``: None opens the assistant turn unless
+    ``continue_final_message``) -> prompt ids."""
     tok = _require_tokenizer(engine, "chat")
     if getattr(tok, "chat_template", None) is None:
         raise OpenAIError(
@@ -360,13 +366,22 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
         kw: dict[str, Any] = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         if req.continue_final_message:  # the reply continues the last assistant message (no new turn)
             kw["continue_final_message"] = True
-        text = tok.apply_chat_template(messages, add_generation_prompt=not req.continue_final_message,
-                                       tokenize=False, **kw)
+        gen = not req.continue_final_message if add_generation_prompt is None else add_generation_prompt
+        text = tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False, **kw)
     except Exception as e:  # template errors (role order, missing fields) are the caller's to fix
         raise OpenAIError(
             f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages"
         ) from None
-    prompt = list(tok.encode(text, add_special_tokens=False))
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn = HERMES) -> Plan:
+    """Validate a ``/v1/chat/completions`` body (``ChatRequest`` + ``check_supported``, shared with the agent
+    proxy) and apply the tokenizer's chat template (``add_generation_prompt=True``). Raises ``OpenAIError``;
+    queues nothing."""
+    req = validate(ChatRequest, body)
+    check_supported(req, ENGINE_FIELDS)
+    prompt = _render_chat(engine, req)
     _check_prompt_ids(engine, prompt, "messages")
     adapters = resolve_lora(engine, req, 1)
     samples = _sampling(engine, req, "chat", [len(prompt)], (req.top_logprobs or 0) if req.logprobs else 0)
@@ -749,6 +764,82 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
                 if not f.done():
                     await asyncio.to_thread(engine.abort, rid)
     return out.resp
+
+
+# ------------------------------------------------------------------------------------------ tokenize / detokenize
+async def tokenize(engine: Engine, body: Any) -> tuple[int, dict]:
+    """SGLang's ``/tokenize`` (``/v1/tokenize``, ``serving_tokenize.py``): ``prompt`` (a string or a list of them)
+    or ``messages`` (rendered by the chat template as for a chat completion: ``add_generation_prompt`` defaults to
+    true, ``tools`` and ``chat_template_kwargs`` are passed) -> ``{"tokens", "count", "max_model_len"}``; a list of
+    prompts gives lists. ``add_special_tokens`` (default true) applies to ``prompt``."""
+    try:
+        if not isinstance(body, dict):
+            raise OpenAIError("the request body must be a JSON object")
+        tok = _require_tokenizer(engine, "completions")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise OpenAIError("add_special_tokens must be true or false", "add_special_tokens")
+        known = {"model", "prompt", "messages", "tools", "tool_choice", "add_special_tokens", "add_generation_prompt",
+                 "continue_final_message", "chat_template_kwargs", "reasoning_effort"}
+        for key in body:
+            if key not in known:
+                raise OpenAIError(f"{key} is not a /tokenize field; send prompt or messages", key)
+        if body.get("reasoning_effort") is not None:
+            raise OpenAIError("reasoning_effort is not supported by this server: there is no reasoning parser",
+                              "reasoning_effort")
+        if body.get("messages") is not None:
+            chat_body = {k: body[k] for k in ("messages", "tools", "tool_choice", "continue_final_message",
+                                               "chat_template_kwargs") if body.get(k) is not None}
+            add_gen = body.get("add_generation_prompt")
+            ids = await asyncio.to_thread(_chat_ids, engine, chat_body, add_gen)
+            tokens: Any = ids
+            count: Any = len(ids)
+        elif isinstance(body.get("prompt"), str):
+            tokens = list(tok.encode(body["prompt"], add_special_tokens=special))
+            count = len(tokens)
+        elif isinstance(body.get("prompt"), list) and all(isinstance(x, str) for x in body["prompt"]):
+            tokens = [list(tok.encode(x, add_special_tokens=special)) for x in body["prompt"]]
+            count = [len(x) for x in tokens]
+        else:
+            raise OpenAIError("send prompt (a string or a list of strings) or messages", "prompt")
+        return 200, {"tokens": tokens, "count": count, "max_model_len": engine.max_seq_len}
+    except OpenAIError as e:
+        return e.status, e.body()
+
+
+def _chat_ids(engine: Engine, body: dict, add_generation_prompt: bool | None) -> list[int]:
+    """The prompt ids ``/v1/chat/completions`` would generate from (``chat_plan``'s template rendering)."""
+    req = validate(ChatRequest, body)
+    check_supported(req, ENGINE_FIELDS)
+    return _render_chat(engine, req, add_generation_prompt)
+
+
+async def detokenize(engine: Engine, body: Any) -> tuple[int, dict]:
+    """SGLang's ``/detokenize`` (``/v1/detokenize``): ``tokens`` (ids, or a list of id lists) -> ``{"text"}`` (a string,
+    or a list of them); ``skip_special_tokens`` defaults to true, as SGLang's."""
+    try:
+        if not isinstance(body, dict):
+            raise OpenAIError("the request body must be a JSON object")
+        tok = _require_tokenizer(engine, "completions")
+        for key in body:
+            if key not in ("model", "tokens", "skip_special_tokens"):
+                raise OpenAIError(f"{key} is not a /detokenize field; send tokens", key)
+        skip = body.get("skip_special_tokens", True)
+        if not isinstance(skip, bool):
+            raise OpenAIError("skip_special_tokens must be true or false", "skip_special_tokens")
+        raw = body.get("tokens")
+
+        def ids_ok(x: Any) -> bool:
+            return isinstance(x, list) and all(type(t) is int and 0 <= t < engine.vocab_size for t in x)
+
+        if ids_ok(raw) and (not raw or isinstance(raw[0], int)):
+            return 200, {"text": tok.decode(raw, skip_special_tokens=skip)}
+        if isinstance(raw, list) and raw and all(ids_ok(x) for x in raw):
+            return 200, {"text": [tok.decode(x, skip_special_tokens=skip) for x in raw]}
+        raise OpenAIError(f"Invalid input: 'tokens' must be a list of token ids in [0, {engine.vocab_size}) or a list "
+                          "of such lists", "tokens")
+    except OpenAIError as e:
+        return e.status, e.body()
 
 
 _THREAD_BYTES = 64 << 10

@@ -717,9 +717,10 @@ def check_request(
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise EngineError(f"input_ids contains ids outside [0, {vocab_size}); check the tokenizer")
     if len(prompt) >= max_seq_len:
-        raise EngineError(
-            f"input_ids has {len(prompt)} tokens but the engine's context is {max_seq_len} tokens; shorten the "
-            f"prompt{context_advice(context_limit, 'EngineConfig.max_seq_len')}"
+        raise EngineError(  # SGLang's text first (public context-overflow detectors match it), then the fix
+            f"The input ({len(prompt)} tokens) is longer than the model's context length ({max_seq_len} tokens): "
+            f"input_ids must leave room for one new token; shorten the prompt"
+            f"{context_advice(context_limit, 'EngineConfig.max_seq_len')}"
         )
     for name in ("max_new_tokens", "min_new_tokens", "top_k"):
         x = getattr(sp, name)

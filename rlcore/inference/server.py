@@ -343,8 +343,10 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         raise EngineBusy(f"the engine's waiting queue is full ({engine.num_waiting} waiting); retry later")
     # n > 1: prompt-major order (all samples of prompt 0, then of prompt 1, ...), as SGLang returns them.
     rids = [r if n == 1 or r is None else f"{r}_{j}" for r in base for j in range(n)]
-    if len(set(r for r in rids if r is not None)) != sum(r is not None for r in rids):
-        raise BadRequest("rid values must be distinct")
+    named = [r for r in rids if r is not None]
+    if len(set(named)) != len(named):
+        dup = next(r for i, r in enumerate(named) if r in named[:i])
+        raise BadRequest(f"Duplicate request ID detected: {dup} (rid values of one call must be distinct)")
     return _Plan(
         prompts=[x for x in prompts for _ in range(n)],
         params=[s for c in checked for s in parallel_sampling(c, n)],
@@ -606,6 +608,10 @@ ROUTES: dict[str, Any] = {
     "resume_memory_occupation": control._resume_memory,
     "load_lora_adapter": control._load_lora,
     "unload_lora_adapter": control._unload_lora,
+    "tokenize": openai_api.tokenize,
+    "v1/tokenize": openai_api.tokenize,
+    "detokenize": openai_api.detokenize,
+    "v1/detokenize": openai_api.detokenize,
 }
 """Endpoint name -> ``async handler(engine, payload) -> (status, json body)``; extend here."""
 
@@ -663,6 +669,10 @@ POST_ROUTES = (
     "resume_memory_occupation",
     "load_lora_adapter",
     "unload_lora_adapter",
+    "tokenize",
+    "v1/tokenize",
+    "detokenize",
+    "v1/detokenize",
 )
 OPENAI_ROUTES = ("v1/completions", "v1/chat/completions")
 """OpenAI-compatible POST endpoints, answered by ``rlcore.inference.openai_api``."""
