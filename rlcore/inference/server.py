@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rlcore.inference import control, openai_api
+from rlcore.inference import control, openai_api, responses_api
 from rlcore.inference.control import RETRY_AFTER_S, _err, error_status
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
 from rlcore.inference.openai_api import MASKED_LOGPROB
@@ -806,13 +806,24 @@ def make_app(engine: Engine, *, client_max_size: int = CLIENT_MAX_SIZE, api_key:
     for ep in OPENAI_ROUTES:
         app.router.add_post("/" + ep, openai_api.make_view(engine, ep))
 
+    async def responses(request: web.Request) -> web.Response:  # OpenAI's Responses API (responses_api)
+        try:
+            payload = await read_json(request, client_max_size)
+        except BadRequest as e:
+            return _json(openai_api.OpenAIError(str(e), status=413 if isinstance(e, _TooLarge) else 400).body(),
+                         413 if isinstance(e, _TooLarge) else 400)
+        parser = request.app.get(openai_api.TOOL_PARSER_KEY)
+        status, body = await while_connected(responses_api.handle(engine, payload, parser), request)
+        return _json(body, status)
+
+    app.router.add_post("/v1/responses", responses)
     app.router.add_put("/generate", route("generate"))  # SGLang's /generate takes POST and PUT
     app.router.add_get("/v1/models/{model:.+}", _retrieve_model)
 
     async def unknown(request: web.Request) -> web.Response:
         ep = request.path.strip("/")
-        allowed = [m for m, eps in (("GET", GET_ROUTES), ("POST", POST_ROUTES + OPENAI_ROUTES), ("PUT", ("generate",)))
-                   if ep in eps]
+        posts = (*POST_ROUTES, *OPENAI_ROUTES, "v1/responses")
+        allowed = [m for m, eps in (("GET", GET_ROUTES), ("POST", posts), ("PUT", ("generate",))) if ep in eps]
         if allowed:  # a known endpoint asked with the wrong method: 405 naming the right one, as SGLang answers
             status, body = _err(405, f"{request.method} /{ep} is not allowed; use {' or '.join(allowed)}")
             return web.json_response(body, status=status, headers={"Allow": ", ".join(allowed)})
