@@ -26,7 +26,6 @@ import collections
 import concurrent.futures as cf
 import os
 import random
-import re
 import threading
 import traceback
 from collections.abc import Callable, Iterable
@@ -39,12 +38,13 @@ from torch import nn
 from rlcore.inference import architectures, fusions, projections
 from rlcore.inference.attention import grouped_heads, install_engine_attention
 from rlcore.inference.blocks import BlockTables, build_kv_cache
+from rlcore.inference.checks import check_request
 from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward
 from rlcore.inference.lora import LoraSlots
 from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams, new_rid
-from rlcore.inference.sampling import check_request, stop_strings, uses_penalty
-from rlcore.inference.scheduler import PauseMode, Scheduler, _Request
+from rlcore.inference.requests import new_request
+from rlcore.inference.scheduler import PauseMode, Scheduler
 from rlcore.inference.weight_updates import WeightUpdates
 from rlcore.inference.weights import DTYPES, cast_model, init_custom_process_group
 
@@ -248,11 +248,7 @@ class Engine(WeightUpdates):
             raise EngineError("Engine(model=...) must be an nn.Module or a local model directory path")
         self.model = cast_model(model, self.device, self.dtype).eval()  # RoPE tables, routers stay float32
         self.model_path = model_path
-        """The weights' source: set to the directory of every successful ``update_weights_from_disk`` (as SGLang's
-        ``/get_model_info`` and ``/get_server_info`` report it)."""
-        self.served_model_name = model_path
-        """The model id of ``/v1/models`` and the OpenAI routes: the start-up ``model_path``, unchanged by weight
-        updates (SGLang's ``served_model_name``)."""
+        self.served_model_name = model_path  # /v1/models' id; model_path follows disk loads (SGLang's)
         self.tokenizer_path = tokenizer_path or (model_path if tokenizer is not None else None)
         mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_seq_len, self.context_limit = architectures.context_length(mcfg, cfg.max_seq_len)
@@ -456,20 +452,8 @@ class Engine(WeightUpdates):
         r = self._s.by_rid.get(rid)
         return None if r is None else len(r.out_ids)
 
-    def update_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> None:
-        """``WeightUpdates.update_weights_from_disk``; on success ``model_path`` becomes ``path`` (SGLang's
-        tokenizer manager sets it the same way), a failed load leaves it unchanged."""
-        super().update_weights_from_disk(path, version)
-        self.model_path = str(path)
-
     def alternatives_so_far(self, rid: str, n: int) -> tuple[list | None, list | None]:
-        """The first ``n`` positions of an in-flight request's ``top_logprobs_num`` alternatives and
-        ``token_ids_logprob`` values (what ``GenerateOutput`` will carry), for streaming; ``(None, None)`` when it
-        asks for neither or is not in flight. Reads lists the loop thread only appends to (a consistent prefix)."""
-        r = self._s.by_rid.get(rid)
-        if r is None:
-            return None, None
-        return (None if r.out_top is None else r.out_top[:n]), (None if r.out_tid is None else r.out_tid[:n])
+        return self._s.alternatives(rid, n)  # the first n rows of an in-flight request's alternatives (streaming)
 
     # -- submission ---------------------------------------------------------------------------------------------
 
@@ -493,23 +477,10 @@ class Engine(WeightUpdates):
         prompt = [int(t) for t in input_ids]
         sampling = self.check(prompt, sampling)
         if self.num_waiting >= self.cfg.max_waiting:
-            raise EngineBusy(
-                f"the engine's waiting queue is full ({self.cfg.max_waiting} requests, "
-                "EngineConfig.max_waiting); retry later"
-            )
+            raise EngineBusy(f"the engine's waiting queue is full ({self.cfg.max_waiting} requests, "
+                             "EngineConfig.max_waiting); retry later")
         seed = int(sampling.seed) if sampling.seed is not None else self._rng.getrandbits(62)
-        req = _Request(rid or new_rid(), prompt, sampling, seed, cf.Future(), on_token=on_token)
-        req.stops = stop_strings(sampling)
-        if req.stops:
-            # A stop string completed by the newest token starts within its last len(utf-8 bytes) tokens
-            # (every token decodes to at least one byte), so one more token of context is enough.
-            req.stop_window = max(len(x.encode("utf-8")) for x in req.stops) + 1
-        req.penalized = uses_penalty(sampling)
-        req.stop_regex = tuple(re.compile(x) for x in sampling.stop_regex)
-        if sampling.top_logprobs_num > 0:
-            req.out_top = []
-        if sampling.token_ids_logprob:
-            req.out_tid = []
+        req = new_request(rid or new_rid(), prompt, sampling, seed, cf.Future(), on_token)
         if self._thread is None:
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
         self._inbox_reqs.append(None)  # deque appends and pops are atomic: submit may run on any thread
@@ -535,7 +506,7 @@ class Engine(WeightUpdates):
         return await asyncio.wrap_future(self.submit(input_ids, sampling, rid))
 
     def check(self, prompt: list[int], sampling: SamplingParams) -> SamplingParams:
-        """Validate a request against this model (``sampling.check_request``); returns the settings it runs."""
+        """Validate a request against this model (``checks.check_request``); returns the settings it runs."""
         return check_request(
             prompt,
             sampling,
@@ -617,8 +588,7 @@ class Engine(WeightUpdates):
         return [self._s.resume_memory(tags), projections.rebind(self.model)][0]  # re-fuse weights moved apart
 
     def prompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
-        """Log-probs of ``input_ids[start + 1:]`` given their prefixes under the loaded weights (raw, no
-        temperature); runs on the loop thread between two steps (``Scheduler.prompt_logprobs``)."""
+        """Raw log-probs of ``input_ids[start + 1:]`` given their prefixes, on the loop thread (``Scheduler``'s)."""
         return self._call(lambda: self._s.prompt_logprobs(list(input_ids), int(start)))
 
     # -- awaitable control (the same commands; no thread is held while the loop gets to them) ------------------
@@ -662,10 +632,8 @@ class Engine(WeightUpdates):
         return await asyncio.wrap_future(self._command(lambda: self._s.prompt_logprobs(ids, int(start))))
 
     async def aprompt_scores(self, input_ids: list[int], start: int, k: int = 0, token_ids: list[int] = ()) -> dict:
-        """Awaitable ``Scheduler.prompt_scores``: the prompt's log-probs from ``start`` on, with the ``k`` most
-        likely tokens and the log-probs of ``token_ids`` at each position (SGLang's ``input_top_logprobs``)."""
-        ids, tids = [int(t) for t in input_ids], [int(t) for t in token_ids]
-        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_scores(ids, int(start), int(k), tids)))
+        """Awaitable ``Scheduler.prompt_scores`` (``aprompt_logprobs`` with SGLang's ``input_top_logprobs``)."""
+        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_scores(input_ids, start, k, token_ids)))
 
     async def arun_control(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run blocking control work ``fn(*args)`` on the engine's own bounded thread pool and await it.
@@ -713,10 +681,7 @@ class Engine(WeightUpdates):
                 self._inbox_reqs.pop()
                 r = item[1]
                 if r.rid in self._s.by_rid:
-                    r.future.set_exception(EngineError(
-                        f"Duplicate request ID detected: {r.rid} (a request with this rid is already in flight; "
-                        "use a unique rid)"
-                    ))
+                    r.future.set_exception(EngineError(f"Duplicate request ID detected: {r.rid} (use a unique rid)"))
                 else:
                     self._s.accept(r)
             else:

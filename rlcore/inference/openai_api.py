@@ -45,10 +45,10 @@ from rlcore.inference.chat import (
     usage,
     validate,
 )
+from rlcore.inference.checks import context_advice
 from rlcore.inference.detok import StreamDecoder
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
 from rlcore.inference.protocol import BadRequest, SamplingParams, parallel_sampling, parse_logit_bias
-from rlcore.inference.sampling import context_advice
 from rlcore.inference.tool_parsers import HERMES, ParseFn, ToolParser, resolve
 
 Endpoint = Literal["completions", "chat"]

@@ -4,11 +4,13 @@ with their log-probs and versions, and its KV state (decode row, block table, we
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlcore.inference.protocol import SamplingParams
+from rlcore.inference.sampling import stop_strings, uses_penalty
 
 
 @dataclass(eq=False)
@@ -60,3 +62,22 @@ class Request:
     def kv_tokens(self) -> int:
         """Tokens whose KV a prefilled request holds: all but the newest, ``len(prompt + out_ids) - 1``."""
         return len(self.prompt) + len(self.out_ids) - 1
+
+
+def new_request(
+    rid: str, prompt: list[int], sampling: SamplingParams, seed: int, future: cf.Future,
+    on_token: Callable[[int, float, int], None] | None = None,
+) -> Request:
+    """A ``Request`` with what its settings imply computed once: stop strings and their window, compiled
+    ``stop_regex``, penalties, and the lists that collect the asked-for alternatives."""
+    req = Request(rid, prompt, sampling, seed, future, on_token=on_token)
+    req.stops = stop_strings(sampling)
+    if req.stops:
+        # A stop string completed by the newest token starts within its last len(utf-8 bytes) tokens
+        # (every token decodes to at least one byte), so one more token of context is enough.
+        req.stop_window = max(len(x.encode("utf-8")) for x in req.stops) + 1
+    req.penalized = uses_penalty(sampling)
+    req.stop_regex = tuple(re.compile(x) for x in sampling.stop_regex)
+    req.out_top = [] if sampling.top_logprobs_num > 0 else None
+    req.out_tid = [] if sampling.token_ids_logprob else None
+    return req

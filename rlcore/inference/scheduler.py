@@ -367,6 +367,12 @@ class Scheduler(DecodeStep):
             return []
         return self.fwd.prompt_logprobs(torch.tensor(ids, device=self.device), start).tolist()
 
+    def alternatives(self, rid: str, n: int) -> tuple[list | None, list | None]:
+        """An in-flight request's first ``n`` ``output_top_logprobs`` / ``output_token_ids_logprobs`` rows (None when
+        not asked or not in flight). Safe off the loop thread: the loop only appends to these lists."""
+        r = self.by_rid.get(rid)
+        return (None, None) if r is None else (r.out_top and r.out_top[:n], r.out_tid and r.out_tid[:n])
+
     def prompt_scores(self, ids: list[int], start: int, k: int, token_ids: list[int]) -> dict:
         """``prompt_logprobs`` with SGLang's prompt alternatives: ``{"logprobs": [...], "top": [[(id, lp)] * k per
         position], "chosen": [[lp per token_ids] per position] or None}`` for positions ``(start, len(ids))``."""
@@ -374,9 +380,9 @@ class Scheduler(DecodeStep):
             raise EngineError("the weights are released (release_memory_occupation); resume them first")
         if len(ids) - 1 - start <= 0:
             return {"logprobs": [], "top": [], "chosen": [] if token_ids else None}
-        dev = self.device
+        dev, ids, token_ids = self.device, [int(t) for t in ids], [int(t) for t in token_ids]
         tids = torch.tensor(token_ids, dtype=torch.long, device=dev) if token_ids else None
-        lp, vals, top, chosen = self.fwd.prompt_scores(torch.tensor(ids, device=dev), start, k, tids)
+        lp, vals, top, chosen = self.fwd.prompt_scores(torch.tensor(ids, device=dev), int(start), int(k), tids)
         pairs = [list(zip(i, v)) for i, v in zip(top.tolist(), vals.tolist())]
         return {"logprobs": lp.tolist(), "top": pairs, "chosen": None if chosen is None else chosen.tolist()}
 

@@ -91,6 +91,7 @@ class WeightUpdates:
                 self.model, read_hf_checkpoint(self.model, path, skip=hf_ignored_keys(self.model), known=known), known
             )
             self._call(lambda: self._commit(staged, version))
+        self.model_path = str(path)  # as SGLang's tokenizer manager records a successful load (a failed one raised)
 
     def update_weights_from_tensors(
         self, named: Sequence[tuple[str, torch.Tensor]], version: int | None = None
