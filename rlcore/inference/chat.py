@@ -372,7 +372,7 @@ def _refuse(req: BaseModel, key: str, why: str) -> None:
 
 ENGINE_FIELDS = frozenset({
     "top_logprobs", "logprobs_k", "logit_bias", "min_p", "stop_regex", "no_stop_trim", "continue_final_message",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "regex", "ebnf", "json_schema", "response_format",
 })
 """Fields ``rlcore.serve``'s OpenAI routes honour beyond what every server here does (``check_supported``'s
 ``honoured``); the agent proxy honours none of them and refuses them. ``logprobs_k``: completions ``logprobs > 0``."""
@@ -390,9 +390,6 @@ def _set(x: Any, default: Any = None) -> bool:
 
 SGLANG_REFUSED: dict[str, tuple[Any, str]] = {
     # field: (SGLang's default, why this server refuses a non-default value)
-    "regex": (None, "constrained decoding is not available in this server; validate the output yourself"),
-    "ebnf": (None, "constrained decoding is not available in this server; validate the output yourself"),
-    "json_schema": (None, "constrained decoding is not available in this server; validate the output yourself"),
     "return_hidden_states": (False, "hidden states are not returned"),
     "return_routed_experts": (False, "MoE routing is not exposed"),
     "routed_experts_start_len": (0, "MoE routing is not exposed"),
@@ -459,7 +456,7 @@ def check_supported(req: ChatRequest, honoured: frozenset[str] = frozenset()) ->
     the ``ENGINE_FIELDS`` the calling server implements (``rlcore.serve``: all; the agent proxy: none)."""
     body = {**(req.model_extra or {}), **{k: getattr(req, k) for k in req.model_fields_set}}
     check_sglang_fields(req, body)
-    for key in sorted(ENGINE_FIELDS - honoured - {"logprobs_k", "top_logprobs"}):
+    for key in sorted(ENGINE_FIELDS - honoured - {"logprobs_k", "top_logprobs", "response_format"}):
         default = {"no_stop_trim": False, "continue_final_message": False}.get(key)
         if _set(getattr(req, key, None), default):
             raise OpenAIError(f"{key} is not supported by this server: {_WHY_PROXY}", key)
@@ -485,7 +482,8 @@ def check_supported(req: ChatRequest, honoured: frozenset[str] = frozenset()) ->
         )
     if req.continue_final_message and (not req.messages or req.messages[-1].role != "assistant"):
         raise OpenAIError("continue_final_message needs the last message to be the assistant's", "messages")
-    if req.response_format is not None and req.response_format.type != "text":
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text" and "response_format" not in honoured:
         raise OpenAIError(
             f'response_format {{"type": "{req.response_format.type}"}} is not supported (no constrained '
             'decoding); omit it or pass {"type": "text"}',

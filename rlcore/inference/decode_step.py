@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlcore.inference.protocol import EngineError
 from rlcore.inference.requests import Request as _Request
 from rlcore.inference.sampling import (
     RowParams,
@@ -70,7 +71,12 @@ class DecodeStep:
 
     def params(self, rs: list[_Request]) -> RowParams:
         sps, seeds, slots = [r.sampling for r in rs], [r.seed for r in rs], [r.slot for r in rs]
-        return row_params(sps, seeds, slots, eos_ids=self.eos_ids, vocab_size=self.vocab_size, device=self.device)
+        p = row_params(sps, seeds, slots, eos_ids=self.eos_ids, vocab_size=self.vocab_size, device=self.device)
+        g = [i for i, r in enumerate(rs) if r.constraint is not None]
+        if g:
+            p.grammar_rows = torch.tensor(g, dtype=torch.long, device=self.device)
+            p.constraints = [rs[i].constraint for i in g]
+        return p
 
     def decode(self) -> None:
         """One decode step. With ``overlap`` the next step is launched (on the tokens this one sampled, still on
@@ -106,7 +112,7 @@ class DecodeStep:
         writes into."""
         if not self.overlap or self.dirty or self.inflight is None or self.inflight.failed or not self.running:
             return False
-        if self.sp is None or self.sp.proc is not None or any(r.cow for r in self.running):
+        if self.sp is None or self.sp.proc is not None or self.sp.constraints or any(r.cow for r in self.running):
             return False
         bs = self.pool.block_size
         need = sum(1 for r in self.running if (len(r.prompt) + len(r.out_ids)) // bs >= len(r.blocks))
@@ -161,6 +167,15 @@ class DecodeStep:
         for alternatives (``p.lp_rows``) get them in ``self.alts``, from the same processed logits."""
         if p.proc is not None:
             logits = process_logits(logits, p.proc, self.counts, count)
+        if p.constraints:  # grammar rows: tokens the grammar does not allow next get -inf (after bias / penalties)
+            from rlcore.inference.grammar import masks
+
+            rows, x = p.grammar_rows, logits.to(torch.float32)
+            allowed = masks(p.constraints, x.shape[-1], x.device)
+            if not bool(allowed.any(-1).all()):  # a grammar no token of this vocabulary can continue
+                raise EngineError("the request's grammar (regex / json_schema / ebnf) allows no token of this "
+                                  "tokenizer's vocabulary here; check that the vocabulary can spell it")
+            logits = x.index_copy(0, rows, x.index_select(0, rows).masked_fill(~allowed, -math.inf))
         u = counter_uniform(p.seed, pos)  # keyed by absolute position: a resubmission continues the stream
         ids, logp = sample_tokens(logits, p.temperature, p.top_p, p.top_k, u, filtered=p.filtered, min_p=p.min_p)
         self.alts = None
@@ -266,7 +281,8 @@ class DecodeStep:
                 e = failed.get(i)
                 why = f"{type(e).__name__}: {e}" if e is not None else f"non-finite log-prob {lp} (check the weights)"
                 self.stats["request_errors"] += 1
-                done.append((r, _error_reason(f"engine error in the sampling step: {why}")))
+                status = 400 if isinstance(e, EngineError) else 500  # the request's own settings cannot run
+                done.append((r, _error_reason(f"engine error in the sampling step: {why}", status)))
                 self.dirty = True
                 continue
             out = r.out_ids
@@ -287,7 +303,12 @@ class DecodeStep:
             if r.on_token is not None:
                 self.notify(r, t, lp, ver)
             sp = r.sampling
-            if t in sp.stop_token_ids or (not sp.ignore_eos and t in eos):
+            if r.constraint is not None and not r.constraint.accept(t):
+                self.stats["request_errors"] += 1
+                done.append((r, _error_reason(f"engine error: token {t} is not allowed by the request's grammar")))
+            elif t in sp.stop_token_ids or (not sp.ignore_eos and t in eos):
+                done.append((r, {"type": "stop", "matched": t}))
+            elif r.constraint is not None and r.constraint.done:  # the grammar ended (it accepted a stop token)
                 done.append((r, {"type": "stop", "matched": t}))
             elif r.stop_window and (hit := self.match_stop(r)) is not None:
                 done.append((r, {"type": "stop", "matched": hit}))

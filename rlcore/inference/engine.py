@@ -480,7 +480,7 @@ class Engine(WeightUpdates):
             raise EngineBusy(f"the engine's waiting queue is full ({self.cfg.max_waiting} requests, "
                              "EngineConfig.max_waiting); retry later")
         seed = int(sampling.seed) if sampling.seed is not None else self._rng.getrandbits(62)
-        req = new_request(rid or new_rid(), prompt, sampling, seed, cf.Future(), on_token)
+        req = new_request(rid or new_rid(), prompt, sampling, seed, cf.Future(), on_token, self)
         if self._thread is None:
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
         self._inbox_reqs.append(None)  # deque appends and pops are atomic: submit may run on any thread

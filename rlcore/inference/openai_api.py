@@ -48,7 +48,13 @@ from rlcore.inference.chat import (
 from rlcore.inference.checks import context_advice
 from rlcore.inference.detok import StreamDecoder
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
-from rlcore.inference.protocol import BadRequest, SamplingParams, parallel_sampling, parse_logit_bias
+from rlcore.inference.protocol import (
+    BadRequest,
+    SamplingParams,
+    parallel_sampling,
+    parse_grammar,
+    parse_logit_bias,
+)
 from rlcore.inference.tool_parsers import HERMES, ParseFn, ToolParser, resolve
 
 Endpoint = Literal["completions", "chat"]
@@ -242,6 +248,7 @@ def _sampling(
         "stop_regex": req.stop_regexes,
         "top_logprobs_num": top_logprobs,
     }
+    kw["grammar"] = _grammar(req)
     if req.logit_bias:
         try:
             kw["logit_bias"] = parse_logit_bias(req.logit_bias, "logit_bias")
@@ -256,6 +263,37 @@ def _sampling(
             )
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
     return parallel_sampling(SamplingParams(**kw), req.n)
+
+
+def _grammar(req: ChatRequest | CompletionRequest) -> tuple[str, str] | None:
+    """Constrained decoding from SGLang's ``regex`` / ``ebnf`` / ``json_schema`` extension fields or OpenAI's
+    ``response_format`` (``json_object``; ``json_schema`` with ``json_schema.schema``); one at most."""
+    extra = req.model_extra or {}
+    fmt = extra.get("response_format") if isinstance(req, CompletionRequest) else (
+        req.response_format.model_dump() if req.response_format is not None else None)
+    given: list[tuple[str, str, Any]] = [(k, k, extra[k]) for k in ("regex", "ebnf", "json_schema")
+                                         if extra.get(k) is not None]
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        given.append(("response_format", "json_object", "{}"))
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+        if schema is None:
+            raise OpenAIError("response_format json_schema needs json_schema.schema (a JSON Schema object)",
+                              "response_format")
+        given.append(("response_format", "json_schema", schema))
+    elif isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise OpenAIError(f"response_format type {fmt.get('type')!r} is not supported; use text, json_object or "
+                          "json_schema", "response_format")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise OpenAIError(f"give one of regex, ebnf, json_schema and response_format, got {[g[0] for g in given]}",
+                          given[1][0])
+    field, kind, spec = given[0]
+    try:
+        return parse_grammar(kind, spec, field)
+    except BadRequest as e:
+        raise OpenAIError(str(e), field) from None
 
 
 def _check_prompt_ids(engine: Engine, ids: list[int], param: str) -> None:
@@ -294,10 +332,6 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
     _early_length_check(engine, body)
     req = validate(CompletionRequest, body)
     check_sglang_fields(req, body)
-    fmt = (req.model_extra or {}).get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise OpenAIError(f"response_format {fmt!r} is not supported (no constrained decoding); omit it or pass "
-                          '{"type": "text"}', "response_format")
     tok = _require_tokenizer(engine, "completions")
     raw = req.prompt
     if isinstance(raw, str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import json
 import math
 import os
 import re
@@ -84,6 +85,9 @@ class SamplingParams:
     top_logprobs_num: int = 0
     """Report the ``k`` most likely tokens of every generated position (SGLang's top-level ``top_logprobs_num``,
     not one of its ``sampling_params``): ``GenerateOutput.output_top_logprobs``."""
+    grammar: tuple[str, str] | None = None
+    """Constrained decoding: ``(kind, spec)``, kind one of ``grammar.KINDS`` (``regex``, ``json_schema``, ``ebnf``,
+    ``json_object``); needs xgrammar (``rlcore[grammar]``)."""
     token_ids_logprob: tuple[int, ...] = ()
     """Report these tokens' log-probs at every generated position (SGLang's top-level ``token_ids_logprob``):
     ``GenerateOutput.output_token_ids_logprobs``."""
@@ -120,6 +124,9 @@ class SamplingParams:
             d["logit_bias"] = {str(t): float(b) for t, b in self.logit_bias}
         if self.stop_regex:
             d["stop_regex"] = list(self.stop_regex)
+        if self.grammar is not None:
+            kind, spec = self.grammar
+            d["json_schema" if kind == "json_object" else kind] = '{"type": "object"}' if kind == "json_object" else spec
         # top_logprobs_num / token_ids_logprob are top-level /generate fields in SGLang, never sampling_params
         return d
 
@@ -355,13 +362,14 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
         if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
             raise BadRequest("sampling_params.stop must be a non-empty string or a list of non-empty strings")
         kw["stop"] = tuple(stops)
-    for key in CONSTRAINED_DECODING:
-        if sp.get(key) is not None:
-            raise BadRequest(
-                f"sampling_params.{key}: constrained decoding (regex / json_schema / ebnf / structural_tag) is not "
-                "supported by the embedded engine; drop the field and validate the output yourself, or serve with "
-                "a real SGLang server"
-            )
+    if sp.get("structural_tag") is not None:
+        raise BadRequest("sampling_params.structural_tag is not supported by the embedded engine; use regex, "
+                         "json_schema or ebnf")
+    given = [k for k in ("regex", "json_schema", "ebnf") if sp.get(k) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"sampling_params: give one of regex, json_schema and ebnf, got {given}")
+    if given:
+        kw["grammar"] = parse_grammar(given[0], sp[given[0]], f"sampling_params.{given[0]}")
     if sp.get("min_p") is not None:
         kw["min_p"] = json_float(sp["min_p"], "sampling_params.min_p")
         if not 0 <= kw["min_p"] <= 1:
@@ -431,7 +439,21 @@ def parse_stop_regex(x: Any, name: str) -> tuple[str, ...]:
 
 
 CONSTRAINED_DECODING = ("regex", "json_schema", "ebnf", "structural_tag")
-"""SGLang's grammar-constrained ``sampling_params``: refused (400) by the embedded engine, never ignored."""
+"""SGLang's grammar-constrained ``sampling_params`` (``structural_tag`` is refused; the others need xgrammar)."""
+
+
+def parse_grammar(kind: str, spec: Any, name: str) -> tuple[str, str]:
+    """A grammar field -> ``SamplingParams.grammar``; a 400 naming ``name`` for a non-string, and naming the extra
+    when xgrammar is not installed (the fields are never ignored)."""
+    from rlcore.inference import grammar
+
+    if kind == "json_schema" and isinstance(spec, dict):
+        spec = json.dumps(spec)
+    if not isinstance(spec, str) or not spec:
+        raise BadRequest(f"{name} must be a non-empty string")
+    if not grammar.available():
+        raise BadRequest(f"{name}: constrained decoding needs xgrammar, which is not installed; {grammar.EXTRA}")
+    return kind, spec
 
 
 def parse_n(sp: Any) -> int:

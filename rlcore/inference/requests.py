@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlcore.inference.protocol import SamplingParams
 from rlcore.inference.sampling import stop_strings, uses_penalty
@@ -55,6 +56,8 @@ class Request:
     """Called on the loop thread with ``(token id, log-prob, version)`` after each committed token."""
     solo: bool = False
     """Was in a forward that raised: prefilled alone next time, so a request that breaks the forward fails alone."""
+    constraint: Any = None
+    """``grammar.Constraint`` of a request with ``sampling.grammar`` (its matcher advances with every token)."""
     strikes: int = 0
     """Failed forwards this request was part of; at ``_MAX_STRIKES`` it fails even when not alone."""
 
@@ -66,7 +69,7 @@ class Request:
 
 def new_request(
     rid: str, prompt: list[int], sampling: SamplingParams, seed: int, future: cf.Future,
-    on_token: Callable[[int, float, int], None] | None = None,
+    on_token: Callable[[int, float, int], None] | None = None, engine: Any = None,
 ) -> Request:
     """A ``Request`` with what its settings imply computed once: stop strings and their window, compiled
     ``stop_regex``, penalties, and the lists that collect the asked-for alternatives."""
@@ -80,4 +83,8 @@ def new_request(
     req.stop_regex = tuple(re.compile(x) for x in sampling.stop_regex)
     req.out_top = [] if sampling.top_logprobs_num > 0 else None
     req.out_tid = [] if sampling.token_ids_logprob else None
+    if sampling.grammar is not None:  # compiled here (cached per grammar): a bad grammar is refused at submit
+        from rlcore.inference.grammar import compile_constraint
+
+        req.constraint = compile_constraint(engine.tokenizer, engine.vocab_size, sampling.grammar)
     return req

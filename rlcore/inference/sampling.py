@@ -569,6 +569,10 @@ class RowParams:
     """The largest ``top_logprobs_num`` of those rows (each row keeps its own first ``k``)."""
     lp_ids: torch.Tensor | None = None
     """``(j w)`` each of those rows' ``token_ids_logprob``, padded with id 0 (None when no row gives any)."""
+    grammar_rows: torch.Tensor | None = None
+    """``(g,)`` batch rows under a grammar (``grammar.Constraint``; set by the scheduler, None: no row)."""
+    constraints: list | None = None
+    """Those rows' constraints, in the same order."""
 
 
 def row_params(
