@@ -16,23 +16,22 @@ are therefore those of the masked, renormalised distribution actually sampled (p
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from typing import Any
 
 import torch
 
-from rlcore.inference.protocol import EngineError
+from rlcore.inference.protocol import GRAMMAR_EXTRA, EngineError, grammar_available
 
 KINDS = ("regex", "json_schema", "ebnf", "json_object")
 """``SamplingParams.grammar[0]``: a regular expression, a JSON Schema (a JSON string), an EBNF grammar (xgrammar's
 GBNF dialect, root rule ``root``), or any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
-EXTRA = "pip install 'rlcore[grammar]' (xgrammar)"
+EXTRA = GRAMMAR_EXTRA
 
 
 def available() -> bool:
     """True when xgrammar can be imported here."""
-    return importlib.util.find_spec("xgrammar") is not None
+    return grammar_available()
 
 
 def require(field: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import itertools
 import json
 import math
@@ -442,17 +443,23 @@ CONSTRAINED_DECODING = ("regex", "json_schema", "ebnf", "structural_tag")
 """SGLang's grammar-constrained ``sampling_params`` (``structural_tag`` is refused; the others need xgrammar)."""
 
 
+GRAMMAR_EXTRA = "pip install 'rlcore[grammar]' (xgrammar)"
+
+
+def grammar_available() -> bool:
+    """True when xgrammar can be imported here (constrained decoding, ``rlcore.inference.grammar``)."""
+    return importlib.util.find_spec("xgrammar") is not None
+
+
 def parse_grammar(kind: str, spec: Any, name: str) -> tuple[str, str]:
     """A grammar field -> ``SamplingParams.grammar``; a 400 naming ``name`` for a non-string, and naming the extra
     when xgrammar is not installed (the fields are never ignored)."""
-    from rlcore.inference import grammar
-
     if kind == "json_schema" and isinstance(spec, dict):
         spec = json.dumps(spec)
     if not isinstance(spec, str) or not spec:
         raise BadRequest(f"{name} must be a non-empty string")
-    if not grammar.available():
-        raise BadRequest(f"{name}: constrained decoding needs xgrammar, which is not installed; {grammar.EXTRA}")
+    if not grammar_available():
+        raise BadRequest(f"{name}: constrained decoding needs xgrammar, which is not installed; {GRAMMAR_EXTRA}")
     return kind, spec
 
 

@@ -113,7 +113,9 @@ def test_bad_grammars_are_400s_naming_the_field(engine, sp, field):
 
 
 def test_without_xgrammar_the_fields_are_400s_naming_the_extra(engine, monkeypatch):
-    monkeypatch.setattr(grammar, "available", lambda: False)
+    from rlcore.inference import protocol
+
+    monkeypatch.setattr(protocol, "grammar_available", lambda: False)
     status, body = call(engine, "generate", {"input_ids": [3, 4], "sampling_params": {"regex": "(w5)+"}})
     assert status == 400 and "sampling_params.regex" in body["error"]["message"]
     assert "rlcore[grammar]" in body["error"]["message"]
