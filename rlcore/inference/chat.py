@@ -11,9 +11,10 @@ per bad field with its location, and is strict here (no ``"2"`` -> 2, no ``true`
 Every way in goes through ``parse_body`` (raw bytes -> JSON object: invalid JSON, NaN/Infinity, 100k-deep
 nesting, invalid UTF-8 and lone surrogates are 400s) and ``validate`` (JSON object -> model; the first
 pydantic error becomes an ``OpenAIError`` whose ``param`` is the field, e.g. ``messages[0].tool_calls``).
-``check_supported`` refuses, for both servers alike, what the engine cannot honour: ``top_logprobs > 0``,
-forced tool calls (``tool_choice="required"`` or a named function), ``response_format`` other than text,
-the deprecated functions API, audio and non-text message parts.
+``check_supported`` refuses what the calling server cannot honour: SGLang's fields that neither server implements
+(``SGLANG_REFUSED``), forced tool calls (``tool_choice="required"`` or a named function), the deprecated functions
+API, audio and non-text message parts, and the fields only ``rlcore.serve`` implements (``ENGINE_FIELDS``: top
+log-probs, ``logit_bias``, ``min_p``, grammars, ...) when the caller (the agent proxy) does not.
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ prompt and sample; nothing is queued until the whole request is valid), then ans
 (``complete``) or as Server-Sent Events (``stream``). Bad input is a 400 in OpenAI's error shape,
 ``{"error": {"message", "type", "param", "code"}}``, whose message names the parameter and the fix.
 
-Differences from OpenAI (docs/engine.md, "OpenAI-compatible API"): the engine reports the sampled token's
-log-prob only, so alternatives (chat ``top_logprobs > 0``, completions ``logprobs > 0``) answer 400; ``echo``
-works without ``logprobs`` only; ``logit_bias``, ``suffix``, ``best_of != n``, forced ``tool_choice`` and
-non-text message parts answer 400. Text is decoded with special tokens skipped (SGLang's OpenAI default).
+Differences from OpenAI (docs/engine.md, "OpenAI-compatible API"): log-probs and their alternatives (chat
+``top_logprobs``, completions ``logprobs: k``) are those of the distribution each token was drawn from; ``echo``
+works without ``logprobs`` only; ``suffix``, ``best_of != n``, forced ``tool_choice`` and non-text message parts
+answer 400, as does every SGLang field this server does not honour (``chat.SGLANG_REFUSED``). Text is decoded with
+special tokens skipped (SGLang's OpenAI default). ``tokenize`` / ``detokenize`` serve SGLang's ``/tokenize`` and
+``/detokenize``.
 
 LoRA adapters (docs/lora.md), resolved as SGLang's ``OpenAIServingBase`` does: ``model="<base>:<adapter>"`` names
 a loaded adapter (the text after the served model's name and ``:``, else after the first ``:``; the base part is not
