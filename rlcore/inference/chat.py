@@ -438,8 +438,8 @@ with a 400 naming them when given a value other than SGLang's default (docs/engi
 
 SGLANG_NO_EFFECT: dict[str, str] = {
     "user": "OpenAI's end-user id; SGLang records it only",
-    "extra_key": "a prefix-cache namespace key; there is no cache across requests to partition",
-    "cache_salt": "a prefix-cache salt; there is no cache across requests to salt",
+    "extra_key": "a prefix-cache namespace: without EngineConfig.prefix_cache there is no cache to partition",
+    "cache_salt": "a prefix-cache salt: without EngineConfig.prefix_cache there is no cache to salt",
     "custom_labels": "metrics labels; SGLang only tags its metrics with them",
 }
 """SGLang fields accepted without changing anything, because they change nothing in SGLang's output either."""

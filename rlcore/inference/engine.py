@@ -146,7 +146,9 @@ class EngineConfig:
     token carries the version it was sampled under and its log-prob is exactly that of the distribution it was
     drawn from (what decoupled PPO needs), but under ``keep`` the post-load log-probs are not those of a
     teacher-forced forward of the new weights. A new request never shares prompt KV computed under older weights
-    (prefix joins need the current epoch) in either mode."""
+    (prefix joins and the prefix cache need the current epoch) in either mode."""
+    prefix_cache: bool = False
+    """Reuse finished requests' full KV blocks for later prompts with the same prefix (``prefix_cache.py``)."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -567,8 +569,7 @@ class Engine(WeightUpdates):
         dist.destroy_process_group(pg)
 
     def flush_cache(self) -> bool:
-        """True when idle (nothing to flush: no prefix cache is kept); False while requests are in flight."""
-        return self._call(lambda: not (self._s.running or self._s.waiting))
+        return self._call(self._s.flush)  # SGLang's /flush_cache: drops the prefix cache when idle (else False)
 
     def release_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
         """Free the KV cache and/or move the weights to host memory (``tags`` from ``MEMORY_TAGS``; default all)
@@ -614,7 +615,7 @@ class Engine(WeightUpdates):
 
     async def aflush_cache(self) -> bool:
         """Awaitable ``flush_cache``."""
-        return await asyncio.wrap_future(self._command(lambda: not (self._s.running or self._s.waiting)))
+        return await asyncio.wrap_future(self._command(self._s.flush))
 
     async def arelease_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
         """Awaitable ``release_memory_occupation``."""
@@ -628,11 +629,10 @@ class Engine(WeightUpdates):
 
     async def aprompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
         """Awaitable ``prompt_logprobs``."""
-        ids = list(input_ids)
-        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_logprobs(ids, int(start))))
+        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_logprobs(list(input_ids), int(start))))
 
     async def aprompt_scores(self, input_ids: list[int], start: int, k: int = 0, token_ids: list[int] = ()) -> dict:
-        """Awaitable ``Scheduler.prompt_scores`` (``aprompt_logprobs`` with SGLang's ``input_top_logprobs``)."""
+        """Awaitable ``Scheduler.prompt_scores`` (``aprompt_logprobs`` with ``input_top_logprobs``)."""
         return await asyncio.wrap_future(self._command(lambda: self._s.prompt_scores(input_ids, start, k, token_ids)))
 
     async def arun_control(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:

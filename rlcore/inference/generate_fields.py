@@ -129,10 +129,20 @@ NO_EFFECT_FIELDS: dict[str, str] = {
     "http_worker_ipc": "SGLang's internal worker address",
     "routing_key": "a router's key; one server here",
     "conversation_id": "a router's affinity key; one server here",
-    "extra_key": "a prefix-cache namespace key; there is no cache across requests to partition",
-    "cache_salt": "a prefix-cache salt; there is no cache across requests to salt",
+    "extra_key": "a prefix-cache namespace: without EngineConfig.prefix_cache there is no cache to partition",
+    "cache_salt": "a prefix-cache salt: without EngineConfig.prefix_cache there is no cache to salt",
 }
 """Top-level ``GenerateReqInput`` fields accepted without effect: they change nothing in SGLang's output either."""
+
+
+def check_cache_keys(engine: Engine, body: dict, refuse: type[Exception] = BadRequest) -> None:
+    """``extra_key`` / ``cache_salt`` partition SGLang's prefix cache; this one is not partitioned, so with
+    ``EngineConfig.prefix_cache`` on they are refused (a 400 naming them) rather than silently shared."""
+    if getattr(engine.cfg, "prefix_cache", False):
+        for key in ("extra_key", "cache_salt"):
+            if body.get(key) not in (None, "", []):
+                raise refuse(f"{key} is not supported with EngineConfig.prefix_cache on: the cache is not "
+                             "partitioned per tenant; drop it or serve tenants from separate engines")
 
 
 def _check_lora_path(engine: Engine, raw: Any, n_prompts: int) -> None:

@@ -193,6 +193,11 @@ def _sampling(
     top_logprobs: int = 0,
 ) -> list[SamplingParams]:
     """The validated sampling fields -> ``n`` engine settings. ``max_tokens`` is checked against the context."""
+    if getattr(engine.cfg, "prefix_cache", False):
+        for key in ("extra_key", "cache_salt"):
+            if (req.model_extra or {}).get(key) not in (None, "", []):
+                raise OpenAIError(f"{key} is not supported with EngineConfig.prefix_cache on: the cache is not "
+                                  "partitioned per tenant; drop it", key)
     room = engine.max_seq_len - max(prompt_lens)
     if room < 1:
         param = "messages" if endpoint == "chat" else "prompt"

@@ -151,6 +151,8 @@ class GenerateOutput:
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With ``top_logprobs_num = k``: per generated token, its ``k`` most likely ``(token id, log-prob)`` pairs
     (descending) under the distribution it was drawn from, the one ``output_logprobs`` reports; else None."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (``EngineConfig.prefix_cache``) instead of prefilled."""
     output_token_ids_logprobs: list[list[float]] | None = None
     """With ``token_ids_logprob``: per generated token, those tokens' log-probs under the same distribution."""
 

@@ -56,6 +56,8 @@ class Request:
     """Called on the loop thread with ``(token id, log-prob, version)`` after each committed token."""
     solo: bool = False
     """Was in a forward that raised: prefilled alone next time, so a request that breaks the forward fails alone."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (SGLang's ``meta_info.cached_tokens``)."""
     constraint: Any = None
     """``grammar.Constraint`` of a request with ``sampling.grammar`` (its matcher advances with every token)."""
     strikes: int = 0

@@ -40,6 +40,7 @@ from rlcore.inference.generate_fields import (
     _logprob_meta,
     _logprob_starts,
     _per_prompt,
+    check_cache_keys,
 )
 from rlcore.inference.protocol import (
     BadRequest,
@@ -111,7 +112,7 @@ def generate_response(
                       out.output_top_logprobs, out.output_token_ids_logprobs)
     meta.update({
         "completion_tokens": len(out.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "output_token_versions": list(out.output_versions),
         "e2e_latency": out.latency,
     })
@@ -198,6 +199,7 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
                 raise BadRequest(f"{key} is not supported by the embedded engine: {why}")
     if p.get("stream") is not None and not isinstance(p["stream"], bool):
         raise BadRequest("stream must be true or false")
+    check_cache_keys(engine, p)
     raw_sp = p.get("sampling_params")
     sp_list = raw_sp if isinstance(raw_sp, list) else None  # SGLang: one object per prompt of a batch
     if sp_list is not None:
