@@ -137,3 +137,12 @@ def test_cache_partition_keys_are_refused_while_the_cache_is_on():
         assert status == 400 and "cache_salt" in body["error"]["message"]
         status, body = asyncio.run(openai_api.handle(eng, "v1/completions", {"prompt": "w5", "extra_key": "a"}))
         assert status == 400 and body["error"]["param"] == "extra_key"
+
+
+def test_rlcore_serve_flag_turns_the_cache_on():
+    import tyro
+
+    from rlcore.serve import ServeConfig, engine_config
+
+    assert engine_config(tyro.cli(ServeConfig, args=["--model", "m"])).prefix_cache is False
+    assert engine_config(tyro.cli(ServeConfig, args=["--model", "m", "--prefix-cache"])).prefix_cache is True
