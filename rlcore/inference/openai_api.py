@@ -573,7 +573,7 @@ def _submit_all(engine: Engine, plan: Plan, on_token=None) -> tuple[list[str], l
     if on_token is None:
         cbs: list = [None] * n
     elif plan.top_logprobs:  # the token's alternatives are read on the loop thread, while the request is in flight
-        cbs = [lambda t, lp, v, k=k: on_token(k, t, lp, engine.alternatives_so_far(rids[k], 1 << 62)[0][-1])
+        cbs = [lambda t, lp, v, k=k: on_token(k, t, lp, engine.alternatives_so_far(rids[k], -1)[0][0])
                for k in range(n)]
     else:
         cbs = [lambda t, lp, v, k=k: on_token(k, t, lp, None) for k in range(n)]

@@ -378,10 +378,12 @@ class Scheduler(DecodeStep):
         return self.fwd.prompt_logprobs(torch.tensor(ids, device=self.device), start).tolist()
 
     def alternatives(self, rid: str, n: int) -> tuple[list | None, list | None]:
-        """An in-flight request's first ``n`` ``output_top_logprobs`` / ``output_token_ids_logprobs`` rows (None when
-        not asked or not in flight). Safe off the loop thread: the loop only appends to these lists."""
+        """An in-flight request's first ``n`` ``output_top_logprobs`` / ``output_token_ids_logprobs`` rows (the last
+        ``-n`` for a negative ``n``; None when not asked or not in flight). Safe off the loop thread: the loop only
+        appends to these lists."""
         r = self.by_rid.get(rid)
-        return (None, None) if r is None else (r.out_top and r.out_top[:n], r.out_tid and r.out_tid[:n])
+        cut = slice(None, n) if n >= 0 else slice(n, None)
+        return (None, None) if r is None else (r.out_top and r.out_top[cut], r.out_tid and r.out_tid[cut])
 
     def prompt_scores(self, ids: list[int], start: int, k: int, token_ids: list[int]) -> dict:
         """``prompt_logprobs`` with SGLang's prompt alternatives: ``{"logprobs": [...], "top": [[(id, lp)] * k per
