@@ -172,8 +172,9 @@ class DecodeStep:
 
             rows, x = p.grammar_rows, logits.to(torch.float32)
             allowed = masks(p.constraints, x.shape[-1], x.device)
-            if not bool(allowed.any(-1).all()):  # a grammar no token of this vocabulary can continue
-                raise EngineError("the request's grammar (regex / json_schema / ebnf) allows no token of this "
+            stuck = (~allowed.any(-1)).nonzero().flatten().tolist()
+            if stuck:  # a grammar no token of this vocabulary can continue
+                raise EngineError(f"{p.constraints[stuck[0]].field}: the grammar allows no token of this "
                                   "tokenizer's vocabulary here; check that the vocabulary can spell it")
             logits = x.index_copy(0, rows, x.index_select(0, rows).masked_fill(~allowed, -math.inf))
         u = counter_uniform(p.seed, pos)  # keyed by absolute position: a resubmission continues the stream

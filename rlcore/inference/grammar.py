@@ -75,7 +75,7 @@ def compile_constraint(tokenizer: Any, vocab_size: int, grammar: tuple[str, str]
     try:
         import xgrammar as xgr
 
-        return Constraint(xgr.GrammarMatcher(_compiled(tokenizer, vocab_size, kind, spec)), vocab_size)
+        return Constraint(xgr.GrammarMatcher(_compiled(tokenizer, vocab_size, kind, spec)), vocab_size, kind)
     except EngineError:
         raise
     except Exception as e:  # xgrammar's parse errors (RuntimeError / ValueError) name the position
@@ -85,8 +85,13 @@ def compile_constraint(tokenizer: Any, vocab_size: int, grammar: tuple[str, str]
 class Constraint:
     """One request's grammar state (an ``xgrammar.GrammarMatcher``)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: Any, vocab_size: int, kind: str = "regex") -> None:
+        self.matcher, self.vocab_size, self.kind = matcher, vocab_size, kind
+
+    @property
+    def field(self) -> str:
+        """The request field that set this grammar (for error messages)."""
+        return "response_format" if self.kind == "json_object" else f"sampling_params.{self.kind} ({self.kind})"
 
     def accept(self, token: int) -> bool:
         """Advance with a committed token; False if the grammar does not allow it (the mask should prevent it)."""

@@ -306,7 +306,7 @@ BAD_CHAT = [
     ({"stop": ""}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"seed": 1.5}, "seed"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
 ]
