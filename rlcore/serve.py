@@ -66,6 +66,8 @@ class ServeConfig:
     fused_projections: Literal["auto", "on", "off"] = "auto"
     """One GEMM for each attention's q/k/v and each MLP's gate/up projections (``EngineConfig.fused_projections``;
     auto: on with CUDA, docs/engine.md)."""
+    prefix_cache: bool = False
+    """Reuse finished requests' KV for later prompts with the same prefix (``EngineConfig.prefix_cache``)."""
     seed: int = 0
     """Seed for per-request seeds of requests that bring none."""
     weight_version: int = 0
@@ -151,6 +153,7 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
         decode_attention=cfg.decode_attention,
         overlap_decode={"auto": "auto", "on": True, "off": False}[cfg.overlap_decode],
         fused_projections={"auto": "auto", "on": True, "off": False}[cfg.fused_projections],
+        prefix_cache=cfg.prefix_cache,
     )
 
 

@@ -11,15 +11,17 @@ per bad field with its location, and is strict here (no ``"2"`` -> 2, no ``true`
 Every way in goes through ``parse_body`` (raw bytes -> JSON object: invalid JSON, NaN/Infinity, 100k-deep
 nesting, invalid UTF-8 and lone surrogates are 400s) and ``validate`` (JSON object -> model; the first
 pydantic error becomes an ``OpenAIError`` whose ``param`` is the field, e.g. ``messages[0].tool_calls``).
-``check_supported`` refuses, for both servers alike, what the engine cannot honour: ``top_logprobs > 0``,
-forced tool calls (``tool_choice="required"`` or a named function), ``response_format`` other than text,
-the deprecated functions API, audio and non-text message parts.
+``check_supported`` refuses what the calling server cannot honour: SGLang's fields that neither server implements
+(``SGLANG_REFUSED``), forced tool calls (``tool_choice="required"`` or a named function), the deprecated functions
+API, audio and non-text message parts, and the fields only ``rlcore.serve`` implements (``ENGINE_FIELDS``: top
+log-probs, ``logit_bias``, ``min_p``, grammars, ...) when the caller (the agent proxy) does not.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -213,6 +215,22 @@ class _Sampling(_Model):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     lora_path: str | list[str | None] | None = None
     """A loaded LoRA adapter's name (or one per prompt); ``model="<base>:<adapter>"`` wins over it."""
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    stop_regex: str | list[str] | None = None
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def stop_regexes(self) -> tuple[str, ...]:
+        """``stop_regex`` as a tuple (each compiled: a bad pattern is a 400 naming the field)."""
+        pats = () if self.stop_regex is None else (self.stop_regex,) if isinstance(self.stop_regex, str) \
+            else tuple(self.stop_regex)
+        for x in pats:
+            try:
+                re.compile(x)
+            except re.error as e:
+                raise OpenAIError(f"stop_regex: {x!r} is not a valid regular expression ({e})", "stop_regex") from None
+        return pats
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -256,6 +274,10 @@ class ChatRequest(_Sampling):
     function_call: Any = None
     audio: Any = None
     prediction: Any = None
+    continue_final_message: bool = False
+    """Continue the last (assistant) message instead of opening a new one (SGLang's and vLLM's extension)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments of the chat template (e.g. ``{"enable_thinking": false}``)."""
 
     @property
     def max_new(self) -> tuple[str, int | None]:
@@ -349,8 +371,96 @@ def _refuse(req: BaseModel, key: str, why: str) -> None:
     raise OpenAIError(f"{key} is not supported by this server: {why}", key)
 
 
-def check_supported(req: ChatRequest) -> None:
-    """Refuse (400 naming the field) what neither server honours; shared so both answer alike."""
+ENGINE_FIELDS = frozenset({
+    "top_logprobs", "logprobs_k", "logit_bias", "min_p", "stop_regex", "no_stop_trim", "continue_final_message",
+    "chat_template_kwargs", "regex", "ebnf", "json_schema", "response_format",
+})
+"""Fields ``rlcore.serve``'s OpenAI routes honour beyond what every server here does (``check_supported``'s
+``honoured``); the agent proxy honours none of them and refuses them. ``logprobs_k``: completions ``logprobs > 0``."""
+
+_WHY_PROXY = "the agent proxy does not implement it; send it to rlcore.serve's /v1 routes or drop it"
+
+
+def _set(x: Any, default: Any = None) -> bool:
+    """A field counts as given when it is not null and not its default (an empty string, list or object counts as
+    not given where the default is null)."""
+    if x is None or (x == default and type(x) is type(default)):
+        return False
+    return not (default is None and isinstance(x, (dict, list, str)) and not x)
+
+
+SGLANG_REFUSED: dict[str, tuple[Any, str]] = {
+    # field: (SGLang's default, why this server refuses a non-default value)
+    "return_hidden_states": (False, "hidden states are not returned"),
+    "return_routed_experts": (False, "MoE routing is not exposed"),
+    "routed_experts_start_len": (0, "MoE routing is not exposed"),
+    "return_cached_tokens_details": (False, "there is no prefix cache across requests (cached_tokens is 0)"),
+    "return_spec_tokens_details": (False, "there is no speculative decoding"),
+    "return_prompt_token_ids": (False, "use /generate (input_ids) or /tokenize for token ids"),
+    "return_token_ids": (False, "use /generate (output_ids) for token ids"),
+    "return_meta_info": (False, "use /generate for meta_info"),
+    "return_input_ids_in_sglext": (False, "use /generate (input_ids) or /tokenize for token ids"),
+    "return_output_ids_in_sglext": (False, "use /generate (output_ids) for token ids"),
+    "return_sampling_mask": (False, "sampling masks are not returned"),
+    "sampling_logprobs_mode": (None, "log-probs are always those of the distribution sampled (docs/engine.md)"),
+    "return_flat_raw_output_top_logprobs": (False, "top log-probs come in the nested OpenAI shape only"),
+    "return_flat_raw_top_logprobs_b64": (True, "top log-probs come in the nested OpenAI shape only"),
+    "reasoning_effort": (None, "the server has no reasoning parser; put the setting in chat_template_kwargs"),
+    "thinking": (None, "the server has no reasoning parser; put the setting in chat_template_kwargs"),
+    "task": (None, "no task-specific serving"),
+    "separate_reasoning": (True, "the server has no reasoning parser (reasoning_content is always null)"),
+    "stream_reasoning": (True, "the server has no reasoning parser (reasoning_content is always null)"),
+    "session_id": (None, "sessions are not kept; send the whole conversation"),
+    "session_params": (None, "sessions are not kept; send the whole conversation"),
+    "max_dynamic_patch": (None, "text-only models"),
+    "min_dynamic_patch": (None, "text-only models"),
+    "use_audio_in_video": (False, "text-only models"),
+    "images_config": (None, "text-only models"),
+    "video_config": (None, "text-only models"),
+    "mm_processor_kwargs": (None, "text-only models"),
+    "custom_logit_processor": (None, "custom logit processors do not run in this server"),
+    "custom_params": (None, "custom logit processors do not run in this server"),
+    "watermark": (None, "watermarking is not available"),
+    "input_ids": (None, "send messages (chat) or use /v1/completions / /generate with token ids"),
+    "rid": (None, "the OpenAI routes name their own request ids; use /generate to choose rids"),
+    "priority": (None, "there is no priority scheduling"),
+    "data_parallel_rank": (None, "there is one data-parallel rank"),
+    "routed_dp_rank": (None, "there is one data-parallel rank"),
+    "disagg_prefill_dp_rank": (None, "prefill/decode disaggregation is not available"),
+    "bootstrap_host": (None, "prefill/decode disaggregation is not available"),
+    "bootstrap_port": (None, "prefill/decode disaggregation is not available"),
+    "bootstrap_room": (None, "prefill/decode disaggregation is not available"),
+    "skip_special_tokens": (True, "text is always decoded with special tokens skipped; use /generate for them"),
+    "parallel_tool_calls": (True, "every tool call the model writes is returned (no constrained decoding)"),
+}
+"""SGLang's OpenAI request fields (``ChatCompletionRequest``, ``CompletionRequest``, 0.5.23) this server refuses
+with a 400 naming them when given a value other than SGLang's default (docs/engine.md, "OpenAI-compatible API")."""
+
+SGLANG_NO_EFFECT: dict[str, str] = {
+    "user": "OpenAI's end-user id; SGLang records it only",
+    "extra_key": "a prefix-cache namespace: without EngineConfig.prefix_cache there is no cache to partition",
+    "cache_salt": "a prefix-cache salt: without EngineConfig.prefix_cache there is no cache to salt",
+    "custom_labels": "metrics labels; SGLang only tags its metrics with them",
+}
+"""SGLang fields accepted without changing anything, because they change nothing in SGLang's output either."""
+
+
+def check_sglang_fields(req: BaseModel, body: dict) -> None:
+    """400 naming the first SGLang field of ``body`` this server refuses (``SGLANG_REFUSED``)."""
+    for key, (default, why) in SGLANG_REFUSED.items():
+        if key in body and _set(body[key], default):
+            raise OpenAIError(f"{key} is not supported by this server: {why}", key)
+
+
+def check_supported(req: ChatRequest, honoured: frozenset[str] = frozenset()) -> None:
+    """Refuse (400 naming the field) what the server does not honour; shared so both answer alike. ``honoured``:
+    the ``ENGINE_FIELDS`` the calling server implements (``rlcore.serve``: all; the agent proxy: none)."""
+    body = {**(req.model_extra or {}), **{k: getattr(req, k) for k in req.model_fields_set}}
+    check_sglang_fields(req, body)
+    for key in sorted(ENGINE_FIELDS - honoured - {"logprobs_k", "top_logprobs", "response_format"}):
+        default = {"no_stop_trim": False, "continue_final_message": False}.get(key)
+        if _set(getattr(req, key, None), default):
+            raise OpenAIError(f"{key} is not supported by this server: {_WHY_PROXY}", key)
     if (
         req.max_tokens is not None
         and req.max_completion_tokens is not None
@@ -359,7 +469,7 @@ def check_supported(req: ChatRequest) -> None:
         raise OpenAIError("give only one of max_completion_tokens and max_tokens (deprecated)", "max_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
-    if req.top_logprobs:
+    if req.top_logprobs and "top_logprobs" not in honoured:
         raise OpenAIError(
             f"top_logprobs={req.top_logprobs} asks for alternatives, which the engine does not compute; omit it "
             "(or pass 0): logprobs: true returns each sampled token's log-prob with top_logprobs: []",
@@ -371,7 +481,10 @@ def check_supported(req: ChatRequest) -> None:
             "which the engine does not do; use 'auto' or 'none'",
             "tool_choice",
         )
-    if req.response_format is not None and req.response_format.type != "text":
+    if req.continue_final_message and (not req.messages or req.messages[-1].role != "assistant"):
+        raise OpenAIError("continue_final_message needs the last message to be the assistant's", "messages")
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text" and "response_format" not in honoured:
         raise OpenAIError(
             f'response_format {{"type": "{req.response_format.type}"}} is not supported (no constrained '
             'decoding); omit it or pass {"type": "text"}',
@@ -379,7 +492,6 @@ def check_supported(req: ChatRequest) -> None:
         )
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options is only allowed with stream: true", "stream_options")
-    _refuse(req, "logit_bias", "the engine has no per-token logit bias; drop it")
     for key in ("functions", "function_call"):
         _refuse(req, key, "the deprecated functions API is not implemented; use tools")
     for key in ("audio", "prediction"):
@@ -418,11 +530,19 @@ def normalize_message(m: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- response shapes
-def chat_logprobs(pieces: list[str], logps: list[float]) -> dict:
-    """Chat ``logprobs``: one ``{token, logprob, bytes, top_logprobs: []}`` per sampled token."""
+def _utf8(p: str) -> list[int]:
+    return list(p.encode("utf-8", "surrogatepass"))
+
+
+def chat_logprobs(pieces: list[str], logps: list[float], tops: list | None = None) -> dict:
+    """Chat ``logprobs``: one ``{token, logprob, bytes, top_logprobs}`` per sampled token; ``tops[i]``, when given,
+    is token ``i``'s ``(text, log-prob)`` alternatives, most likely first (OpenAI's ``top_logprobs``), else ``[]``.
+    A log-prob of ``-inf`` (a token the sampler could not draw) is sent as -9999.0, as JSON has no infinity."""
+    tops = tops or [[] for _ in pieces]
     content = [
-        {"token": p, "logprob": lp, "bytes": list(p.encode("utf-8", "surrogatepass")), "top_logprobs": []}
-        for p, lp in zip(pieces, logps)
+        {"token": p, "logprob": max(lp, -9999.0), "bytes": _utf8(p),
+         "top_logprobs": [{"token": a, "logprob": max(x, -9999.0), "bytes": _utf8(a)} for a, x in alt]}
+        for p, lp, alt in zip(pieces, logps, tops)
     ]
     return {"content": content, "refusal": None}
 

@@ -408,7 +408,7 @@ async def _get_model_info(engine: Engine, p: dict) -> tuple[int, dict]:
 async def _models(engine: Engine, p: dict) -> tuple[int, dict]:
     """OpenAI's ``GET /v1/models`` as SGLang answers it: the base model's card, then one card per loaded LoRA
     adapter (``id`` its name, ``root`` its path, ``parent`` the base, ``max_model_len`` null)."""
-    name = engine.model_path or "rlcore-engine"
+    name = getattr(engine, "served_model_name", None) or engine.model_path or "rlcore-engine"
     card = {"object": "model", "created": _STARTED, "owned_by": "rlcore"}
     data = [{"id": name, **card, "root": name, "parent": None, "max_model_len": engine.max_seq_len}]
     data += [{"id": a, **card, "root": path, "parent": name, "max_model_len": None}

@@ -15,8 +15,17 @@ from typing import Any
 
 import torch
 
+from rlcore.inference.protocol import EngineError
 from rlcore.inference.requests import Request as _Request
-from rlcore.inference.sampling import RowParams, counter_uniform, process_logits, row_params, sample_tokens
+from rlcore.inference.sampling import (
+    RowParams,
+    counter_uniform,
+    distribution_logprobs,
+    process_logits,
+    row_params,
+    sample_tokens,
+    top_logprobs,
+)
 
 
 def _error_reason(message: str, status: int = 500) -> dict:
@@ -40,6 +49,9 @@ class _Inflight:
     """Weight version the step ran under (its tokens' label)."""
     t_prefill: float | None
     """When the prefill behind this step started (None for a decode step)."""
+    alts: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    """Rows that asked for alternatives: ``(batch rows, top values (j k), top ids (j k), chosen-id values (j w)
+    or None)`` on the host (None: no row asked)."""
 
 
 
@@ -59,7 +71,12 @@ class DecodeStep:
 
     def params(self, rs: list[_Request]) -> RowParams:
         sps, seeds, slots = [r.sampling for r in rs], [r.seed for r in rs], [r.slot for r in rs]
-        return row_params(sps, seeds, slots, eos_ids=self.eos_ids, vocab_size=self.vocab_size, device=self.device)
+        p = row_params(sps, seeds, slots, eos_ids=self.eos_ids, vocab_size=self.vocab_size, device=self.device)
+        g = [i for i, r in enumerate(rs) if r.constraint is not None]
+        if g:
+            p.grammar_rows = torch.tensor(g, dtype=torch.long, device=self.device)
+            p.constraints = [rs[i].constraint for i in g]
+        return p
 
     def decode(self) -> None:
         """One decode step. With ``overlap`` the next step is launched (on the tokens this one sampled, still on
@@ -95,7 +112,7 @@ class DecodeStep:
         writes into."""
         if not self.overlap or self.dirty or self.inflight is None or self.inflight.failed or not self.running:
             return False
-        if self.sp is None or self.sp.proc is not None or any(r.cow for r in self.running):
+        if self.sp is None or self.sp.proc is not None or self.sp.constraints or any(r.cow for r in self.running):
             return False
         bs = self.pool.block_size
         need = sum(1 for r in self.running if (len(r.prompt) + len(r.out_ids)) // bs >= len(r.blocks))
@@ -146,11 +163,31 @@ class DecodeStep:
     def sample(
         self, logits: torch.Tensor, p: RowParams, count: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids (m,), logp (m,))`` for ``logits (m v)``; records the penalised rows' new tokens."""
+        """``(ids (m,), logp (m,))`` for ``logits (m v)``; records the penalised rows' new tokens. Rows that ask
+        for alternatives (``p.lp_rows``) get them in ``self.alts``, from the same processed logits."""
         if p.proc is not None:
             logits = process_logits(logits, p.proc, self.counts, count)
+        if p.constraints:  # grammar rows: tokens the grammar does not allow next get -inf (after bias / penalties)
+            from rlcore.inference.grammar import masks
+
+            rows, x = p.grammar_rows, logits.to(torch.float32)
+            allowed = masks(p.constraints, x.shape[-1], x.device)
+            stuck = (~allowed.any(-1)).nonzero().flatten().tolist()
+            if stuck:  # a grammar no token of this vocabulary can continue
+                raise EngineError(f"{p.constraints[stuck[0]].field}: the grammar allows no token of this "
+                                  "tokenizer's vocabulary here; check that the vocabulary can spell it")
+            logits = x.index_copy(0, rows, x.index_select(0, rows).masked_fill(~allowed, -math.inf))
         u = counter_uniform(p.seed, pos)  # keyed by absolute position: a resubmission continues the stream
-        ids, logp = sample_tokens(logits, p.temperature, p.top_p, p.top_k, u, filtered=p.filtered)
+        ids, logp = sample_tokens(logits, p.temperature, p.top_p, p.top_k, u, filtered=p.filtered, min_p=p.min_p)
+        self.alts = None
+        if p.lp_rows is not None:
+            rows = p.lp_rows
+            mp = None if p.min_p is None else p.min_p.index_select(0, rows)
+            full = distribution_logprobs(
+                logits.index_select(0, rows), p.temperature.index_select(0, rows), p.top_p.index_select(0, rows),
+                p.top_k.index_select(0, rows), filtered=p.filtered, min_p=mp,
+            )  # (j v): the distribution each row draws from
+            self.alts = (rows, *top_logprobs(full, p.lp_k, p.lp_ids))
         if p.proc is not None and p.proc.pen_rows is not None:
             assert self.counts is not None
             k = p.proc.pen_rows.shape[0]
@@ -194,8 +231,10 @@ class DecodeStep:
         failed: dict[int, BaseException] = {}
         try:
             ids, logp = self.sample(logits, params, count, pos)
+            alts = self.alts
         except Exception:
             ids, logp, failed = self.sample_rows(logits, rows, count, pos)
+            alts = None  # (row by row: the alternatives of the rows that asked are lost for this step only)
         if not self.dirty:  # decode: advance the device-side row state without rebuilding it
             self.tok = ids
             self.pos = self.pos + 1
@@ -208,7 +247,11 @@ class DecodeStep:
             event.record()
         else:
             host = both
-        return _Inflight(rows, host, event, failed, self.version, t_prefill)
+        host_alts = None
+        if alts is not None:  # rows asking for top-k log-probs: a small synchronous copy (j x k values)
+            lp_rows, vals, top_ids, chosen = alts
+            host_alts = (lp_rows.tolist(), vals.cpu(), top_ids.cpu(), None if chosen is None else chosen.cpu())
+        return _Inflight(rows, host, event, failed, self.version, t_prefill, host_alts)
 
     def land(self, inf: _Inflight) -> None:
         """Wait for a launched step's tokens (one device->host copy) and commit them: append, stream, finish rows
@@ -224,6 +267,12 @@ class DecodeStep:
         done: list[tuple[_Request, dict]] = []
         ver, limit, bs, eos, due = inf.version, self.max_seq_len, self.pool.block_size, self.eos_ids, self.due
         committed = 0
+        alt_of: dict[int, int] = {}
+        if inf.alts is not None:
+            alt_rows, alt_vals, alt_ids, alt_chosen = inf.alts
+            alt_of = {b: j for j, b in enumerate(alt_rows)}
+            alt_vals, alt_ids = alt_vals.tolist(), alt_ids.tolist()
+            alt_chosen = None if alt_chosen is None else alt_chosen.tolist()
         for i, (r, t, lp) in enumerate(zip(rows, ids_l, logp_l)):
             if r.slot < 0:  # finished (or left) after this step was launched ahead: every exit resets the slot
                 self.stats["decode_rows_discarded"] += 1
@@ -233,13 +282,20 @@ class DecodeStep:
                 e = failed.get(i)
                 why = f"{type(e).__name__}: {e}" if e is not None else f"non-finite log-prob {lp} (check the weights)"
                 self.stats["request_errors"] += 1
-                done.append((r, _error_reason(f"engine error in the sampling step: {why}")))
+                status = 400 if isinstance(e, EngineError) else 500  # the request's own settings cannot run
+                done.append((r, _error_reason(f"engine error in the sampling step: {why}", status)))
                 self.dirty = True
                 continue
             out = r.out_ids
             out.append(t)
             r.out_logp.append(lp)
             r.out_ver.append(ver)
+            if i in alt_of:
+                j, sp = alt_of[i], r.sampling
+                if r.out_top is not None:
+                    r.out_top.append(list(zip(alt_ids[j][: sp.top_logprobs_num], alt_vals[j][: sp.top_logprobs_num])))
+                if r.out_tid is not None and alt_chosen is not None:
+                    r.out_tid.append(alt_chosen[j][: len(sp.token_ids_logprob)])
             total = len(r.prompt) + len(out)
             if r.cow or (total - 1) % bs == 0:  # the next write starts a block
                 due.append(r)
@@ -248,9 +304,16 @@ class DecodeStep:
             if r.on_token is not None:
                 self.notify(r, t, lp, ver)
             sp = r.sampling
-            if t in sp.stop_token_ids or (not sp.ignore_eos and t in eos):
+            if r.constraint is not None and not r.constraint.accept(t):
+                self.stats["request_errors"] += 1
+                done.append((r, _error_reason(f"engine error: token {t} is not allowed by the request's grammar")))
+            elif t in sp.stop_token_ids or (not sp.ignore_eos and t in eos):
+                done.append((r, {"type": "stop", "matched": t}))
+            elif r.constraint is not None and r.constraint.done:  # the grammar ended (it accepted a stop token)
                 done.append((r, {"type": "stop", "matched": t}))
             elif r.stop_window and (hit := self.match_stop(r)) is not None:
+                done.append((r, {"type": "stop", "matched": hit}))
+            elif r.stop_regex and (hit := self.match_stop_regex(r)) is not None:
                 done.append((r, {"type": "stop", "matched": hit}))
             elif len(out) >= sp.max_new_tokens or total >= limit:
                 done.append((r, {"type": "length", "length": len(out)}))
@@ -268,6 +331,16 @@ class DecodeStep:
         for x in r.stops:
             if x in tail:
                 return x
+        return None
+
+    def match_stop_regex(self, r: _Request) -> str | None:
+        """The text the first of ``r.stop_regex`` matches in the decoded output (the whole output is searched, as
+        a pattern can span any number of tokens; only requests with ``stop_regex`` pay for it), or None."""
+        text = self.tokenizer.decode(r.out_ids, skip_special_tokens=False)
+        for pat in r.stop_regex:
+            m = pat.search(text)
+            if m is not None and m.group(0):
+                return m.group(0)
         return None
 
     def notify(self, r: _Request, t: int, lp: float, ver: int) -> None:

@@ -38,12 +38,13 @@ from torch import nn
 from rlcore.inference import architectures, fusions, projections
 from rlcore.inference.attention import grouped_heads, install_engine_attention
 from rlcore.inference.blocks import BlockTables, build_kv_cache
+from rlcore.inference.checks import check_request
 from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward
 from rlcore.inference.lora import LoraSlots
 from rlcore.inference.protocol import EngineBusy, EngineError, GenerateOutput, SamplingParams, new_rid
-from rlcore.inference.sampling import check_request, stop_strings, uses_penalty
-from rlcore.inference.scheduler import PauseMode, Scheduler, _Request
+from rlcore.inference.requests import new_request
+from rlcore.inference.scheduler import PauseMode, Scheduler
 from rlcore.inference.weight_updates import WeightUpdates
 from rlcore.inference.weights import DTYPES, cast_model, init_custom_process_group
 
@@ -145,7 +146,9 @@ class EngineConfig:
     token carries the version it was sampled under and its log-prob is exactly that of the distribution it was
     drawn from (what decoupled PPO needs), but under ``keep`` the post-load log-probs are not those of a
     teacher-forced forward of the new weights. A new request never shares prompt KV computed under older weights
-    (prefix joins need the current epoch) in either mode."""
+    (prefix joins and the prefix cache need the current epoch) in either mode."""
+    prefix_cache: bool = False
+    """Reuse finished requests' full KV blocks for later prompts with the same prefix (``prefix_cache.py``)."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -247,6 +250,7 @@ class Engine(WeightUpdates):
             raise EngineError("Engine(model=...) must be an nn.Module or a local model directory path")
         self.model = cast_model(model, self.device, self.dtype).eval()  # RoPE tables, routers stay float32
         self.model_path = model_path
+        self.served_model_name = model_path  # /v1/models' id; model_path follows disk loads (SGLang's)
         self.tokenizer_path = tokenizer_path or (model_path if tokenizer is not None else None)
         mcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_seq_len, self.context_limit = architectures.context_length(mcfg, cfg.max_seq_len)
@@ -450,6 +454,9 @@ class Engine(WeightUpdates):
         r = self._s.by_rid.get(rid)
         return None if r is None else len(r.out_ids)
 
+    def alternatives_so_far(self, rid: str, n: int) -> tuple[list | None, list | None]:
+        return self._s.alternatives(rid, n)  # the first n rows of an in-flight request's alternatives (streaming)
+
     # -- submission ---------------------------------------------------------------------------------------------
 
     def submit(
@@ -472,18 +479,10 @@ class Engine(WeightUpdates):
         prompt = [int(t) for t in input_ids]
         sampling = self.check(prompt, sampling)
         if self.num_waiting >= self.cfg.max_waiting:
-            raise EngineBusy(
-                f"the engine's waiting queue is full ({self.cfg.max_waiting} requests, "
-                "EngineConfig.max_waiting); retry later"
-            )
+            raise EngineBusy(f"the engine's waiting queue is full ({self.cfg.max_waiting} requests, "
+                             "EngineConfig.max_waiting); retry later")
         seed = int(sampling.seed) if sampling.seed is not None else self._rng.getrandbits(62)
-        req = _Request(rid or new_rid(), prompt, sampling, seed, cf.Future(), on_token=on_token)
-        req.stops = stop_strings(sampling)
-        if req.stops:
-            # A stop string completed by the newest token starts within its last len(utf-8 bytes) tokens
-            # (every token decodes to at least one byte), so one more token of context is enough.
-            req.stop_window = max(len(x.encode("utf-8")) for x in req.stops) + 1
-        req.penalized = uses_penalty(sampling)
+        req = new_request(rid or new_rid(), prompt, sampling, seed, cf.Future(), on_token, self)
         if self._thread is None:
             raise RuntimeError("Engine is not started; use `with Engine(...) as eng:` or call start()")
         self._inbox_reqs.append(None)  # deque appends and pops are atomic: submit may run on any thread
@@ -509,7 +508,7 @@ class Engine(WeightUpdates):
         return await asyncio.wrap_future(self.submit(input_ids, sampling, rid))
 
     def check(self, prompt: list[int], sampling: SamplingParams) -> SamplingParams:
-        """Validate a request against this model (``sampling.check_request``); returns the settings it runs."""
+        """Validate a request against this model (``checks.check_request``); returns the settings it runs."""
         return check_request(
             prompt,
             sampling,
@@ -570,8 +569,7 @@ class Engine(WeightUpdates):
         dist.destroy_process_group(pg)
 
     def flush_cache(self) -> bool:
-        """True when idle (nothing to flush: no prefix cache is kept); False while requests are in flight."""
-        return self._call(lambda: not (self._s.running or self._s.waiting))
+        return self._call(self._s.flush)  # SGLang's /flush_cache: drops the prefix cache when idle (else False)
 
     def release_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
         """Free the KV cache and/or move the weights to host memory (``tags`` from ``MEMORY_TAGS``; default all)
@@ -591,8 +589,7 @@ class Engine(WeightUpdates):
         return [self._s.resume_memory(tags), projections.rebind(self.model)][0]  # re-fuse weights moved apart
 
     def prompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
-        """Log-probs of ``input_ids[start + 1:]`` given their prefixes under the loaded weights (raw, no
-        temperature); runs on the loop thread between two steps (``Scheduler.prompt_logprobs``)."""
+        """Raw log-probs of ``input_ids[start + 1:]`` given their prefixes, on the loop thread (``Scheduler``'s)."""
         return self._call(lambda: self._s.prompt_logprobs(list(input_ids), int(start)))
 
     # -- awaitable control (the same commands; no thread is held while the loop gets to them) ------------------
@@ -618,7 +615,7 @@ class Engine(WeightUpdates):
 
     async def aflush_cache(self) -> bool:
         """Awaitable ``flush_cache``."""
-        return await asyncio.wrap_future(self._command(lambda: not (self._s.running or self._s.waiting)))
+        return await asyncio.wrap_future(self._command(self._s.flush))
 
     async def arelease_memory_occupation(self, tags: Iterable[str] | None = None) -> list[str]:
         """Awaitable ``release_memory_occupation``."""
@@ -632,8 +629,11 @@ class Engine(WeightUpdates):
 
     async def aprompt_logprobs(self, input_ids: list[int], start: int) -> list[float]:
         """Awaitable ``prompt_logprobs``."""
-        ids = list(input_ids)
-        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_logprobs(ids, int(start))))
+        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_logprobs(list(input_ids), int(start))))
+
+    async def aprompt_scores(self, input_ids: list[int], start: int, k: int = 0, token_ids: list[int] = ()) -> dict:
+        """Awaitable ``Scheduler.prompt_scores`` (``aprompt_logprobs`` with ``input_top_logprobs``)."""
+        return await asyncio.wrap_future(self._command(lambda: self._s.prompt_scores(input_ids, start, k, token_ids)))
 
     async def arun_control(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run blocking control work ``fn(*args)`` on the engine's own bounded thread pool and await it.
@@ -681,7 +681,7 @@ class Engine(WeightUpdates):
                 self._inbox_reqs.pop()
                 r = item[1]
                 if r.rid in self._s.by_rid:
-                    r.future.set_exception(EngineError(f"rid {r.rid!r} is already in flight; use a unique rid"))
+                    r.future.set_exception(EngineError(f"Duplicate request ID detected: {r.rid} (use a unique rid)"))
                 else:
                     self._s.accept(r)
             else:

@@ -115,12 +115,17 @@ class PagedKVCache(DynamicCache):
         kp, vp = self._pools(key_states, value_states, layer_idx)
         kflat = kp.view(-1, kp.shape[2], kp.shape[3])  # (slots h d)
         vflat = vp.view(-1, vp.shape[2], vp.shape[3])
-        if self.mode == "prefill":
+        if self.mode in ("prefill", "extend"):
             kflat.index_copy_(0, self.slots, key_states.transpose(1, 2).reshape(-1, kp.shape[2], kp.shape[3]))
             vflat.index_copy_(
                 0, self.slots, value_states.transpose(1, 2).reshape(-1, vp.shape[2], vp.shape[3])
             )
-            return key_states, value_states
+            if self.mode == "prefill":
+                return key_states, value_states
+            # extend (one row): its new tokens attend over every block of its table, cached prefix included
+            kg, vg = kp.index_select(0, self.gather), vp.index_select(0, self.gather)  # (nb bs h d)
+            return (kg.reshape(1, -1, kp.shape[2], kp.shape[3]).transpose(1, 2),
+                    vg.reshape(1, -1, vp.shape[2], vp.shape[3]).transpose(1, 2))  # (1 h T d)
         # decode: one query per row; key_states (b h 1 d)
         if self.gather is None:  # paged decode: the kernel writes the new K/V and reads the pools in place
             attention.CTX.new_kv = (key_states[:, :, 0], value_states[:, :, 0], self.slots)
@@ -257,6 +262,25 @@ class ModelForward:
         logits = self.model(**kwargs).logits[0, -(n + 1) : -1].float()  # (n v): predicts ids[start+1:]
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[start + 1 :, None])[:, 0]
 
+    def prompt_scores(
+        self, ids: torch.Tensor, start: int, k: int, token_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``prompt_logprobs`` plus, at each of its positions, the ``k`` most likely tokens and the log-probs of
+        ``token_ids (w,)`` (raw ``log_softmax``, as SGLang's ``input_top_logprobs`` / ``input_token_ids_logprobs``).
+
+        Returns:
+          ``(n,)`` the prompt tokens' log-probs, ``(n k)`` top values (descending), ``(n k)`` their ids and
+          ``(n w)`` the chosen ids' log-probs (None without ``token_ids``), ``n = L - 1 - start``.
+        """
+        n = ids.shape[0] - 1 - start
+        kwargs: dict[str, Any] = {"input_ids": ids[None], "use_cache": False}
+        if self.keep_kw is not None:
+            kwargs[self.keep_kw] = n + 1
+        lp = torch.log_softmax(self.model(**kwargs).logits[0, -(n + 1) : -1].float(), dim=-1)  # (n v)
+        vals, top = torch.topk(lp, k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        chosen = None if token_ids is None else lp.index_select(-1, token_ids)
+        return lp.gather(-1, ids[start + 1 :, None])[:, 0], vals, top, chosen
+
     def prefill_right(
         self, ids: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
     ) -> torch.Tensor:
@@ -320,6 +344,29 @@ class ModelForward:
 
         cache.mode, cache.slots = "prefill", slots
         return self(ids, pos, self._masks(allowed, dtype), cache, keep_last=True)
+
+    def extend(self, ids: torch.Tensor, start: int, blocks: torch.Tensor, cache: PagedKVCache,
+               dtype: torch.dtype) -> torch.Tensor:
+        """Prefill one row's tokens ``ids (1 L)`` at positions ``[start, start + L)`` over a prefix whose KV is
+        already in its blocks (the prefix cache): the tokens' KV go to their slots of ``blocks (nb,)`` (which cover
+        ``[0, start + L)``), every new token attends causally over all of them. Returns the last token's logits
+        ``(1 v)``."""
+        bs, n = cache.block_size, ids.shape[1]
+        pos = torch.arange(start, start + n, device=ids.device)
+        cache.slots = blocks[pos // bs] * bs + pos % bs
+        cache.gather, cache.mode, cache.rows, cache.packed = blocks, "extend", 1, False
+        cols = torch.arange(blocks.shape[0] * bs, device=ids.device)
+
+        def allowed(w):
+            ok = cols[None] <= pos[:, None]  # (L T)
+            if w is not None:
+                ok &= (pos[:, None] - cols[None]) < w
+            return ok[None, None]  # (1 1 L T)
+
+        try:
+            return self(ids, pos[None], self._masks(allowed, dtype), cache, keep_last=True)
+        finally:
+            cache.mode, cache.gather = "decode", None
 
     def decode(
         self,

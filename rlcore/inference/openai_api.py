@@ -9,10 +9,12 @@ prompt and sample; nothing is queued until the whole request is valid), then ans
 (``complete``) or as Server-Sent Events (``stream``). Bad input is a 400 in OpenAI's error shape,
 ``{"error": {"message", "type", "param", "code"}}``, whose message names the parameter and the fix.
 
-Differences from OpenAI (docs/engine.md, "OpenAI-compatible API"): the engine reports the sampled token's
-log-prob only, so alternatives (chat ``top_logprobs > 0``, completions ``logprobs > 0``) answer 400; ``echo``
-works without ``logprobs`` only; ``logit_bias``, ``suffix``, ``best_of != n``, forced ``tool_choice`` and
-non-text message parts answer 400. Text is decoded with special tokens skipped (SGLang's OpenAI default).
+Differences from OpenAI (docs/engine.md, "OpenAI-compatible API"): log-probs and their alternatives (chat
+``top_logprobs``, completions ``logprobs: k``) are those of the distribution each token was drawn from; ``echo``
+works without ``logprobs`` only; ``suffix``, ``best_of != n``, forced ``tool_choice`` and non-text message parts
+answer 400, as does every SGLang field this server does not honour (``chat.SGLANG_REFUSED``). Text is decoded with
+special tokens skipped (SGLang's OpenAI default). ``tokenize`` / ``detokenize`` serve SGLang's ``/tokenize`` and
+``/detokenize``.
 
 LoRA adapters (docs/lora.md), resolved as SGLang's ``OpenAIServingBase`` does: ``model="<base>:<adapter>"`` names
 a loaded adapter (the text after the served model's name and ``:``, else after the first ``:``; the base part is not
@@ -32,21 +34,29 @@ from aiohttp import web
 
 from rlcore.inference import control, sse
 from rlcore.inference.chat import (
+    ENGINE_FIELDS,
     MAX_N,
     ChatRequest,
     CompletionRequest,
     OpenAIError,
     chat_chunk,
     chat_logprobs,
+    check_sglang_fields,
     check_supported,
     parse_body,
     usage,
     validate,
 )
+from rlcore.inference.checks import context_advice
 from rlcore.inference.detok import StreamDecoder
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
-from rlcore.inference.protocol import SamplingParams, parallel_sampling
-from rlcore.inference.sampling import context_advice
+from rlcore.inference.protocol import (
+    BadRequest,
+    SamplingParams,
+    parallel_sampling,
+    parse_grammar,
+    parse_logit_bias,
+)
 from rlcore.inference.tool_parsers import HERMES, ParseFn, ToolParser, resolve
 
 Endpoint = Literal["completions", "chat"]
@@ -85,6 +95,11 @@ class Plan:
     lora_path: list[str | None] = dataclasses.field(default_factory=list)
     """The adapter each prompt names (``resolve_lora``), checked to be loaded; the embedded engine serves every
     request with its applied adapter (docs/lora.md), as for ``/generate``'s ``lora_path``."""
+    no_stop_trim: bool = False
+    """Keep the matched stop string at the end of the text (SGLang's ``no_stop_trim``)."""
+    top_logprobs: int = 0
+    """Alternatives per token (completions ``logprobs=k``, chat ``top_logprobs=k``): the engine's
+    ``top_logprobs_num``, of the distribution each token was drawn from."""
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -130,7 +145,7 @@ def _model_name(engine: Engine, req: ChatRequest | CompletionRequest) -> str:
 
 def served_model_name(engine: Engine) -> str:
     """The id ``/v1/models`` lists for the base model (SGLang's ``served_model_name``)."""
-    return engine.model_path or "rlcore-engine"
+    return getattr(engine, "served_model_name", None) or engine.model_path or "rlcore-engine"
 
 
 def split_model(model: str, served: str) -> tuple[str, str | None]:
@@ -174,25 +189,40 @@ def resolve_lora(engine: Engine, req: ChatRequest | CompletionRequest, n_prompts
 
 
 def _sampling(
-    engine: Engine, req: ChatRequest | CompletionRequest, endpoint: Endpoint, prompt_lens: list[int]
+    engine: Engine, req: ChatRequest | CompletionRequest, endpoint: Endpoint, prompt_lens: list[int],
+    top_logprobs: int = 0,
 ) -> list[SamplingParams]:
     """The validated sampling fields -> ``n`` engine settings. ``max_tokens`` is checked against the context."""
+    if getattr(engine.cfg, "prefix_cache", False):
+        for key in ("extra_key", "cache_salt"):
+            if (req.model_extra or {}).get(key) not in (None, "", []):
+                raise OpenAIError(f"{key} is not supported with EngineConfig.prefix_cache on: the cache is not "
+                                  "partitioned per tenant; drop it", key)
     room = engine.max_seq_len - max(prompt_lens)
     if room < 1:
         param = "messages" if endpoint == "chat" else "prompt"
         raise OpenAIError(
-            f"{param} has {max(prompt_lens)} tokens but the server's context is {engine.max_seq_len} tokens; "
-            f"shorten it{_context_advice(engine)}",
+            f"The input ({max(prompt_lens)} tokens) is longer than the model's context length ({engine.max_seq_len} "
+            f"tokens): shorten {param}{_context_advice(engine)}",
             param,
             code="context_length_exceeded",
         )
     key, want = req.max_new if isinstance(req, ChatRequest) else ("max_tokens", req.max_tokens)
     if want is None:  # completions: OpenAI's 16; chat: the rest of the context
         max_new = min(DEFAULT_COMPLETION_TOKENS, room) if endpoint == "completions" else room
-    elif want > room:
+    elif want > engine.max_seq_len:  # SGLang's serving_chat text
         raise OpenAIError(
-            f"{key}={want} plus the prompt ({max(prompt_lens)} tokens) exceeds the server's context of "
-            f"{engine.max_seq_len} tokens; lower {key} to at most {room}",
+            f"max_completion_tokens is too large: {want}. This model supports at most {engine.max_seq_len} "
+            f"completion tokens (lower {key} to at most {room} for this prompt)",
+            key,
+            code="context_length_exceeded",
+        )
+    elif want > room:  # SGLang's tokenizer-manager text
+        raise OpenAIError(
+            f"Requested token count exceeds the model's maximum context length of {engine.max_seq_len} tokens. You "
+            f"requested a total of {want + max(prompt_lens)} tokens: {max(prompt_lens)} tokens from the input "
+            f"messages and {want} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit (lower {key} to at most {room})",
             key,
             code="context_length_exceeded",
         )
@@ -221,7 +251,18 @@ def _sampling(
         "repetition_penalty": req.repetition_penalty,
         "ignore_eos": req.ignore_eos,
         "min_new_tokens": req.min_tokens,
+        "min_p": req.min_p or 0.0,
+        "stop_regex": req.stop_regexes,
+        "top_logprobs_num": top_logprobs,
     }
+    kw["grammar"] = _grammar(req)
+    if req.logit_bias:
+        try:
+            kw["logit_bias"] = parse_logit_bias(req.logit_bias, "logit_bias")
+        except BadRequest as e:
+            raise OpenAIError(str(e), "logit_bias") from None
+        if any(t >= engine.vocab_size for t, _ in kw["logit_bias"]):
+            raise OpenAIError(f"logit_bias keys must be token ids in [0, {engine.vocab_size})", "logit_bias")
     if req.stop_token_ids is not None:
         if any(t >= engine.vocab_size for t in req.stop_token_ids):
             raise OpenAIError(
@@ -229,6 +270,37 @@ def _sampling(
             )
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
     return parallel_sampling(SamplingParams(**kw), req.n)
+
+
+def _grammar(req: ChatRequest | CompletionRequest) -> tuple[str, str] | None:
+    """Constrained decoding from SGLang's ``regex`` / ``ebnf`` / ``json_schema`` extension fields or OpenAI's
+    ``response_format`` (``json_object``; ``json_schema`` with ``json_schema.schema``); one at most."""
+    extra = req.model_extra or {}
+    fmt = extra.get("response_format") if isinstance(req, CompletionRequest) else (
+        req.response_format.model_dump() if req.response_format is not None else None)
+    given: list[tuple[str, str, Any]] = [(k, k, extra[k]) for k in ("regex", "ebnf", "json_schema")
+                                         if extra.get(k) is not None]
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        given.append(("response_format", "json_object", "{}"))
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+        if schema is None:
+            raise OpenAIError("response_format json_schema needs json_schema.schema (a JSON Schema object)",
+                              "response_format")
+        given.append(("response_format", "json_schema", schema))
+    elif isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise OpenAIError(f"response_format type {fmt.get('type')!r} is not supported; use text, json_object or "
+                          "json_schema", "response_format")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise OpenAIError(f"give one of regex, ebnf, json_schema and response_format, got {[g[0] for g in given]}",
+                          given[1][0])
+    field, kind, spec = given[0]
+    try:
+        return parse_grammar(kind, spec, field)
+    except BadRequest as e:
+        raise OpenAIError(str(e), field) from None
 
 
 def _check_prompt_ids(engine: Engine, ids: list[int], param: str) -> None:
@@ -248,8 +320,8 @@ def _early_length_check(engine: Engine, body: Any) -> None:
     longest = max(len(r) if isinstance(r, list) else 0 for r in rows)
     if longest >= engine.max_seq_len:
         raise OpenAIError(
-            f"prompt has {longest} tokens but the server's context is {engine.max_seq_len} tokens; shorten it"
-            f"{_context_advice(engine)}", "prompt", code="context_length_exceeded",
+            f"The input ({longest} tokens) is longer than the model's context length ({engine.max_seq_len} tokens): "
+            f"shorten prompt{_context_advice(engine)}", "prompt", code="context_length_exceeded",
         )
 
 
@@ -266,6 +338,7 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
     list of token ids or a list of token-id lists. Raises ``OpenAIError``; queues nothing."""
     _early_length_check(engine, body)
     req = validate(CompletionRequest, body)
+    check_sglang_fields(req, body)
     tok = _require_tokenizer(engine, "completions")
     raw = req.prompt
     if isinstance(raw, str):
@@ -285,17 +358,6 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
             "suffix is not supported by this server: insertion is not implemented; put the text in prompt",
             "suffix",
         )
-    if req.logit_bias:
-        raise OpenAIError(
-            "logit_bias is not supported by this server: the engine has no per-token logit bias; drop it",
-            "logit_bias",
-        )
-    if req.logprobs is not None and req.logprobs > 0:
-        raise OpenAIError(
-            f"logprobs={req.logprobs} asks for the top alternatives, which the engine does not compute; pass "
-            "logprobs=0 to get each sampled token's log-prob (token_logprobs)",
-            "logprobs",
-        )
     if req.echo and req.logprobs is not None:
         raise OpenAIError(
             "echo with logprobs needs prompt log-probs, which the engine does not compute; drop one of them",
@@ -304,7 +366,7 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options is only allowed with stream: true", "stream_options")
     adapters = resolve_lora(engine, req, len(prompts))
-    samples = _sampling(engine, req, "completions", [len(p) for p in prompts])
+    samples = _sampling(engine, req, "completions", [len(p) for p in prompts], req.logprobs or 0)
     if req.best_of is not None and req.best_of != len(samples):
         raise OpenAIError(
             "best_of is not supported (every sample is returned); omit it or set it to n", "best_of"
@@ -325,15 +387,14 @@ def completion_plan(engine: Engine, body: Any) -> Plan:
         req.logprobs is not None,
         None,
         adapters,
+        no_stop_trim=req.no_stop_trim,
+        top_logprobs=req.logprobs or 0,
     )
 
 
-def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn = HERMES) -> Plan:
-    """Validate a ``/v1/chat/completions`` body (``ChatRequest`` + ``check_supported``, shared with the agent
-    proxy) and apply the tokenizer's chat template (``add_generation_prompt=True``). Raises ``OpenAIError``;
-    queues nothing."""
-    req = validate(ChatRequest, body)
-    check_supported(req)
+def _render_chat(engine: Engine, req: ChatRequest, add_generation_prompt: bool | None = None) -> list[int]:
+    """The chat template applied to ``req`` (``add_generation_prompt``: None opens the assistant turn unless
+    ``continue_final_message``) -> prompt ids."""
     tok = _require_tokenizer(engine, "chat")
     if getattr(tok, "chat_template", None) is None:
         raise OpenAIError(
@@ -343,16 +404,28 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
         )
     messages, tools = req.template_messages(), req.template_tools()
     try:
-        kw: dict[str, Any] = {"tools": tools} if tools else {}
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        kw: dict[str, Any] = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        if req.continue_final_message:  # the reply continues the last assistant message (no new turn)
+            kw["continue_final_message"] = True
+        gen = not req.continue_final_message if add_generation_prompt is None else add_generation_prompt
+        text = tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False, **kw)
     except Exception as e:  # template errors (role order, missing fields) are the caller's to fix
         raise OpenAIError(
             f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages"
         ) from None
-    prompt = list(tok.encode(text, add_special_tokens=False))
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn = HERMES) -> Plan:
+    """Validate a ``/v1/chat/completions`` body (``ChatRequest`` + ``check_supported``, shared with the agent
+    proxy) and apply the tokenizer's chat template (``add_generation_prompt=True``). Raises ``OpenAIError``;
+    queues nothing."""
+    req = validate(ChatRequest, body)
+    check_supported(req, ENGINE_FIELDS)
+    prompt = _render_chat(engine, req)
     _check_prompt_ids(engine, prompt, "messages")
     adapters = resolve_lora(engine, req, 1)
-    samples = _sampling(engine, req, "chat", [len(prompt)])
+    samples = _sampling(engine, req, "chat", [len(prompt)], (req.top_logprobs or 0) if req.logprobs else 0)
     return Plan(
         "chat",
         _model_name(engine, req),
@@ -364,6 +437,8 @@ def chat_plan(engine: Engine, body: Any, tool_parser: str | ToolParser | ParseFn
         req.logprobs,
         resolve(tool_parser) if req.parse_tools else None,
         adapters,
+        no_stop_trim=req.no_stop_trim,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
     )
 
 
@@ -383,6 +458,8 @@ class Choice:
     logprobs: list[float]
     starts: list[int]
     """Offset of each returned token in ``text`` (cumulative lengths of the per-token decodes)."""
+    tops: list[list[tuple[str, float]]] = dataclasses.field(default_factory=list)
+    """Per returned token, its ``top_logprobs`` alternatives as ``(text, log-prob)`` (empty lists when none asked)."""
     content: str | None = None
     """Chat: the message content (text before the first tool call, or None when that is empty)."""
     tool_calls: list[dict] = dataclasses.field(default_factory=list)
@@ -409,7 +486,7 @@ def finish_choice(engine: Engine, plan: Plan, out: GenerateOutput) -> Choice:
     text = tok.decode(ids, skip_special_tokens=True)
     kind, matched = out.finish_reason.get("type"), out.finish_reason.get("matched")
     if kind == "stop" and isinstance(matched, str) and (pos := text.find(matched)) >= 0:
-        text = text[:pos]
+        text = text[: pos + len(matched)] if plan.no_stop_trim else text[:pos]
     finish = {"stop": "stop", "length": "length"}.get(kind, "abort")
     pieces: list[str] = []
     logps: list[float] = []
@@ -418,7 +495,8 @@ def finish_choice(engine: Engine, plan: Plan, out: GenerateOutput) -> Choice:
         pieces, starts = _pieces(tok, ids)
         keep = sum(s < len(text) for s in starts) if kind == "stop" else len(ids)
         pieces, starts, logps = pieces[:keep], starts[:keep], list(out.output_logprobs[:keep])
-    choice = Choice(text, finish, matched if kind == "stop" else None, pieces, logps, starts, content=text)
+    tops = alternatives(tok, (out.output_top_logprobs or [])[: len(pieces)], len(pieces))
+    choice = Choice(text, finish, matched if kind == "stop" else None, pieces, logps, starts, tops, content=text)
     if plan.tool_parser is not None:
         choice.content, choice.tool_calls = plan.tool_parser.parse(text)
         if choice.tool_calls and finish != "abort":
@@ -426,11 +504,37 @@ def finish_choice(engine: Engine, plan: Plan, out: GenerateOutput) -> Choice:
     return choice
 
 
-def _completion_logprobs(pieces: list[str], logps: list[float], starts: list[int], offset: int) -> dict:
+MASKED_LOGPROB = -9999.0
+"""What a log-prob of ``-inf`` (a token outside the sampled distribution: top-k / top-p / min-p, a -100 bias) is
+reported as on the OpenAI routes, vLLM's convention: JSON has no infinity."""
+
+
+def json_logprob(x: float) -> float:
+    """``x``, with ``-inf`` as ``MASKED_LOGPROB``."""
+    return x if x > MASKED_LOGPROB else MASKED_LOGPROB
+
+
+def alternatives(tok: Any, rows: list, n: int) -> list[list[tuple[str, float]]]:
+    """``(id, log-prob)`` alternatives per token -> ``(text, log-prob)`` (``n`` rows; empty when none were asked)."""
+    if not rows:
+        return [[] for _ in range(n)]
+    flat = [t for row in rows for t, _ in row]
+    texts = iter(tok.batch_decode([[t] for t in flat], skip_special_tokens=False)) if flat else iter(())
+    out = [[(next(texts), json_logprob(lp)) for _, lp in row] for row in rows]
+    return out + [[] for _ in range(n - len(out))]
+
+
+def _completion_logprobs(
+    pieces: list[str], logps: list[float], starts: list[int], offset: int, tops: list | None = None
+) -> dict:
+    """Completions' ``logprobs`` object; ``top_logprobs[i]`` maps the text of token ``i``'s alternatives and of the
+    sampled token to their log-probs (OpenAI's: up to ``logprobs + 1`` entries; tokens with the same text share
+    one key)."""
+    tops = tops or [[] for _ in pieces]
     return {
         "tokens": pieces,
-        "token_logprobs": logps,
-        "top_logprobs": [{p: lp} for p, lp in zip(pieces, logps)],  # the sampled token is always listed
+        "token_logprobs": [json_logprob(x) for x in logps],
+        "top_logprobs": [{**dict(alt), p: json_logprob(lp)} for p, lp, alt in zip(pieces, logps, tops)],
         "text_offset": [offset + s for s in starts],
     }
 
@@ -450,14 +554,14 @@ def response_body(engine: Engine, plan: Plan, outs: list[GenerateOutput]) -> dic
         if plan.endpoint == "completions":
             row["text"] = prefix + c.text
             row["logprobs"] = (
-                _completion_logprobs(c.pieces, c.logprobs, c.starts, len(prefix)) if plan.logprobs else None
+                _completion_logprobs(c.pieces, c.logprobs, c.starts, len(prefix), c.tops) if plan.logprobs else None
             )
         else:
-            msg: dict[str, Any] = {"role": "assistant", "content": c.content}
-            if c.tool_calls:
-                msg["tool_calls"] = c.tool_calls
+            # SGLang's ChatMessage: reasoning_content and tool_calls are always present (null when absent)
+            msg: dict[str, Any] = {"role": "assistant", "content": c.content, "reasoning_content": None,
+                                   "tool_calls": c.tool_calls or None}
             row["message"] = msg
-            row["logprobs"] = chat_logprobs(c.pieces, c.logprobs) if plan.logprobs else None
+            row["logprobs"] = chat_logprobs(c.pieces, c.logprobs, c.tops) if plan.logprobs else None
         choices.append(row)
     return {**plan.head(engine, chunk=False), "choices": choices, "usage": _usage(plan, outs)}
 
@@ -466,7 +570,13 @@ def _submit_all(engine: Engine, plan: Plan, on_token=None) -> tuple[list[str], l
     """Submit every (prompt, sample) of ``plan`` (``control.submit_each``: a refusal aborts the ones before it)."""
     n = len(plan.prompts) * plan.n
     rids = [f"{plan.response_id}-{k}" for k in range(n)]
-    cbs = [None if on_token is None else (lambda t, lp, v, k=k: on_token(k, t, lp)) for k in range(n)]
+    if on_token is None:
+        cbs: list = [None] * n
+    elif plan.top_logprobs:  # the token's alternatives are read on the loop thread, while the request is in flight
+        cbs = [lambda t, lp, v, k=k: on_token(k, t, lp, engine.alternatives_so_far(rids[k], -1)[0][0])
+               for k in range(n)]
+    else:
+        cbs = [lambda t, lp, v, k=k: on_token(k, t, lp, None) for k in range(n)]
     jobs = ((plan.prompts[k // plan.n], plan.samples[k % plan.n], rids[k], cbs[k]) for k in range(n))
     return rids, control.submit_each(engine, jobs)
 
@@ -534,6 +644,8 @@ class _Live:
     blocked: bool = False
     """A hold string (stop string or tool-call tag) appeared: nothing more is sent before the finish."""
     logps: list[float] = dataclasses.field(default_factory=list)
+    tops: list[list] = dataclasses.field(default_factory=list)
+    """Per token, its ``(id, log-prob)`` alternatives (empty lists without ``top_logprobs``)."""
     sent_tokens: int = 0
     starts: list[int] = dataclasses.field(default_factory=list)
     pieces: list[str] = dataclasses.field(default_factory=list)
@@ -562,18 +674,20 @@ def _chunk(
     starts: list[int],
     finish: str | None,
     extra_delta: dict | None = None,
+    tops: list | None = None,
 ) -> dict:
     lp = None
     head = plan.head(engine, chunk=True)
     if plan.endpoint == "completions":
         if plan.logprobs:
-            lp = _completion_logprobs(pieces, logps, starts, len(plan.echo[k // plan.n]))
+            lp = _completion_logprobs(pieces, logps, starts, len(plan.echo[k // plan.n]), tops)
         row: dict[str, Any] = {"index": k, "finish_reason": finish, "text": text or "", "logprobs": lp}
         body: dict[str, Any] = {**head, "choices": [row]}
     else:
-        delta: dict[str, Any] = {} if text is None else {"content": text}
+        # SGLang's DeltaMessage: reasoning_content and tool_calls are always present (null when absent)
+        delta: dict[str, Any] = {"content": text, "reasoning_content": None, "tool_calls": None}
         delta.update(extra_delta or {})
-        body = chat_chunk(head, k, delta, finish, chat_logprobs(pieces, logps) if plan.logprobs else None)
+        body = chat_chunk(head, k, delta, finish, chat_logprobs(pieces, logps, tops) if plan.logprobs else None)
     if plan.include_usage:
         body["usage"] = None
     return body
@@ -597,9 +711,9 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
         if not loop.is_closed():
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    rids, futs = _submit_all(engine, plan, on_token=lambda k, t, lp: post((k, t, lp)))
+    rids, futs = _submit_all(engine, plan, on_token=lambda k, t, lp, alt: post((k, t, lp, alt)))
     for k, f in enumerate(futs):
-        f.add_done_callback(lambda f, k=k: post((k, None, None)))
+        f.add_done_callback(lambda f, k=k: post((k, None, None, None)))
     live = [_Live(StreamDecoder(tok)) for _ in futs]
     open_reqs = set(range(len(futs)))
     out = sse.EventWriter(request)
@@ -616,13 +730,14 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
             if items is None:  # the client went away
                 break
             touched: dict[int, bool] = {}
-            for k, t, lp in items:
+            for k, t, lp, alt in items:
                 if t is None:
                     touched[k] = True
                 elif k in open_reqs:
                     s = live[k]
                     s.decoder.step(t)
                     s.logps.append(lp)
+                    s.tops.append(alt or [])
                     if plan.logprobs:
                         s.pieces.append(tok.decode([t], skip_special_tokens=False))
                         s.starts.append(s.end)
@@ -652,6 +767,7 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
                                 c.starts[new],
                                 None,
                                 {"tool_calls": calls} if calls else None,
+                                c.tops[new],
                             )
                         )
                     await out.send(_chunk(engine, plan, k, None, [], [], [], c.finish_reason))
@@ -664,8 +780,9 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
                 if delta or n_new:
                     new = slice(s.sent_tokens, s.sent_tokens + n_new)
                     s.sent_tokens += n_new
+                    tops = alternatives(tok, s.tops[new], n_new) if plan.top_logprobs else None
                     await out.send(
-                        _chunk(engine, plan, k, delta, s.pieces[new], s.logps[new], s.starts[new], None)
+                        _chunk(engine, plan, k, delta, s.pieces[new], s.logps[new], s.starts[new], None, None, tops)
                     )
         if not open_reqs:
             if plan.include_usage:
@@ -688,6 +805,82 @@ async def stream(engine: Engine, plan: Plan, request: web.Request) -> web.Stream
                 if not f.done():
                     await asyncio.to_thread(engine.abort, rid)
     return out.resp
+
+
+# ------------------------------------------------------------------------------------------ tokenize / detokenize
+async def tokenize(engine: Engine, body: Any) -> tuple[int, dict]:
+    """SGLang's ``/tokenize`` (``/v1/tokenize``, ``serving_tokenize.py``): ``prompt`` (a string or a list of them)
+    or ``messages`` (rendered by the chat template as for a chat completion: ``add_generation_prompt`` defaults to
+    true, ``tools`` and ``chat_template_kwargs`` are passed) -> ``{"tokens", "count", "max_model_len"}``; a list of
+    prompts gives lists. ``add_special_tokens`` (default true) applies to ``prompt``."""
+    try:
+        if not isinstance(body, dict):
+            raise OpenAIError("the request body must be a JSON object")
+        tok = _require_tokenizer(engine, "completions")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise OpenAIError("add_special_tokens must be true or false", "add_special_tokens")
+        known = {"model", "prompt", "messages", "tools", "tool_choice", "add_special_tokens", "add_generation_prompt",
+                 "continue_final_message", "chat_template_kwargs", "reasoning_effort"}
+        for key in body:
+            if key not in known:
+                raise OpenAIError(f"{key} is not a /tokenize field; send prompt or messages", key)
+        if body.get("reasoning_effort") is not None:
+            raise OpenAIError("reasoning_effort is not supported by this server: there is no reasoning parser",
+                              "reasoning_effort")
+        if body.get("messages") is not None:
+            chat_body = {k: body[k] for k in ("messages", "tools", "tool_choice", "continue_final_message",
+                                               "chat_template_kwargs") if body.get(k) is not None}
+            add_gen = body.get("add_generation_prompt")
+            ids = await asyncio.to_thread(_chat_ids, engine, chat_body, add_gen)
+            tokens: Any = ids
+            count: Any = len(ids)
+        elif isinstance(body.get("prompt"), str):
+            tokens = list(tok.encode(body["prompt"], add_special_tokens=special))
+            count = len(tokens)
+        elif isinstance(body.get("prompt"), list) and all(isinstance(x, str) for x in body["prompt"]):
+            tokens = [list(tok.encode(x, add_special_tokens=special)) for x in body["prompt"]]
+            count = [len(x) for x in tokens]
+        else:
+            raise OpenAIError("send prompt (a string or a list of strings) or messages", "prompt")
+        return 200, {"tokens": tokens, "count": count, "max_model_len": engine.max_seq_len}
+    except OpenAIError as e:
+        return e.status, e.body()
+
+
+def _chat_ids(engine: Engine, body: dict, add_generation_prompt: bool | None) -> list[int]:
+    """The prompt ids ``/v1/chat/completions`` would generate from (``chat_plan``'s template rendering)."""
+    req = validate(ChatRequest, body)
+    check_supported(req, ENGINE_FIELDS)
+    return _render_chat(engine, req, add_generation_prompt)
+
+
+async def detokenize(engine: Engine, body: Any) -> tuple[int, dict]:
+    """SGLang's ``/detokenize`` (``/v1/detokenize``): ``tokens`` (ids, or a list of id lists) -> ``{"text"}`` (a string,
+    or a list of them); ``skip_special_tokens`` defaults to true, as SGLang's."""
+    try:
+        if not isinstance(body, dict):
+            raise OpenAIError("the request body must be a JSON object")
+        tok = _require_tokenizer(engine, "completions")
+        for key in body:
+            if key not in ("model", "tokens", "skip_special_tokens"):
+                raise OpenAIError(f"{key} is not a /detokenize field; send tokens", key)
+        skip = body.get("skip_special_tokens", True)
+        if not isinstance(skip, bool):
+            raise OpenAIError("skip_special_tokens must be true or false", "skip_special_tokens")
+        raw = body.get("tokens")
+
+        def ids_ok(x: Any) -> bool:
+            return isinstance(x, list) and all(type(t) is int and 0 <= t < engine.vocab_size for t in x)
+
+        if ids_ok(raw) and (not raw or isinstance(raw[0], int)):
+            return 200, {"text": tok.decode(raw, skip_special_tokens=skip)}
+        if isinstance(raw, list) and raw and all(ids_ok(x) for x in raw):
+            return 200, {"text": [tok.decode(x, skip_special_tokens=skip) for x in raw]}
+        raise OpenAIError(f"Invalid input: 'tokens' must be a list of token ids in [0, {engine.vocab_size}) or a list "
+                          "of such lists", "tokens")
+    except OpenAIError as e:
+        return e.status, e.body()
 
 
 _THREAD_BYTES = 64 << 10

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import itertools
+import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,6 +76,22 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """CTRL rule, > 0 (1 = off): the logit of a token generated so far is divided by it when positive and
     multiplied by it otherwise. Penalties change the sampling distribution: RL should leave all three off."""
+    min_p: float = 0.0
+    """In [0, 1] (0 = off): drop tokens whose probability is below ``min_p`` times the most likely token's."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs added to the logits before sampling (OpenAI's ``logit_bias``; -100 bans)."""
+    stop_regex: tuple[str, ...] = ()
+    """Regular expressions: generation ends once the decoded output matches one (``re.search``); the matched text
+    is ``finish_reason.matched`` and the server's ``text`` is cut before it unless ``no_stop_trim``."""
+    top_logprobs_num: int = 0
+    """Report the ``k`` most likely tokens of every generated position (SGLang's top-level ``top_logprobs_num``,
+    not one of its ``sampling_params``): ``GenerateOutput.output_top_logprobs``."""
+    grammar: tuple[str, str] | None = None
+    """Constrained decoding: ``(kind, spec)``, kind one of ``grammar.KINDS`` (``regex``, ``json_schema``, ``ebnf``,
+    ``json_object``); needs xgrammar (``rlcore[grammar]``)."""
+    token_ids_logprob: tuple[int, ...] = ()
+    """Report these tokens' log-probs at every generated position (SGLang's top-level ``token_ids_logprob``):
+    ``GenerateOutput.output_token_ids_logprobs``."""
 
     def to_sglang(self) -> dict:
         """The ``sampling_params`` JSON object SGLang's /generate expects."""
@@ -100,6 +119,16 @@ class SamplingParams:
             d["presence_penalty"] = float(self.presence_penalty)
         if self.repetition_penalty != 1.0:
             d["repetition_penalty"] = float(self.repetition_penalty)
+        if self.min_p:
+            d["min_p"] = float(self.min_p)
+        if self.logit_bias:
+            d["logit_bias"] = {str(t): float(b) for t, b in self.logit_bias}
+        if self.stop_regex:
+            d["stop_regex"] = list(self.stop_regex)
+        if self.grammar is not None:
+            kind, spec = self.grammar
+            d["json_schema" if kind == "json_object" else kind] = '{"type": "object"}' if kind == "json_object" else spec
+        # top_logprobs_num / token_ids_logprob are top-level /generate fields in SGLang, never sampling_params
         return d
 
 
@@ -119,6 +148,13 @@ class GenerateOutput:
     """Engine version when the request finished."""
     latency: float = 0.0
     ttft: float = 0.0
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``top_logprobs_num = k``: per generated token, its ``k`` most likely ``(token id, log-prob)`` pairs
+    (descending) under the distribution it was drawn from, the one ``output_logprobs`` reports; else None."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (``EngineConfig.prefix_cache``) instead of prefilled."""
+    output_token_ids_logprobs: list[list[float]] | None = None
+    """With ``token_ids_logprob``: per generated token, those tokens' log-probs under the same distribution."""
 
 
 class EngineError(ValueError):
@@ -268,6 +304,14 @@ def _check_sampling_keys(sp: dict) -> None:
         raise BadRequest("sampling_params.choice: constrained decoding is not supported by the embedded engine")
     if isinstance(sp.get("watermark"), dict) and sp["watermark"].get("enabled"):
         raise BadRequest("sampling_params.watermark is not supported by the embedded engine; omit it")
+    if sp.get("custom_params"):
+        raise BadRequest("sampling_params.custom_params: custom logit processors do not run in the embedded engine; "
+                         "omit it")
+    if sp.get("stream_interval") not in (None, 1):
+        raise BadRequest("sampling_params.stream_interval: the engine streams every token (1); omit it or send 1")
+    if sp.get("spaces_between_special_tokens") is False:
+        raise BadRequest("sampling_params.spaces_between_special_tokens: false is not supported (text is decoded "
+                         "by the tokenizer's own rule); omit it")
 
 
 def parse_sampling_params(sp: Any) -> SamplingParams:
@@ -321,24 +365,25 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
         if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
             raise BadRequest("sampling_params.stop must be a non-empty string or a list of non-empty strings")
         kw["stop"] = tuple(stops)
-    for key in CONSTRAINED_DECODING:
-        if sp.get(key) is not None:
-            raise BadRequest(
-                f"sampling_params.{key}: constrained decoding (regex / json_schema / ebnf / structural_tag) is not "
-                "supported by the embedded engine; drop the field and validate the output yourself, or serve with "
-                "a real SGLang server"
-            )
-    if sp.get("min_p") not in (None, 0, 0.0):
-        raise BadRequest("sampling_params.min_p is not supported by the embedded engine; send 0 (off) or top_p")
-    if sp.get("logit_bias"):
-        raise BadRequest("sampling_params.logit_bias is not supported by the embedded engine; omit it")
+    if sp.get("structural_tag") is not None:
+        raise BadRequest("sampling_params.structural_tag is not supported by the embedded engine; use regex, "
+                         "json_schema or ebnf")
+    given = [k for k in ("regex", "json_schema", "ebnf") if sp.get(k) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"sampling_params: give one of regex, json_schema and ebnf, got {given}")
+    if given:
+        kw["grammar"] = parse_grammar(given[0], sp[given[0]], f"sampling_params.{given[0]}")
+    if sp.get("min_p") is not None:
+        kw["min_p"] = json_float(sp["min_p"], "sampling_params.min_p")
+        if not 0 <= kw["min_p"] <= 1:
+            raise BadRequest("sampling_params.min_p must be in [0, 1] (0 = off)")
+    if sp.get("logit_bias") is not None:
+        kw["logit_bias"] = parse_logit_bias(sp["logit_bias"], "sampling_params.logit_bias")
     for key in ("skip_special_tokens", "spaces_between_special_tokens"):
         if sp.get(key) is not None and not isinstance(sp[key], bool):
             raise BadRequest(f"sampling_params.{key} must be true or false")
-    if sp.get("stop_regex"):
-        raise BadRequest(
-            "sampling_params.stop_regex is not supported by the embedded engine; use stop (plain strings)"
-        )
+    if sp.get("stop_regex") is not None:
+        kw["stop_regex"] = parse_stop_regex(sp["stop_regex"], "sampling_params.stop_regex")
     if sp.get("no_stop_trim") is not None:
         if not isinstance(sp["no_stop_trim"], bool):
             raise BadRequest("sampling_params.no_stop_trim must be true or false")
@@ -362,8 +407,62 @@ def parse_sampling_params(sp: Any) -> SamplingParams:
 
 _INT64_MAX = (1 << 63) - 1
 
+
+def parse_logit_bias(x: Any, name: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's / SGLang's ``logit_bias``: ``{"token id": bias}`` (keys are token-id strings, as JSON keys must be)
+    -> sorted ``(id, bias)`` pairs. Biases must lie in OpenAI's [-100, 100]."""
+    if not isinstance(x, dict):
+        raise BadRequest(f'{name} must be an object mapping token ids to biases, e.g. {{"42": -100}}')
+    out = []
+    for k, b in x.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"{name}: key {k!r} is not a token id; keys are token ids as strings") from None
+        if t < 0:
+            raise BadRequest(f"{name}: key {k!r} is not a token id (>= 0)")
+        v = json_float(b, f"{name}[{k!r}]")
+        if not -100 <= v <= 100:
+            raise BadRequest(f"{name}[{k!r}] must be in [-100, 100], got {v}")
+        out.append((t, v))
+    return tuple(sorted(out))
+
+
+def parse_stop_regex(x: Any, name: str) -> tuple[str, ...]:
+    """``stop_regex``: a regular expression or a list of them, each compiled here so a bad one is a 400."""
+    pats = [x] if isinstance(x, str) else x
+    if not isinstance(pats, list) or not all(isinstance(p, str) and p for p in pats):
+        raise BadRequest(f"{name} must be a non-empty string or a list of non-empty strings (regular expressions)")
+    for p in pats:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise BadRequest(f"{name}: {p!r} is not a valid regular expression ({e})") from None
+    return tuple(pats)
+
+
 CONSTRAINED_DECODING = ("regex", "json_schema", "ebnf", "structural_tag")
-"""SGLang's grammar-constrained ``sampling_params``: refused (400) by the embedded engine, never ignored."""
+"""SGLang's grammar-constrained ``sampling_params`` (``structural_tag`` is refused; the others need xgrammar)."""
+
+
+GRAMMAR_EXTRA = "pip install 'rlcore[grammar]' (xgrammar)"
+
+
+def grammar_available() -> bool:
+    """True when xgrammar can be imported here (constrained decoding, ``rlcore.inference.grammar``)."""
+    return importlib.util.find_spec("xgrammar") is not None
+
+
+def parse_grammar(kind: str, spec: Any, name: str) -> tuple[str, str]:
+    """A grammar field -> ``SamplingParams.grammar``; a 400 naming ``name`` for a non-string, and naming the extra
+    when xgrammar is not installed (the fields are never ignored)."""
+    if kind == "json_schema" and isinstance(spec, dict):
+        spec = json.dumps(spec)
+    if not isinstance(spec, str) or not spec:
+        raise BadRequest(f"{name} must be a non-empty string")
+    if not grammar_available():
+        raise BadRequest(f"{name}: constrained decoding needs xgrammar, which is not installed; {GRAMMAR_EXTRA}")
+    return kind, spec
 
 
 def parse_n(sp: Any) -> int:

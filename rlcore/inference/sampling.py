@@ -33,14 +33,13 @@ Each step is a fixed sequence of kernels without a host synchronisation. On CUDA
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rlcore.inference.protocol import EngineError, SamplingParams
+from rlcore.inference.protocol import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -281,6 +280,7 @@ def sample_tokens(
     filtered: bool,
     block: int = SAMPLING_BLOCK,
     threshold: str = "auto",
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row by inverse-CDF sampling in vocabulary order and return its sampling-distribution
     log-prob; the draw needs no sort and no full-vocabulary cumsum.
@@ -305,6 +305,9 @@ def sample_tokens(
       block: vocabulary block of the two-level draw (changes only float rounding).
       threshold: ``keep_threshold``'s method (``auto``, ``radix``, ``sort``); the kept set, hence the draw, is
         the same for all three.
+      min_p: ``(b,)`` float32 in [0, 1] or None (SGLang's / vLLM's ``min_p``, 0 = off): with ``filtered``, a token
+        is kept only if its probability is at least ``min_p`` times the most likely token's (``exp(d) >= min_p``,
+        as ``exp(d)`` is 1 at the maximum), on top of top-k / top-p.
     Returns:
       ``ids (b,)`` int64 and ``logp (b,)`` float32: ``d - log(sum of exp(d) over the kept set)`` at ``ids``
       (``log_softmax(logits / T)`` when nothing is filtered); greedy rows return the first argmax and
@@ -324,10 +327,7 @@ def sample_tokens(
         d = torch.sub(logits, mx.to(torch.float32)[:, None]).div_(temp[:, None])  # (b v) float32, <= 0
         e = d.exp()
         if filtered:
-            top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
-            top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
-            key = order_key(d)
-            e = e.mul_(key <= keep_threshold(key, e, top_p, top_k, method=threshold)[:, None])
+            e = _filter(d, e, top_p, top_k, min_p, greedy, threshold)
         bsum = _block_sum(e, block)  # (b nb)
     cdf = bsum.cumsum(-1)
     total = cdf[:, -1]
@@ -354,6 +354,73 @@ def sample_tokens(
     else:
         d_ids = torch.sub(logits.gather(-1, ids[:, None])[:, 0], mx).div_(temp)
     return ids, d_ids - total.log()
+
+
+def _filter(
+    d: torch.Tensor,
+    e: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor | None,
+    greedy: torch.Tensor,
+    threshold: str,
+) -> torch.Tensor:
+    """``e (b v)`` with the tokens outside each sampled row's top-k / top-p / min-p set zeroed (in place); greedy
+    rows are not filtered. ``d (b v)``: ``(logits - max) / T``; ``e = exp(d)``."""
+    top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
+    top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
+    key = order_key(d)
+    keep = key <= keep_threshold(key, e, top_p, top_k, method=threshold)[:, None]
+    if min_p is not None:
+        floor = torch.where(greedy, torch.zeros_like(min_p), min_p.to(torch.float32))
+        keep = keep.logical_and_(e >= floor[:, None])
+    return e.mul_(keep)
+
+
+def distribution_logprobs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    *,
+    filtered: bool,
+    min_p: torch.Tensor | None = None,
+    threshold: str = "auto",
+) -> torch.Tensor:
+    """Log-probs of every token under the distribution ``sample_tokens`` draws from (the same rows, arguments and
+    rule): ``d - log(sum of exp(d) over the kept set)``, ``-inf`` outside it; greedy rows get ``log_softmax(logits)``
+    (unfiltered, as their reported log-prob). At the sampled token this is ``sample_tokens``' log-prob (up to the
+    order of the float32 sum). The top-k / ``token_ids_logprob`` alternatives of a step are read from it.
+
+    Args:
+      logits: ``(b v)`` processed next-token logits (penalties, bias and masks applied).
+      temperature, top_p, top_k, min_p: ``(b,)`` as for ``sample_tokens``.
+    Returns:
+      ``(b v)`` float32.
+    """
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
+    mx = logits.amax(-1).to(torch.float32)
+    d = torch.sub(logits, mx[:, None]).div_(temp[:, None])
+    e = d.exp()
+    if filtered:
+        e = _filter(d, e, top_p, top_k, min_p, greedy, threshold)
+    total = e.sum(-1, keepdim=True)
+    return torch.where(e > 0, d - total.log(), torch.full_like(d, -math.inf))
+
+
+def top_logprobs(
+    logp: torch.Tensor, k: int, token_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ``k`` most likely tokens of each row of ``logp (b v)`` (descending) and the
+    log-probs of the chosen ``token_ids (b w)`` (SGLang's ``top_logprobs_num`` and ``token_ids_logprob``).
+
+    Returns:
+      ``values (b k)`` float32, ``ids (b k)`` int64, and ``(b w)`` float32 (None without ``token_ids``).
+    """
+    vals, ids = torch.topk(logp, k, dim=-1, sorted=True) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    chosen = None if token_ids is None else logp.gather(-1, token_ids)
+    return vals, ids, chosen
 
 
 _FUSED_STATS: list[bool] = []
@@ -458,6 +525,12 @@ class LogitProc:
     """``(j,)`` their ``min_new_tokens``."""
     mn_banned: torch.Tensor | None = None
     """``(j w)`` eos + stop token ids per row, padded with the vocabulary size."""
+    bias_rows: torch.Tensor | None = None
+    """``(q,)`` batch rows with a ``logit_bias``."""
+    bias_ids: torch.Tensor | None = None
+    """``(q w)`` their biased token ids, padded with the vocabulary size."""
+    bias_vals: torch.Tensor | None = None
+    """``(q w)`` float32 biases added to those logits (0 at the padding)."""
 
 
 def stop_strings(sampling: SamplingParams) -> tuple[str, ...]:
@@ -485,9 +558,21 @@ class RowParams:
     seed: torch.Tensor
     """``(b,)`` int64 per-row seeds."""
     filtered: bool
-    """Some sampled row uses top-k / top-p (``sample_tokens(filtered=...)``)."""
+    """Some sampled row uses top-k / top-p / min-p (``sample_tokens(filtered=...)``)."""
     proc: LogitProc | None
-    """Penalty / ``min_new_tokens`` rows, or None when no row uses them."""
+    """Penalty / ``min_new_tokens`` / ``logit_bias`` rows, or None when no row uses them."""
+    min_p: torch.Tensor | None = None
+    """``(b,)`` float32 ``min_p`` (0 = off), or None when no row uses it."""
+    lp_rows: torch.Tensor | None = None
+    """``(j,)`` batch rows that ask for top-k alternatives or chosen tokens' log-probs (None: no row)."""
+    lp_k: int = 0
+    """The largest ``top_logprobs_num`` of those rows (each row keeps its own first ``k``)."""
+    lp_ids: torch.Tensor | None = None
+    """``(j w)`` each of those rows' ``token_ids_logprob``, padded with id 0 (None when no row gives any)."""
+    grammar_rows: torch.Tensor | None = None
+    """``(g,)`` batch rows under a grammar (``grammar.Constraint``; set by the scheduler, None: no row)."""
+    constraints: list | None = None
+    """Those rows' constraints, in the same order."""
 
 
 def row_params(
@@ -511,16 +596,24 @@ def row_params(
         return torch.tensor(list(xs), dtype=torch.float32, device=device)
 
     ks = [sp.top_k if 0 < sp.top_k < vocab_size else -1 for sp in sps]
-    filtered = any((sp.top_p < 1 or k > 0) and sp.temperature > 0 for sp, k in zip(sps, ks))
+    filtered = any((sp.top_p < 1 or k > 0 or sp.min_p > 0) and sp.temperature > 0 for sp, k in zip(sps, ks))
     pen = [i for i, sp in enumerate(sps) if uses_penalty(sp)]
+    bias = [i for i, sp in enumerate(sps) if sp.logit_bias]
     mn, banned = [], []
     for i, sp in enumerate(sps):
         if sp.min_new_tokens > 0 and (ban := sorted(eos_ids | set(sp.stop_token_ids))):
             mn.append(i)
             banned.append(ban)
     proc = None
-    if pen or mn:
+    if pen or mn or bias:
         proc = LogitProc()
+        if bias:
+            w = max(len(sps[i].logit_bias) for i in bias)
+            pad = [[(vocab_size, 0.0)] * (w - len(sps[i].logit_bias)) for i in bias]
+            rows = [list(sps[i].logit_bias) + p for i, p in zip(bias, pad)]
+            proc.bias_rows = i64(bias)
+            proc.bias_ids = i64([[t for t, _ in r] for r in rows])
+            proc.bias_vals = torch.tensor([[b for _, b in r] for r in rows], dtype=torch.float32, device=device)
         if pen:
             proc.pen_rows, proc.pen_slots = i64(pen), i64([slots[i] for i in pen])
             proc.frequency = f32([sps[i].frequency_penalty for i in pen])
@@ -530,6 +623,11 @@ def row_params(
             w = max(len(b) for b in banned)
             proc.mn_rows, proc.mn_min = i64(mn), i64([sps[i].min_new_tokens for i in mn])
             proc.mn_banned = i64([b + [vocab_size] * (w - len(b)) for b in banned])
+    lp = [i for i, sp in enumerate(sps) if sp.top_logprobs_num > 0 or sp.token_ids_logprob]
+    lp_ids = None
+    if any(sps[i].token_ids_logprob for i in lp):
+        w = max(len(sps[i].token_ids_logprob) for i in lp)
+        lp_ids = i64([list(sps[i].token_ids_logprob) + [0] * (w - len(sps[i].token_ids_logprob)) for i in lp])
     return RowParams(
         temperature=f32([sp.temperature for sp in sps]),
         top_p=f32([sp.top_p for sp in sps]),
@@ -537,13 +635,18 @@ def row_params(
         seed=i64(seeds),
         filtered=filtered,
         proc=proc,
+        min_p=f32([sp.min_p for sp in sps]) if any(sp.min_p > 0 for sp in sps) else None,
+        lp_rows=i64(lp) if lp else None,
+        lp_k=min(max((sps[i].top_logprobs_num for i in lp), default=0), vocab_size),
+        lp_ids=lp_ids,
     )
 
 
 def process_logits(
     logits: torch.Tensor, proc: LogitProc, counts: torch.Tensor | None, count: torch.Tensor
 ) -> torch.Tensor:
-    """Penalties and ``min_new_tokens`` masks on the rows that use them (float32, out of place).
+    """Logit bias, penalties and ``min_new_tokens`` masks on the rows that use them (float32, out of place). The
+    bias is added first (OpenAI's ``logit_bias``: to the logits the model produced), then the penalties.
 
     Args:
       logits: ``(b v)`` next-token logits.
@@ -554,6 +657,10 @@ def process_logits(
       ``(b v)`` float32; rows without these features keep their logits bit for bit.
     """
     x = logits.to(torch.float32)
+    if proc.bias_rows is not None:
+        v = x.shape[-1]
+        sub = torch.cat([x.index_select(0, proc.bias_rows), x.new_zeros((proc.bias_rows.shape[0], 1))], dim=-1)
+        x = x.index_copy(0, proc.bias_rows, sub.scatter_add(-1, proc.bias_ids, proc.bias_vals)[:, :v])
     if proc.pen_rows is not None:
         assert counts is not None, "penalised rows need the count table"
         sub = apply_penalties(
@@ -570,109 +677,3 @@ def process_logits(
             0, proc.mn_rows, mask_banned(x.index_select(0, proc.mn_rows), proc.mn_banned, active)
         )
     return x
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Request checks against the model (the engine and the server share them)
-
-MIN_TEMPERATURE = 1e-5
-"""Temperatures in ``(0, MIN_TEMPERATURE)`` are refused: ``logits / T`` overflows float32 (NaN log-probs)."""
-MAX_TEMPERATURE = 1e4
-REPETITION_PENALTY_RANGE = (1e-2, 1e2)
-"""``repetition_penalty`` must lie here (1 = off): outside it the penalised logits overflow or vanish."""
-INT64_MAX = (1 << 63) - 1
-
-
-def context_advice(context_limit: str, setting: str) -> str:
-    """The end of a "prompt too long" message: raise ``setting`` (``EngineConfig.max_seq_len``, ``--max-seq-len``)
-    when it bounds the context (``context_limit == "max_seq_len"``), else name the model config field that does."""
-    if context_limit == "max_seq_len":
-        return f" or raise {setting}"
-    return f" (the model's config.json {context_limit} bounds the context: a larger {setting} is clipped to it)"
-
-
-def check_request(
-    prompt: Sequence[int],
-    sp: SamplingParams,
-    *,
-    vocab_size: int,
-    max_seq_len: int,
-    has_tokenizer: bool,
-    context_limit: str = "max_seq_len",
-) -> SamplingParams:
-    """Validate one request against the model; returns the settings the engine runs (``max_new_tokens``
-    clamped to the room left in the context, ``prompt + output <= max_seq_len``). ``context_limit``: what bounds
-    ``max_seq_len``, ``EngineConfig``'s own or the model config field that clipped it (``Engine.context_limit``).
-
-    Raises ``EngineError`` naming the field and the fix for anything the sampling step could not run safely:
-    token ids outside the vocabulary, a prompt that leaves no room, temperatures that overflow, penalties
-    outside their ranges, ``min_new_tokens`` that cannot fit.
-    """
-    if not prompt:
-        raise EngineError("input_ids is empty; pass at least one token id")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise EngineError(f"input_ids contains ids outside [0, {vocab_size}); check the tokenizer")
-    if len(prompt) >= max_seq_len:
-        raise EngineError(
-            f"input_ids has {len(prompt)} tokens but the engine's context is {max_seq_len} tokens; shorten the "
-            f"prompt{context_advice(context_limit, 'EngineConfig.max_seq_len')}"
-        )
-    for name in ("max_new_tokens", "min_new_tokens", "top_k"):
-        x = getattr(sp, name)
-        if isinstance(x, bool) or not isinstance(x, int) or abs(x) > INT64_MAX:
-            raise EngineError(f"sampling_params.{name} must be an integer that fits in 64 bits, got {x!r}")
-    if not (sp.max_new_tokens >= 0):
-        raise EngineError(f"sampling_params.max_new_tokens must be >= 0, got {sp.max_new_tokens}")
-    t = sp.temperature
-    if not (math.isfinite(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)):
-        raise EngineError(
-            f"sampling_params.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
-            f"got {t}; smaller positive values overflow float32 logits (send 0 for greedy)"
-        )
-    if not (0 < sp.top_p <= 1):
-        raise EngineError(f"sampling_params.top_p must be in (0, 1], got {sp.top_p}")
-    if sp.top_k == 0 or sp.top_k < -1:
-        raise EngineError(f"sampling_params.top_k must be -1 (off) or >= 1, got {sp.top_k}")
-    bad = [
-        x
-        for x in sp.stop_token_ids
-        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab_size
-    ]
-    if bad:
-        raise EngineError(
-            f"sampling_params.stop_token_ids has ids outside [0, {vocab_size}) (the model's vocabulary): "
-            f"{bad[:5]}; check the tokenizer"
-        )
-    stops = stop_strings(sp)
-    if not all(isinstance(x, str) and x for x in stops):
-        raise EngineError(f"sampling_params.stop must be non-empty strings, got {sp.stop!r}")
-    if stops and not has_tokenizer:
-        raise EngineError(
-            "sampling_params.stop (stop strings) needs a tokenizer to decode the output; this engine has "
-            "none: start it with a tokenizer (--tokenizer DIR) or use stop_token_ids"
-        )
-    if not (0 <= sp.min_new_tokens <= sp.max_new_tokens):
-        raise EngineError(
-            f"sampling_params.min_new_tokens must be in [0, max_new_tokens={sp.max_new_tokens}], "
-            f"got {sp.min_new_tokens}"
-        )
-    room = max_seq_len - len(prompt)
-    if sp.min_new_tokens > room:
-        raise EngineError(
-            f"sampling_params.min_new_tokens ({sp.min_new_tokens}) does not fit: the prompt has {len(prompt)} "
-            f"tokens and max_seq_len is {max_seq_len}, so at most {room} can be generated"
-        )
-    for name in ("frequency_penalty", "presence_penalty"):
-        x = getattr(sp, name)
-        if not (math.isfinite(x) and -2 <= x <= 2):
-            raise EngineError(f"sampling_params.{name} must be in [-2, 2] (0 = off), got {x}")
-    lo, hi = REPETITION_PENALTY_RANGE
-    if not (math.isfinite(sp.repetition_penalty) and lo <= sp.repetition_penalty <= hi):
-        raise EngineError(
-            f"sampling_params.repetition_penalty must be in [{lo}, {hi}] (1 = off), got {sp.repetition_penalty}"
-        )
-    if sp.seed is not None and not -(1 << 63) <= sp.seed <= INT64_MAX:
-        raise EngineError(f"sampling_params.sampling_seed must fit in a signed 64-bit integer, got {sp.seed}")
-    if sp.max_new_tokens > room:
-        return dataclasses.replace(sp, max_new_tokens=room)
-    return sp

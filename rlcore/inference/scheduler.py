@@ -33,6 +33,7 @@ from rlcore.inference.blocks import BlockPool, BlockTables
 from rlcore.inference.decode_step import DecodeStep, _error_reason, _Inflight
 from rlcore.inference.graphs import DecodeGraphs
 from rlcore.inference.kv_cache import ModelForward, PagedKVCache
+from rlcore.inference.prefix_cache import PrefixCache
 from rlcore.inference.protocol import EngineError, GenerateOutput
 from rlcore.inference.requests import Request as _Request
 from rlcore.inference.sampling import RowParams
@@ -110,6 +111,9 @@ class Scheduler(DecodeStep):
         self.step_rows: list[_Request] = []  # the requests of the forward in progress (failed alone on error)
         self.sp: RowParams | None = None
         self.counts: torch.Tensor | None = None  # (max_batch, vocab) output-token counts, for penalties only
+        self.alts: tuple | None = None  # the last ``sample``'s alternatives (``DecodeStep.sample``)
+        self.prefix = PrefixCache(self.pool) if getattr(cfg, "prefix_cache", False) else None
+        """Full KV blocks of finished requests, reused by later prompts (``EngineConfig.prefix_cache``)."""
         self.hook_errors = 0
         self.error: BaseException | None = None
 
@@ -213,6 +217,8 @@ class Scheduler(DecodeStep):
                         r.cow = False  # the other sharers copied (or left): the block is its own now
             if len(new) + len(cow) <= pool.num_free:
                 break
+            if self.prefix is not None and self.prefix.evict(len(new) + len(cow)):
+                continue
             if not self.reclaim_parked():
                 if len(self.running) == 1:
                     raise EngineError("the KV cache cannot hold one request; raise EngineConfig.kv_cache_tokens")
@@ -246,6 +252,8 @@ class Scheduler(DecodeStep):
     def finish(self, r: _Request, reason: dict) -> None:
         self.by_rid.pop(r.rid, None)
         self.stale.discard(r)
+        if self.prefix is not None and r.blocks and r.epoch == self.epoch and reason.get("type") in ("stop", "length"):
+            self.prefix.insert(r.prompt + r.out_ids, r.blocks, r.kv_tokens, self.epoch)
         self.drop_kv(r)
         now = time.perf_counter()
         out = GenerateOutput(
@@ -258,6 +266,9 @@ class Scheduler(DecodeStep):
             weight_version=self.version,
             latency=now - r.t_submit,
             ttft=(r.t_first - r.t_submit) if r.t_first else 0.0,
+            output_top_logprobs=r.out_top,
+            cached_tokens=r.cached_tokens,
+            output_token_ids_logprobs=r.out_tid,
         )
         if not r.future.done():
             r.future.set_result(out)
@@ -331,6 +342,8 @@ class Scheduler(DecodeStep):
                 if r.blocks:
                     self.drop_kv(r)
             self.cache.clear()
+            if self.prefix is not None:
+                self.prefix.clear(release=False)
             self.pool.reset()
             self.live.clear()
             self.graphs.graphs.clear()
@@ -363,6 +376,27 @@ class Scheduler(DecodeStep):
         if n <= 0:
             return []
         return self.fwd.prompt_logprobs(torch.tensor(ids, device=self.device), start).tolist()
+
+    def alternatives(self, rid: str, n: int) -> tuple[list | None, list | None]:
+        """An in-flight request's first ``n`` ``output_top_logprobs`` / ``output_token_ids_logprobs`` rows (the last
+        ``-n`` for a negative ``n``; None when not asked or not in flight). Safe off the loop thread: the loop only
+        appends to these lists."""
+        r = self.by_rid.get(rid)
+        cut = slice(None, n) if n >= 0 else slice(n, None)
+        return (None, None) if r is None else (r.out_top and r.out_top[cut], r.out_tid and r.out_tid[cut])
+
+    def prompt_scores(self, ids: list[int], start: int, k: int, token_ids: list[int]) -> dict:
+        """``prompt_logprobs`` with SGLang's prompt alternatives: ``{"logprobs": [...], "top": [[(id, lp)] * k per
+        position], "chosen": [[lp per token_ids] per position] or None}`` for positions ``(start, len(ids))``."""
+        if "weights" in self.released:
+            raise EngineError("the weights are released (release_memory_occupation); resume them first")
+        if len(ids) - 1 - start <= 0:
+            return {"logprobs": [], "top": [], "chosen": [] if token_ids else None}
+        dev, ids, token_ids = self.device, [int(t) for t in ids], [int(t) for t in token_ids]
+        tids = torch.tensor(token_ids, dtype=torch.long, device=dev) if token_ids else None
+        lp, vals, top, chosen = self.fwd.prompt_scores(torch.tensor(ids, device=dev), int(start), int(k), tids)
+        pairs = [list(zip(i, v)) for i, v in zip(top.tolist(), vals.tolist())]
+        return {"logprobs": lp.tolist(), "top": pairs, "chosen": None if chosen is None else chosen.tolist()}
 
     def isolate(self, e: BaseException) -> None:
         """A forward (prefill or decode) raised: fail its request when it ran alone, else retry each alone.
@@ -409,7 +443,10 @@ class Scheduler(DecodeStep):
             self.deferred = 0
             return False
         head = self.waiting[0]
-        if not head.parked and self.pool.blocks_for(len(head.prompt) + len(head.out_ids)) + 1 > self.pool.num_free:
+        need = self.pool.blocks_for(len(head.prompt) + len(head.out_ids)) + 1
+        if self.prefix is not None and not head.parked:
+            self.prefix.evict(need + self.growth_need())
+        if not head.parked and need > self.pool.num_free:
             if not self.parked:
                 self.deferred = 0
                 return False
@@ -488,6 +525,16 @@ class Scheduler(DecodeStep):
         if free <= 0 or not self.waiting:
             return
         batch = self.step_rows = self.pick_prefill(free)
+        if self.prefix is not None and batch:  # cache hits prefill only their uncached tail, one forward each
+            rest: list[_Request] = []
+            for i, r in enumerate(batch):
+                try:
+                    if not self.extend_cached(r):
+                        rest.append(r)
+                except BaseException:  # r fails alone (isolate); the others go back to the head of the queue
+                    self.waiting.extendleft(reversed(rest + batch[i + 1 :]))
+                    raise
+            batch = self.step_rows = rest
         if not batch:
             return
         t0 = time.perf_counter()
@@ -548,6 +595,47 @@ class Scheduler(DecodeStep):
         self.land(self.launch_sample(logits, rows, self.params(rows), count, pos, t_prefill=t0))
         for r in rows:  # a retried request that got through its own prefill batches normally again
             r.solo = False
+
+    def extend_cached(self, r: _Request) -> bool:
+        """Admit ``r`` on its longest cached prefix (``PrefixCache``): share those blocks, prefill the rest of its
+        tokens over them in one forward (``ModelForward.extend``) and sample its next token. False (nothing done)
+        when no block of its prefix is cached or r runs solo (error isolation: a plain prefill)."""
+        seq = r.prompt + r.out_ids
+        hit = self.prefix.lookup(seq, self.epoch) if not r.solo else []
+        if not hit:
+            return False
+        if r.blocks:
+            self.drop_kv(r)
+        pool, m = self.pool, len(hit) * self.pool.block_size
+        pool.share(hit)
+        r.blocks, r.epoch, r.cow = hit + pool.alloc(pool.blocks_for(len(seq)) - len(hit)), self.epoch, False
+        self.running.append(r)
+        self.place(r, len(self.running) - 1)
+        self.step_rows = [r]
+        self.note_peak()
+        t0 = time.perf_counter()
+        ids = torch.tensor([seq[m:]], dtype=torch.long, device=self.device)
+        blocks_t = torch.tensor(r.blocks, dtype=torch.long, device=self.device)
+        logits = self.fwd.extend(ids, m, blocks_t, self.cache, self.dtype)
+        r.cached_tokens = max(r.cached_tokens, m)
+        self.prefix.hits += m
+        self.stats["prefix_cache_hit_tokens"] += m
+        self.stats["prefill_tokens"] += len(seq) - m
+        self.stats["prefill_forwards"] += 1
+        self.dirty = True
+        self.reset_counts([r] if r.penalized else [])
+        count = torch.tensor([len(r.out_ids)], dtype=torch.long, device=self.device)
+        pos = torch.tensor([len(seq)], dtype=torch.long, device=self.device)
+        self.land(self.launch_sample(logits, [r], self.params([r]), count, pos, t_prefill=t0))
+        return True
+
+    def flush(self) -> bool:
+        """SGLang's ``/flush_cache``: drop the prefix cache when idle; False (nothing done) while requests run."""
+        if self.running or self.waiting:
+            return False
+        if self.prefix is not None:
+            self.prefix.clear()
+        return True
 
     def reset_counts(self, rs: list[_Request]) -> None:
         """Recount the output tokens of penalised requests into their (new) slots' rows of ``_counts``."""

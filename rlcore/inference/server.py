@@ -26,14 +26,26 @@ from typing import Any
 
 from aiohttp import web
 
-from rlcore.inference import control, guard, openai_api
+from rlcore.inference import control, guard, openai_api, responses_api
 from rlcore.inference.control import RETRY_AFTER_S, _err, error_status
 from rlcore.inference.engine import Engine, EngineBusy, EngineError, GenerateOutput
+from rlcore.inference.generate_fields import (
+    NO_EFFECT_FIELDS,
+    UNSUPPORTED_FIELDS,
+    PromptScores,
+    TextOptions,
+    _check_lora_path,
+    _json_token_ids,
+    _json_top_k,
+    _logprob_meta,
+    _logprob_starts,
+    _per_prompt,
+    check_cache_keys,
+)
 from rlcore.inference.protocol import (
     BadRequest,
     SamplingParams,
     json_ids,
-    json_int,
     new_rid,
     parallel_sampling,
     parse_n,
@@ -74,26 +86,6 @@ def response_text(
     return text
 
 
-@dataclasses.dataclass(frozen=True)
-class TextOptions:
-    """How a /generate answer renders text (SGLang's request fields); the token ids are never affected."""
-
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = False
-    """``sampling_params.skip_special_tokens``: SGLang's default for a request is True; ours for direct
-    callers of ``generate_response`` is False (text keeps special tokens, as ``SamplingParams.to_sglang`` asks)."""
-    text_in_logprobs: bool = False
-    """``return_text_in_logprobs``: fill the third element of each log-prob triple with the token's text."""
-
-
-def _triples(engine: Engine, lps: list, ids: list[int], with_text: bool) -> list[list]:
-    """SGLang's ``[logprob, token_id, text | None]`` triples."""
-    if with_text and engine.tokenizer is not None:
-        texts = engine.tokenizer.batch_decode([[t] for t in ids])
-        return [[lp, t, x] for lp, t, x in zip(lps, ids, texts)]
-    return [[lp, t, None] for lp, t in zip(lps, ids)]
-
-
 def generate_response(
     engine: Engine,
     out: GenerateOutput,
@@ -101,7 +93,7 @@ def generate_response(
     no_stop_trim: bool = False,
     *,
     opts: TextOptions | None = None,
-    input_logprobs: tuple[list, list[int]] | None = None,
+    input_logprobs: PromptScores | None = None,
 ) -> dict:
     """SGLang's /generate response body for one finished request.
 
@@ -116,12 +108,11 @@ def generate_response(
         "weight_version": str(out.weight_version),
     }
     if return_logprob:
-        vals, ids = input_logprobs if input_logprobs is not None else ([None], out.input_ids[-1:])
-        meta["input_token_logprobs"] = _triples(engine, vals, ids, opts.text_in_logprobs)
-        meta["output_token_logprobs"] = _triples(engine, out.output_logprobs, out.output_ids, opts.text_in_logprobs)
+        _logprob_meta(engine, meta, input_logprobs, out.input_ids, opts, out.output_logprobs, out.output_ids,
+                      out.output_top_logprobs, out.output_token_ids_logprobs)
     meta.update({
         "completion_tokens": len(out.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "output_token_versions": list(out.output_versions),
         "e2e_latency": out.latency,
     })
@@ -134,7 +125,7 @@ def generate_response(
 
 def _partial_response(
     engine: Engine, rid: str, prompt: list[int], toks: list[tuple[int, float, int]], return_logprob: bool,
-    opts: TextOptions, input_logprobs: tuple[list, list[int]] | None,
+    opts: TextOptions, input_logprobs: PromptScores | None,
 ) -> dict:
     """A streaming chunk of a running request: cumulative ``text`` / ``output_ids`` (SGLang's default)."""
     ids = [t for t, _, _ in toks]
@@ -145,9 +136,8 @@ def _partial_response(
         "weight_version": str(engine.version),
     }
     if return_logprob:
-        vals, in_ids = input_logprobs if input_logprobs is not None else ([None], prompt[-1:])
-        meta["input_token_logprobs"] = _triples(engine, vals, in_ids, opts.text_in_logprobs)
-        meta["output_token_logprobs"] = _triples(engine, [lp for _, lp, _ in toks], ids, opts.text_in_logprobs)
+        top, tid = engine.alternatives_so_far(rid, len(ids))
+        _logprob_meta(engine, meta, input_logprobs, prompt, opts, [lp for _, lp, _ in toks], ids, top, tid)
     meta.update({"completion_tokens": len(ids), "cached_tokens": 0, "output_token_versions": [v for _, _, v in toks]})
     body: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
     if engine.tokenizer is not None:
@@ -169,18 +159,25 @@ class _Plan:
     logprob_starts: list[int | None]
     """Per engine request: ``logprob_start_len`` when prompt log-probs beyond the last token are asked for."""
 
-    async def input_logprobs(self, engine: Engine) -> list[tuple[list, list[int]] | None]:
-        """``(values, ids)`` of ``input_token_logprobs`` per engine request (None: SGLang's default window, the
-        last prompt token only). Computed once per distinct (prompt, start)."""
-        done: dict[tuple[int, int], tuple[list, list[int]]] = {}
-        out: list[tuple[list, list[int]] | None] = []
-        for x, start in zip(self.prompts, self.logprob_starts):
+    async def input_logprobs(self, engine: Engine) -> list[PromptScores | None]:
+        """The prompt-side log-probs of each engine request (None: SGLang's default window, the last prompt token
+        only, without alternatives). Computed once per distinct (prompt, start, k, token ids)."""
+        done: dict[tuple, PromptScores] = {}
+        out: list[PromptScores | None] = []
+        for x, start, sp in zip(self.prompts, self.logprob_starts, self.params):
+            k, tids = sp.top_logprobs_num, sp.token_ids_logprob
             if start is None:
-                out.append(None)
+                out.append(PromptScores([None], x[-1:], [None], [None], tids) if k or tids else None)
                 continue
-            key = (id(x), start)
+            key = (id(x), start, k, tids)
             if key not in done:
-                done[key] = ([None, *await engine.aprompt_logprobs(x, start)], x[start:])
+                if k or tids:
+                    got = await engine.aprompt_scores(x, start, k, list(tids))
+                    done[key] = PromptScores(
+                        [None, *got["logprobs"]], x[start:], [None, *got["top"]],
+                        None if got["chosen"] is None else [None, *got["chosen"]], tids)
+                else:
+                    done[key] = PromptScores([None, *await engine.aprompt_logprobs(x, start)], x[start:])
             out.append(done[key])
         return out
 
@@ -197,17 +194,27 @@ def _max_token_chars(tok: Any) -> int | None:
 async def _plan(engine: Engine, p: dict) -> _Plan:
     """Parse and validate a /generate payload (raises ``BadRequest`` / ``EngineError``); nothing is queued."""
     if not p.keys().isdisjoint(UNSUPPORTED_FIELDS):
-        for key, why in UNSUPPORTED_FIELDS.items():
-            if p.get(key) not in (None, False, [], {}, 0, ""):
+        for key, (default, why) in UNSUPPORTED_FIELDS.items():
+            if key in p and p[key] not in (None, False, [], {}, 0, "", default):
                 raise BadRequest(f"{key} is not supported by the embedded engine: {why}")
     if p.get("stream") is not None and not isinstance(p["stream"], bool):
         raise BadRequest("stream must be true or false")
+    check_cache_keys(engine, p)
     raw_sp = p.get("sampling_params")
-    if isinstance(raw_sp, list):
-        raise BadRequest("sampling_params must be one JSON object (per-prompt lists are not supported); "
-                         "send one request per distinct setting")
-    sp = parse_sampling_params(raw_sp)
-    n = parse_n(raw_sp)
+    sp_list = raw_sp if isinstance(raw_sp, list) else None  # SGLang: one object per prompt of a batch
+    if sp_list is not None:
+        if not sp_list:
+            raise BadRequest("sampling_params: a list needs one object per prompt, got an empty list")
+        sps = [parse_sampling_params(x) for x in sp_list]
+        ns = {parse_n(x) for x in sp_list}
+        if len(ns) > 1:
+            raise BadRequest("sampling_params: every entry of a per-prompt list must have the same n")
+        n = ns.pop()
+        raw_sp = sp_list[0]
+    else:
+        sps = [parse_sampling_params(raw_sp)]
+        n = parse_n(raw_sp)
+    sp = sps[0]
     return_logprob = p.get("return_logprob", False)
     if return_logprob is None:
         return_logprob = False
@@ -217,6 +224,11 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         if p.get(key) is not None and not isinstance(p[key], bool):
             raise BadRequest(f"{key} must be true or false")
     skip = raw_sp.get("skip_special_tokens") if isinstance(raw_sp, dict) else None
+    if sp_list is not None and len({(x or {}).get("skip_special_tokens") if isinstance(x, dict) else None
+                                    for x in sp_list}) > 1:
+        raise BadRequest("sampling_params: skip_special_tokens must be the same in every entry of a per-prompt list")
+    if sp_list is not None and len({s.no_stop_trim for s in sps}) > 1:
+        raise BadRequest("sampling_params: no_stop_trim must be the same in every entry of a per-prompt list")
     opts = TextOptions(no_stop_trim=sp.no_stop_trim, skip_special_tokens=True if skip is None else skip,
                        text_in_logprobs=bool(p.get("return_text_in_logprobs")))
     if p.get("input_ids") is not None:
@@ -258,8 +270,17 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         raise BadRequest("rid must be a string (or a list of strings)")
     _check_lora_path(engine, p.get("lora_path"), len(prompts))
     starts = _logprob_starts(p.get("logprob_start_len"), prompts) if return_logprob else [None] * len(prompts)
+    if sp_list is not None and len(sps) != len(prompts):
+        raise BadRequest(f"sampling_params: a list needs one object per prompt ({len(prompts)}), got {len(sps)}")
+    per = sps if sp_list is not None else [sp] * len(prompts)
+    tops = _per_prompt(p.get("top_logprobs_num"), len(prompts), "top_logprobs_num", _json_top_k)
+    tids = _per_prompt(p.get("token_ids_logprob"), len(prompts), "token_ids_logprob", _json_token_ids, nested=True)
+    if (any(tops) or any(tids)) and not return_logprob:
+        raise BadRequest("top_logprobs_num / token_ids_logprob need return_logprob: true (as in SGLang)")
+    per = [dataclasses.replace(s, top_logprobs_num=k, token_ids_logprob=t) if k or t else s
+           for s, k, t in zip(per, tops, tids)]
     # Validate all before queuing any, so a bad batch runs nothing (max_new_tokens clamped to each prompt's room).
-    checked = [engine.check(x, sp) for x in prompts]
+    checked = [engine.check(x, s) for x, s in zip(prompts, per)]
     total = len(prompts) * n
     if total > engine.cfg.max_waiting:
         raise BadRequest(
@@ -270,8 +291,10 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         raise EngineBusy(f"the engine's waiting queue is full ({engine.num_waiting} waiting); retry later")
     # n > 1: prompt-major order (all samples of prompt 0, then of prompt 1, ...), as SGLang returns them.
     rids = [r if n == 1 or r is None else f"{r}_{j}" for r in base for j in range(n)]
-    if len(set(r for r in rids if r is not None)) != sum(r is not None for r in rids):
-        raise BadRequest("rid values must be distinct")
+    named = [r for r in rids if r is not None]
+    if len(set(named)) != len(named):
+        dup = next(r for i, r in enumerate(named) if r in named[:i])
+        raise BadRequest(f"Duplicate request ID detected: {dup} (rid values of one call must be distinct)")
     return _Plan(
         prompts=[x for x in prompts for _ in range(n)],
         params=[s for c in checked for s in parallel_sampling(c, n)],
@@ -281,66 +304,6 @@ async def _plan(engine: Engine, p: dict) -> _Plan:
         opts=opts,
         logprob_starts=[st for st in starts for _ in range(n)],
     )
-
-
-UNSUPPORTED_FIELDS = {
-    "image_data": "text-only models; send text or input_ids",
-    "video_data": "text-only models; send text or input_ids",
-    "audio_data": "text-only models; send text or input_ids",
-    "input_embeds": "send text or input_ids",
-    "lora_id": "name the adapter with lora_path (its lora_name); SGLang's internal lora_id is not used",
-    "top_logprobs_num": "top-k log-probs are not returned; send 0 (output_token_logprobs holds the sampled token's)",
-    "token_ids_logprob": "log-probs of chosen token ids are not returned; use logprob_start_len on the full text",
-    "return_hidden_states": "hidden states are not returned",
-    "return_routed_experts": "MoE routing is not exposed",
-    "return_entropy": "entropies are not returned",
-    "custom_logit_processor": "custom logit processors do not run in the embedded engine",
-    "session_params": "sessions are not kept; send the whole prompt",
-    "bootstrap_host": "prefill/decode disaggregation is not available",
-    "bootstrap_room": "prefill/decode disaggregation is not available",
-}
-"""Top-level /generate fields the embedded engine refuses (400 naming the field) rather than ignores."""
-
-
-def _check_lora_path(engine: Engine, raw: Any, n_prompts: int) -> None:
-    """``lora_path`` (SGLang: the name of a loaded adapter, one for all prompts or a list with one per prompt).
-
-    The embedded engine merges one adapter into its weights, the most recently loaded (``Engine.lora_applied``), and
-    serves every request with it: a request may name any *loaded* adapter (an older one was superseded by a newer
-    publish, as a request in flight across a full weight load is; its tokens carry the version that produced them in
-    ``output_token_versions``). A name that is not loaded is refused."""
-    if raw is None:
-        return
-    names = raw if isinstance(raw, list) else [raw]
-    if isinstance(raw, list) and len(raw) != n_prompts:
-        raise BadRequest(f"lora_path: a list needs one entry per prompt ({n_prompts}), got {len(raw)}")
-    loaded = engine.lora_adapters
-    for x in names:
-        if x is None:
-            continue
-        if not isinstance(x, str):
-            raise BadRequest("lora_path must be an adapter name (string), null, or a list of them")
-        if x not in loaded:
-            raise BadRequest(f"lora_path {x!r} is not a loaded LoRA adapter (loaded: {list(loaded)}); load it first "
-                             "with /load_lora_adapter")
-
-
-def _logprob_starts(raw: Any, prompts: list[list[int]]) -> list[int | None]:
-    """``logprob_start_len`` per prompt: None for SGLang's default (-1: the last prompt token only), else the
-    first prompt position reported in ``input_token_logprobs`` (which then covers ``prompt[start:]``)."""
-    vals = raw if isinstance(raw, list) else [raw] * len(prompts)
-    if len(vals) != len(prompts):
-        raise BadRequest(f"logprob_start_len: a list needs one entry per prompt ({len(prompts)}), got {len(vals)}")
-    out: list[int | None] = []
-    for x, v in zip(prompts, vals):
-        if v is None or v == -1:
-            out.append(None)
-            continue
-        v = json_int(v, "logprob_start_len", -1)
-        if v >= len(x):
-            raise BadRequest(f"logprob_start_len ({v}) must be < the prompt's {len(x)} tokens (-1 for the default)")
-        out.append(v if v < len(x) - 1 else None)
-    return out
 
 
 async def _generate(engine: Engine, p: dict) -> tuple[int, Any]:
@@ -471,6 +434,10 @@ ROUTES: dict[str, Any] = {
     "resume_memory_occupation": control._resume_memory,
     "load_lora_adapter": control._load_lora,
     "unload_lora_adapter": control._unload_lora,
+    "tokenize": openai_api.tokenize,
+    "v1/tokenize": openai_api.tokenize,
+    "detokenize": openai_api.detokenize,
+    "v1/detokenize": openai_api.detokenize,
 }
 """Endpoint name -> ``async handler(engine, payload) -> (status, json body)``; extend here."""
 
@@ -530,6 +497,10 @@ POST_ROUTES = (
     "resume_memory_occupation",
     "load_lora_adapter",
     "unload_lora_adapter",
+    "tokenize",
+    "v1/tokenize",
+    "detokenize",
+    "v1/detokenize",
 )
 OPENAI_ROUTES = ("v1/completions", "v1/chat/completions")
 """OpenAI-compatible POST endpoints, answered by ``rlcore.inference.openai_api``."""
@@ -680,13 +651,24 @@ def make_app(
     for ep in OPENAI_ROUTES:
         app.router.add_post("/" + ep, openai_api.make_view(engine, ep))
 
+    async def responses(request: web.Request) -> web.Response:  # OpenAI's Responses API (responses_api)
+        try:
+            payload = await read_json(request, client_max_size)
+        except BadRequest as e:
+            return _json(openai_api.OpenAIError(str(e), status=413 if isinstance(e, _TooLarge) else 400).body(),
+                         413 if isinstance(e, _TooLarge) else 400)
+        parser = request.app.get(openai_api.TOOL_PARSER_KEY)
+        status, body = await while_connected(responses_api.handle(engine, payload, parser), request)
+        return _json(body, status)
+
+    app.router.add_post("/v1/responses", responses)
     app.router.add_put("/generate", route("generate"))  # SGLang's /generate takes POST and PUT
     app.router.add_get("/v1/models/{model:.+}", _retrieve_model)
 
     async def unknown(request: web.Request) -> web.Response:
         ep = request.path.strip("/")
-        allowed = [m for m, eps in (("GET", GET_ROUTES), ("POST", POST_ROUTES + OPENAI_ROUTES), ("PUT", ("generate",)))
-                   if ep in eps]
+        posts = (*POST_ROUTES, *OPENAI_ROUTES, "v1/responses")
+        allowed = [m for m, eps in (("GET", GET_ROUTES), ("POST", posts), ("PUT", ("generate",))) if ep in eps]
         if allowed:  # a known endpoint asked with the wrong method: 405 naming the right one, as SGLang answers
             status, body = _err(405, f"{request.method} /{ep} is not allowed; use {' or '.join(allowed)}")
             return web.json_response(body, status=status, headers={"Allow": ", ".join(allowed)})
@@ -700,6 +682,8 @@ def make_app(
 
 __all__ = [
     "ENGINE_KEY",
+    "NO_EFFECT_FIELDS",
+    "UNSUPPORTED_FIELDS",
     "ROUTES",
     "error_status",
     "read_json",

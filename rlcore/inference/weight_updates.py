@@ -113,6 +113,7 @@ class WeightUpdates:
             if not allow_partial:
                 check_complete(self.model, staged, f"the checkpoint at {os.fspath(path)!r}")
             self._call(lambda: self._commit(staged, version, gate))
+        self.model_path = str(path)  # as SGLang's tokenizer manager records a successful load (a failed one raised)
 
     def update_weights_from_tensors(
         self, named: Sequence[tuple[str, torch.Tensor]], version: int | None = None, *, gate: CommitGate | None = None

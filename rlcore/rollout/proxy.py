@@ -427,6 +427,7 @@ class AgentProxy:
         r = app.router
         for prefix in ("/v1", ""):
             r.add_post(prefix + "/chat/completions", self._h_chat)
+            r.add_post(prefix + "/responses", self._h_responses)
             r.add_get(prefix + "/models", self._h_models)
         r.add_post("/grant_capacity", self._h_grant)
         r.add_post("/rl/start_session", self._h_start)
@@ -904,6 +905,19 @@ class AgentProxy:
             await out.send({**head, "choices": [], "usage": result["usage"]})
         await out.done()
         return out.resp
+
+    async def _h_responses(self, request: web.Request) -> web.Response:
+        """OpenAI's Responses API (what the openai-agents SDK's default model calls), answered as a chat completion
+        of the session (recorded like one): ``rlcore.inference.responses_api`` translates both ways."""
+        from rlcore.inference import responses_api
+
+        sid = self._session_of(request)
+        body = await self._json(request)
+        try:
+            result = await sse.while_connected(self.chat(sid, responses_api.to_chat(body)), request)
+        except ConnectionResetError:
+            return web.Response(status=499)
+        return web.json_response(responses_api.to_response(body, result), dumps=lambda x: json.dumps(x, allow_nan=False))
 
     async def _h_models(self, request: web.Request) -> web.Response:
         if not self._is_admin_key(_bearer(request)):

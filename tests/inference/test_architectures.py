@@ -429,15 +429,15 @@ def test_prompt_too_long_names_the_limit_that_bounds_the_context():
     for model, field, n in ((gpt2, "n_positions", 40), (qwen2, "max_position_embeddings", 96)):
         eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=2048, device="cpu"))
         assert (eng.max_seq_len, eng.context_limit) == (n, field)
-        with pytest.raises(EngineError, match=rf"context is {n} tokens.*config.json {field} bounds") as e:
+        with pytest.raises(EngineError, match=rf"context length \({n} tokens\).*config.json {field} bounds") as e:
             eng.check([1] * n, SamplingParams())
         assert "raise EngineConfig.max_seq_len" not in str(e.value)
-        with pytest.raises(OpenAIError, match=rf"context is {n} tokens.*config.json {field} bounds") as e:
+        with pytest.raises(OpenAIError, match=rf"context length \({n} tokens\).*config.json {field} bounds") as e:
             completion_plan(eng, {"prompt": [1] * n})
         assert "larger --max-seq-len)" not in str(e.value)
     eng = Engine(qwen2, EngineConfig(max_batch=2, max_seq_len=32, device="cpu"))  # the engine's own limit
     assert (eng.max_seq_len, eng.context_limit) == (32, "max_seq_len")
-    with pytest.raises(EngineError, match=r"context is 32 tokens; shorten the prompt or raise EngineConfig.max_seq_len"):
+    with pytest.raises(EngineError, match=r"context length \(32 tokens\).*shorten the prompt or raise EngineConfig.max_seq_len"):
         eng.check([1] * 32, SamplingParams())
     with pytest.raises(OpenAIError, match=r"restart the server with a larger --max-seq-len"):
         completion_plan(eng, {"prompt": [1] * 32})

@@ -299,13 +299,14 @@ BAD_CHAT = [
     ({"n": 0}, "n"),
     ({"max_tokens": 10_000}, "max_tokens"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),
-    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 0}, "top_logprobs"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"w5": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"stop": ""}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"seed": 1.5}, "seed"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
 ]
@@ -327,7 +328,7 @@ def test_bad_completion_requests_are_400(client):
         ({"prompt": [1, 99_999]}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": "a" * (CTX + 5)}, "prompt"),
-        ({"prompt": "a", "logprobs": 2}, "logprobs"),
+        ({"prompt": "a", "logprobs": 6}, "logprobs"),
         ({"prompt": "a", "echo": True, "logprobs": 0}, "echo"),
         ({"prompt": "a", "suffix": "z"}, "suffix"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
@@ -381,7 +382,8 @@ def test_raw_json_shapes_errors_and_sse(server):
     events = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]" and raw.endswith(b"data: [DONE]\n\n")
     chunks = [json.loads(e) for e in events[:-1]]
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "reasoning_content": None,
+                                               "tool_calls": None}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 4
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
     status, raw = http(server.url + "/v1/models", b"")  # POST: not an OpenAI route, JSON 404

@@ -246,7 +246,7 @@ BAD = [
     ({"input_ids": [[1], [2]], "rid": ["same", "same"]}, "rid"),
     ({"input_ids": [1], "sampling_params": {"stop": ""}}, "stop"),
     ({"input_ids": [1], "sampling_params": {"stop": ["w3", 4]}}, "stop"),
-    ({"input_ids": [1], "sampling_params": {"stop_regex": "w[0-9]"}}, "stop_regex"),
+    ({"input_ids": [1], "sampling_params": {"stop_regex": "w[0-9"}}, "stop_regex"),
     ({"input_ids": [1], "sampling_params": {"no_stop_trim": 1}}, "no_stop_trim"),
     ({"input_ids": [1], "sampling_params": {"min_new_tokens": -1}}, "min_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens"),

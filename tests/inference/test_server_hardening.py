@@ -405,7 +405,7 @@ def test_a_streamed_generate_with_a_rid_in_flight_gets_an_error_event_not_a_cut_
     events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
     assert status == 200 and events[-1] == "[DONE]" and len(events) == 2
     err = json.loads(events[0])["error"]
-    assert err["code"] == 400 and "already in flight" in err["message"]
+    assert err["code"] == 400 and "Duplicate request ID detected: " in err["message"]
     assert held.result(30).finish_reason["type"] == "length"
 
 

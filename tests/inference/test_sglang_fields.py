@@ -192,9 +192,9 @@ def test_an_unloadable_or_unknown_lora_adapter_is_a_clear_400_never_a_base_model
 
 @pytest.mark.parametrize("field,value", [
     ("regex", "(yes|no)"), ("json_schema", '{"type": "object"}'), ("ebnf", 'root ::= "a"'),
-    ("structural_tag", "{}"), ("min_p", 0.1), ("logit_bias", {"3": 5.0}),
+    ("structural_tag", "{}"), ("min_p", 1.5), ("logit_bias", {"w3": 5.0}), ("stop_regex", "(unclosed"),
 ])
-def test_constrained_decoding_and_unsupported_sampling_fields_are_refused(engine, field, value):
+def test_constrained_decoding_and_bad_sampling_fields_are_refused(engine, field, value):
     status, body = call(engine, "generate", {"input_ids": [3, 4], "sampling_params": {**GREEDY, field: value}})
     assert status == 400 and f"sampling_params.{field}" in body["error"]["message"], body
 
