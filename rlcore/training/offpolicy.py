@@ -71,18 +71,40 @@ class OffPolicyConfig:
 def staleness(batch: TokenBatch, version: int, *, kv_kept: bool = False) -> Tensor:
     """``(b t)`` int: ``version − batch.versions`` on sampled tokens (0 where a token has no version).
 
-    ``kv_kept``: the engine kept the KV of requests in flight across weight loads (``kv_after_update="keep"``),
-    so a token's log-prob also depends on the older weights that computed its prefix's KV. Its staleness is then
-    counted from the oldest version among the row's sampled tokens up to it (a running minimum along ``t``), so
-    staleness 0 still means "computed by the current weights alone". With the default re-prefill the tag is exact.
-    """
+    ``kv_kept``: the engine kept the KV of requests in flight across weight loads (``kv_after_update="keep"``
+    with a pause that keeps requests: ``in_place``, ``retract`` or none), so a token's log-prob also depends on the
+    older weights that computed its request's KV. Its staleness is then counted from the oldest version among the
+    sampled tokens of its own request up to it (a running minimum along ``t`` that restarts where a new request
+    begins: the first sampled token after unsampled ones, e.g. a later turn after a tool answer, or a new
+    ``turn_ids`` value), since a new request is prefilled fresh under the weights of its first token. Staleness 0
+    still means "computed by the current weights alone". With the default re-prefill the tag is exact. A segment
+    resubmitted inside one turn after an ``abort`` pause is prefilled fresh too but cannot be told apart here:
+    pass ``kv_kept=False`` for an ``abort`` pause (no request crosses a load with its KV then)."""
     if batch.versions is None:
         return torch.zeros_like(batch.loss_mask, dtype=torch.long)
     v = batch.versions.long()
     if kv_kept:
-        oldest = torch.cummin(torch.where(v >= 0, v, torch.full_like(v, torch.iinfo(v.dtype).max)), dim=1).values
-        v = torch.where(v >= 0, oldest, v)
+        v = torch.where(v >= 0, _request_oldest(v, batch.turn_ids), v)
     return torch.where(v >= 0, version - v, torch.zeros_like(v)).clamp(min=0)
+
+
+_NO_VERSION = 1 << 30  # larger than any weight version: unsampled positions never lower a running minimum
+
+
+def _request_oldest(v: Tensor, turn_ids: Tensor | None) -> Tensor:
+    """``(b t)``: the least version among the sampled tokens ``v >= 0`` of the same request up to ``t``. A request
+    starts at a sampled token whose predecessor is unsampled (or at ``t = 0``), or where ``turn_ids`` changes."""
+    sampled = v >= 0
+    prev = torch.cat([torch.zeros_like(sampled[:, :1]), sampled[:, :-1]], dim=1)
+    start = sampled & ~prev
+    if turn_ids is not None and turn_ids.shape == v.shape:
+        tid = turn_ids.long()
+        start |= sampled & torch.cat([torch.zeros_like(sampled[:, :1]), tid[:, 1:] != tid[:, :-1]], dim=1)
+    seg = torch.cumsum(start.long(), dim=1)
+    eff = torch.where(sampled, v, torch.full_like(v, _NO_VERSION))
+    # segmented running minimum: seg * 2^31 dominates, so cummax of (seg * 2^31 - version) restarts per request
+    key = torch.cummax(seg * (1 << 31) - eff, dim=1).values
+    return seg * (1 << 31) - key
 
 
 def step_metrics(

@@ -74,6 +74,21 @@ def test_kept_kv_counts_staleness_from_the_oldest_weights_that_shaped_the_token(
     assert offpolicy.Monitor(kv_kept=True)(1, logp, tb, version=4)["offpolicy/warning"] == 0.0
 
 
+def test_kept_kv_staleness_restarts_with_each_request_of_a_row():
+    """A later turn (after a tool answer, or a new ``turn_ids`` value) is a new request prefilled fresh under its
+    own version: its tokens sampled by the current weights are 0 stale, not counted from the first turn's."""
+    versions = torch.tensor([[-1, 3, 3, -1, -1, 5, 5], [-1, 3, 4, 5, 5, 5, -1], [-1, 2, 3, -1, 4, 5, 5]])
+    turn_ids = torch.tensor([[-1, 0, 0, -1, -1, 1, 1], [-1, 0, 0, 1, 1, 1, -1], [-1, 0, 0, -1, 1, 1, 1]])
+    z = torch.zeros(3, 7, dtype=torch.long)
+    tb = TokenBatch(input_ids=z, targets=z, attention_mask=torch.ones(3, 7, dtype=torch.bool), loss_mask=versions >= 0,
+                    versions=versions, turn_ids=turn_ids)
+    assert offpolicy.staleness(tb, 5, kv_kept=True).tolist() == [[0, 2, 2, 0, 0, 0, 0], [0, 2, 2, 0, 0, 0, 0],
+                                                                  [0, 3, 3, 0, 1, 1, 1]]
+    no_turns = dataclasses.replace(tb, turn_ids=None)  # the gap alone still separates the requests of rows 0 and 2
+    assert offpolicy.staleness(no_turns, 5, kv_kept=True).tolist() == [[0, 2, 2, 0, 0, 0, 0], [0, 2, 2, 2, 2, 2, 0],
+                                                                        [0, 3, 3, 0, 1, 1, 1]]
+
+
 @pytest.mark.parametrize("train_temperature,warns", [(1.0, False), (0.5, True)])
 def test_temperature_mismatch_warns_once_per_n_steps(train_temperature, warns):
     """Engine samples at T=1; a trainer at T=0.5 disagrees (random tiny model: ~0.11 nats) on staleness-0 tokens -> the warning names the cause."""
