@@ -140,8 +140,9 @@ class _Sync:
         """monotonic time of the last ``/get_weight_version`` probe while lagging."""
         self.reports_version: bool | None = None
         """Whether its /generate answers carry a weight version (None: not seen yet)."""
-        self.verified = -1
-        """Highest version this server was seen to hold (from an answer or a probe)."""
+        self.verified = 0
+        """Highest version this server was seen to hold (from an answer or a probe; every server holds at least the
+        version 0 it started with)."""
 
     @property
     def synced(self) -> bool:
