@@ -25,7 +25,7 @@ Concurrency invariants (spec system.md §3):
   never saw the push checks what the server says it holds: a segment answered with older weights than its pinned
   ``v_req`` (per-token versions, or ``meta_info.weight_version``, which SGLang sends) is dropped and re-routed,
   and that server lags (unroutable) until ``GET /get_weight_version`` reports the client's version. A server that
-  reports no version in its answers is probed once per version before it serves a segment of that version.
+  reports no version at all in its answers is trusted (only the eviction shared in this process covers it).
 
 Failures (what ``agenerate`` and the controller do with them):
 
@@ -500,13 +500,6 @@ class EngineClient:
                                       f"{self.cfg.resync_wait_s} s; re-publish the weights to them") from e
                 await asyncio.sleep(max(self.cfg.pause_poll_s, min(self.cfg.resync_probe_s, deadline - now)))
                 continue
-            if v_req is not None and server.sync.reports_version is False and server.sync.verified < v_req:
-                held = await self._probe(server)
-                if held is None:  # cannot tell (no /get_weight_version): trusted, as before any check
-                    server.sync.verified = max(server.sync.verified, v_req)
-                elif held < v_req:
-                    self._lags(server, v_req, held)
-                    continue
             try:
                 out, held = await self._call(server, "POST", "/generate", payload, check)
             except _ServerFailed as e:
@@ -515,7 +508,6 @@ class EngineClient:
                         f"request {label or rid}: /generate failed after {self.cfg.retries + 1} attempts: {e}"
                     ) from e
                 continue
-            server.sync.reports_version = held is not None
             if held is not None:
                 server.sync.verified = max(server.sync.verified, held)
                 if v_req is not None and held < v_req:  # old weights: the tokens are dropped, the segment re-routed

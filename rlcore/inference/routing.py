@@ -138,8 +138,6 @@ class _Sync:
         a probe or a successful push shows it caught up."""
         self.probed_at = -math.inf
         """monotonic time of the last ``/get_weight_version`` probe while lagging."""
-        self.reports_version: bool | None = None
-        """Whether its /generate answers carry a weight version (None: not seen yet)."""
         self.verified = 0
         """Highest version this server was seen to hold (from an answer or a probe; every server holds at least the
         version 0 it started with)."""

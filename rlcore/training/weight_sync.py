@@ -503,8 +503,48 @@ def _publish_shm(state: TrainState, targets: Sequence[Any], version: int, dtype:
 # ----------------------------------------------------------------------------------------------------------
 
 _FLAT_ALIGN = 256
-_FLAT_BUFFERS: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
-"""One flat publish buffer per model, reused every publish: the engine maps its IPC handle once."""
+_FLAT_BUFFERS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+"""id(model) -> (weak reference to the model, its flat publish buffer), reused every publish: the engine maps its IPC
+handle once. The buffer is held by a plain reference, never freed from a garbage-collector callback when its model
+dies: a CUDA buffer exported through IPC is freed only at a known point, on the caller's thread, after the engines
+that mapped it stopped (:func:`release_publish_buffers`, run when an engine process is stopped), or by the next
+publish once its model is gone."""
+_FLAT_LOCK = threading.Lock()
+
+
+def release_publish_buffers(model: nn.Module | None = None) -> int:
+    """Free the flat publish buffer of ``model`` (None: every one), plus those whose model is gone; returns how many.
+
+    Call it once the engines that mapped the buffer's CUDA IPC handle stopped (``rlcore.inference.process`` does
+    when an engine process exits): the device is synchronized first and the CUDA IPC blocks the engines released
+    are collected after (``torch.cuda.ipc_collect``). The next tensor publish allocates a new buffer."""
+    with _FLAT_LOCK:
+        keys = [k for k, (ref, _) in _FLAT_BUFFERS.items() if model is None or ref() is None or ref() is model]
+        bufs = [_FLAT_BUFFERS.pop(k)[1] for k in keys]
+    devices = {b.device for b in bufs if b.is_cuda}
+    for d in devices:
+        torch.cuda.synchronize(d)
+    n = len(bufs)
+    del bufs
+    if devices:
+        torch.cuda.ipc_collect()
+    return n
+
+
+_NO_MODEL = nn.Module()  # matches no live model: release_publish_buffers(_NO_MODEL) frees only the dead models' ones
+
+
+def _release_all_publish_buffers() -> None:
+    release_publish_buffers()
+
+
+def _register_release() -> None:
+    from rlcore.inference import process
+
+    process.after_engine_stop(_release_all_publish_buffers)
+
+
+_register_release()
 
 
 def flat_publish_views(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
@@ -520,10 +560,16 @@ def flat_publish_views(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, 
         layout.append((name, off, t))
         off += -(-t.numel() * t.element_size() // _FLAT_ALIGN) * _FLAT_ALIGN
     device = items[0][1].device if items else torch.device("cpu")
-    buf = _FLAT_BUFFERS.get(model)
-    if buf is None or buf.numel() != off or buf.device != device:
-        buf = torch.empty(off, dtype=torch.uint8, device=device)
-        _FLAT_BUFFERS[model] = buf
+    with _FLAT_LOCK:
+        dead = any(ref() is None for ref, _ in _FLAT_BUFFERS.values())
+    if dead:
+        release_publish_buffers(model=_NO_MODEL)  # buffers of models gone: freed here, not by a GC callback
+    with _FLAT_LOCK:
+        entry = _FLAT_BUFFERS.get(id(model))
+        buf = entry[1] if entry is not None and entry[0]() is model else None
+        if buf is None or buf.numel() != off or buf.device != device:
+            buf = torch.empty(off, dtype=torch.uint8, device=device)
+            _FLAT_BUFFERS[id(model)] = (weakref.ref(model), buf)
     views = []
     with torch.no_grad():
         for name, o, t in layout:
@@ -788,6 +834,7 @@ __all__ = [
     "republish",
     "hold_generation",
     "flat_publish_views",
+    "release_publish_buffers",
     "export_hf",
     "export_adapter",
     "full_state_dict",
