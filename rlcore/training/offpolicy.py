@@ -74,6 +74,8 @@ class OffPolicyConfig:
     probe_tokens: int = 16
     """Tokens the engine samples (temperature 1) for one :meth:`Monitor.probe`, each re-scored by the trainer; the
     probe warns when their mean |engine − trainer| log-prob exceeds ``warn_threshold``."""
+    probe_every: int = 1
+    """Probe after every this many publishes (0: never); an experiment's loop reads it."""
 
     def __post_init__(self) -> None:
         if not self.warn_threshold > 0:
@@ -82,6 +84,8 @@ class OffPolicyConfig:
             raise ValueError(f"OffPolicyConfig.warn_every must be >= 1 step, got {self.warn_every}")
         if self.probe_tokens < 1:
             raise ValueError(f"OffPolicyConfig.probe_tokens must be >= 1, got {self.probe_tokens}")
+        if self.probe_every < 0:
+            raise ValueError(f"OffPolicyConfig.probe_every must be >= 0 (0: no probe), got {self.probe_every}")
 
 
 def staleness(batch: TokenBatch, version: int, *, kv_kept: bool = False) -> Tensor:
@@ -180,13 +184,14 @@ def probe_engine(
     target: Any, prompt_ids: Sequence[int], max_new_tokens: int, *, seed: int = 0, timeout_s: float = 300.0
 ) -> tuple[list[int], list[float], list[int]]:
     """Sample ``max_new_tokens`` tokens after ``prompt_ids`` from ``target`` at temperature 1 (EOS ignored): an
-    in-process engine (``submit``) or a blocking client (``generate``, e.g. ``SyncEngineClient``). Returns the token
+    engine (``Engine.generate``; also a rollout process's ``rp.engine``) or a blocking client (``generate`` of a
+    ``ModelRequest``, e.g. ``SyncEngineClient``). Returns the token
     ids, the engine's log-probs of them and their weight versions (each a list of length ``max_new_tokens`` or
     fewer)."""
     sp = SamplingParams(max_new_tokens=int(max_new_tokens), temperature=1.0, ignore_eos=True, seed=int(seed))
     ids = [int(t) for t in prompt_ids]
-    if hasattr(target, "submit") and hasattr(target, "update_weights_from_state_dict"):
-        out = target.submit(ids, sp, rid=f"offpolicy-probe-{uuid.uuid4().hex[:8]}").result(timeout_s)
+    if hasattr(target, "update_weights_from_state_dict"):  # an engine (or a rollout process's remote engine)
+        out = target.generate(ids, sp, rid=f"offpolicy-probe-{uuid.uuid4().hex[:8]}", timeout=timeout_s)
         return list(out.output_ids), [float(x) for x in out.output_logprobs], [int(v) for v in out.output_versions]
     if hasattr(target, "generate"):
         r = target.generate(ModelRequest(input_ids=ids, sampling=sp, rid=f"offpolicy-probe-{uuid.uuid4().hex[:8]}"))
