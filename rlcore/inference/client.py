@@ -592,6 +592,7 @@ class EngineClient:
         targets = [s for s in self.servers if not s.dead]
         if not targets:
             raise EngineError(f"{endpoint}: no live server left")
+        before = [(s.sync.pushed, s.sync.weights, s.sync.failed_push) for s in self.servers]
         for s in self.servers:  # a dead server misses this push: it stays evicted until one succeeds on it
             s.sync.pushed = key
         results = await asyncio.gather(
@@ -618,7 +619,9 @@ class EngineClient:
         if failed:
             log.error("%s failed on %s; evicted from routing until a later weight push succeeds on them "
                       "(they would serve old weights): %s", endpoint, sorted(failed), failed)
-        if not out:
+        if not out:  # the version is not bumped: every server still counts as holding what it held before
+            for s, (pushed, weights, failed_push) in zip(self.servers, before):
+                s.sync.pushed, s.sync.weights, s.sync.failed_push = pushed, weights, failed_push
             raise EngineError(f"{endpoint} failed on every server, weights not updated: {failed}")
         return out
 
@@ -718,12 +721,15 @@ class EngineClient:
         shapes: Sequence[Sequence[int]],
         group_name: str = "update_weight_group",
         version: int | None = None,
+        abort_all_requests: bool = True,
     ) -> asyncio.Task[dict[str, Any]]:
         """Start POST /update_weights_from_distributed on all servers and return at once (a Task).
 
         The servers return only after receiving every listed tensor by broadcast from rank 0, so the
         trainer must broadcast while this is in flight, then await the task. Give ``version`` (every bucket
-        of one update the same): a server that fails any bucket stays evicted until a later version's push.
+        of one update the same): a server that fails any bucket stays evicted until a later push succeeds on it
+        (``begin_weight_push`` starts a new one, e.g. a re-publish of the same version). ``abort_all_requests=False``
+        keeps the requests an ``in_place`` pause (``weight_sync.hold_generation``) is holding.
         """
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes must have equal lengths, got {len(names)}/{len(dtypes)}/{len(shapes)}")
@@ -732,7 +738,7 @@ class EngineClient:
             "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(map(int, s)) for s in shapes],
             "group_name": group_name,
-            "abort_all_requests": True,
+            "abort_all_requests": bool(abort_all_requests),
         }
         if version is not None:
             payload["weight_version"] = str(int(version))

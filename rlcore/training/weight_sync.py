@@ -426,7 +426,9 @@ def _broadcast_weights(state: TrainState, group: BroadcastGroup, version: int, c
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         futs = [group._call_engine(e, "update_weights_from_distributed", names, dtypes, shapes,
-                                   group_name=group.group_name, version=version) for e in group.engines]
+                                   group_name=group.group_name, version=version,
+                                   **({} if _is_engine(e) or not _is_held(e) else {"abort_all_requests": False}))
+                for e in group.engines]
         tensors = [t.to(dev).contiguous() for _, t in bucket]
         works = [dist.broadcast(t, src=0, group=group.pg, async_op=True) for t in tensors]
         return futs, works, tensors
