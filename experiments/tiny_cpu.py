@@ -427,6 +427,7 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
                    bar_format="{l_bar}{bar}| {n:.0f}/{total}s{postfix}")  # the postfix brings its ", "
         # the staleness-0 mismatch warning, printed above the progress bar at most once every warn_every steps
         monitor = offpolicy.Monitor(cfg.offpolicy, log=tqdm.write if cfg.progress else None)
+        probe_ids = tok("12:7=", add_special_tokens=False)["input_ids"]  # the probe request after each publish
         # ------------------------------------------------------------------ loop
         while state.step < cfg.max_steps and time.perf_counter() - t0 < cfg.minutes * 60:
             # rollout (bounded staleness): blocks until B groups are finished, informative or not
@@ -445,6 +446,9 @@ def main(cfg: Config, *, loss_fn: step.LossFn | None = None) -> dict[str, float]
             t_pub = time.perf_counter()
             state = weight_sync.publish_weights(state, targets, cfg=publish_cfg, rollout=ctl)
             roll["time/publish_s"] = time.perf_counter() - t_pub
+            if cfg.offpolicy.probe_every and state.step % cfg.offpolicy.probe_every == 0:
+                # engine and trainer hold the same version now: the mismatch alarm of every eta (docs/offpolicy.md)
+                roll |= monitor.probe(state.step, state.model, targets[0], probe_ids, version=state.version)
             if cfg.checkpoint_dir and ctl.batches % cfg.checkpoint_every == 0:
                 # after the publish: the snapshot's version is the trainer's, and nothing newer is in flight
                 checkpoint.save(cfg.checkpoint_dir, state,

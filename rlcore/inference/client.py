@@ -20,6 +20,12 @@ Concurrency invariants (docs/spec/system.md §3):
   gets the pinned ``v_req``. A server whose weight push failed (or that missed a push while dead) is
   *evicted*: it is not routed to until a later push succeeds on it, so it never serves old weights
   while the trainer believes it holds the new version. A push that no server acknowledged raises.
+- Eviction holds in every layout (docs/runtime.md, "Failure semantics"): the weight state of a server is shared
+  by every client of the process that routes to it (same address or same in-process engine), and a client that
+  never saw the push checks what the server says it holds: a segment answered with older weights than its pinned
+  ``v_req`` (per-token versions, or ``meta_info.weight_version``, which SGLang sends) is dropped and re-routed,
+  and that server lags (unroutable) until ``GET /get_weight_version`` reports the client's version. A server that
+  reports no version at all in its answers is trusted (only the eviction shared in this process covers it).
 
 Failures (what ``agenerate`` and the controller do with them):
 
@@ -108,7 +114,6 @@ class EngineClient:
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._rr = random.Random(cfg.seed).randrange(len(self.servers))
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
-        self._pushed: Any = None  # key of the newest weight push; servers holding other weights are evicted
         self._anon_pushes = 0
         self._lora: str | None = None  # adapter name prefix: segments pinned to v send lora_path "<prefix>-v<v>"
 
@@ -191,11 +196,23 @@ class EngineClient:
         return [s.name for s in self.servers if not s.dead and not self._synced(s)]
 
     def unsynced_servers(self) -> list[str]:
-        """Every server, dead or alive, that does not hold the last pushed weights (no push yet: none)."""
-        return [s.name for s in self.servers if self._pushed is not None and not self._synced(s)]
+        """Every server, dead or alive, that does not hold the last pushed weights or lags behind the client's
+        version (no push yet and no lag seen: none)."""
+        return [s.name for s in self.servers if not self._synced(s)]
+
+    def lagging_servers(self) -> dict[str, int]:
+        """{server name: the version it was seen to lag behind} for servers that answered with older weights than
+        a segment's version (they serve again once they report the client's version)."""
+        return {s.name: s.sync.lag for s in self.servers if s.sync.lag is not None}
+
+    def begin_weight_push(self) -> None:
+        """Start a new (possibly bucketed) weight push: forget which earlier push failed on which server, so
+        re-publishing a version that failed on a server re-syncs that server once every bucket succeeds."""
+        for s in self.servers:
+            s.failed_push = None
 
     def _synced(self, s: _Server) -> bool:
-        return s.weights is self._pushed or s.weights == self._pushed
+        return s.sync.synced
 
     def backpressure(self) -> float:
         """Seconds until some live, synced server will take new work again (0: one takes work now).
@@ -226,6 +243,9 @@ class EngineClient:
                 if not self.servers[idx].dead and self._synced(self.servers[idx]):
                     break
             else:
+                lagging = [s.name for s in self.servers if not s.dead and s.sync.lag is not None]
+                if lagging:  # a probe or a re-publish may bring one back: the caller waits (resync_wait_s)
+                    raise _AllLagging(f"every live server lags behind version {self._version}: {lagging}")
                 stale = self.stale_servers()
                 if stale:
                     raise EngineError(f"no server holds the last pushed weights: {stale} missed a weight push "
@@ -405,7 +425,7 @@ class EngineClient:
             epoch = self._pause_epoch
             remaining = budget - len(st.tokens)
             payload = self._payload(prompt + st.tokens, sampling, remaining, v_req)
-            seg = await self._generate_segment(rid, payload, remaining, label=label)
+            seg = await self._generate_segment(rid, payload, remaining, label=label, v_req=v_req)
             self._absorb(st, seg, v_req, epoch, label or rid)
         reason = "length" if st.reason == "abort" else st.reason  # an abort with the budget used up
         return ModelResponse(
@@ -443,36 +463,99 @@ class EngineClient:
         epoch = self._pause_epoch
         parts = [_Partial() for _ in range(n)]
         payload = self._payload([prompt] * n, sampling, budget, v_req)
-        segs = await self._generate_segment(req.rid, payload, budget, batch=n)
+        segs = await self._generate_segment(req.rid, payload, budget, batch=n, v_req=v_req)
         for i, (st, seg) in enumerate(zip(parts, segs)):
             self._absorb(st, seg, v_req, epoch, f"{req.rid}/{i}")
         done = (self._complete(req.rid, prompt, budget, sampling, st, f"{req.rid}/{i}") for i, st in enumerate(parts))
         return list(await asyncio.gather(*done))
 
     async def _generate_segment(
-        self, rid: str, payload: dict, remaining: int, batch: int | None = None, label: str | None = None
+        self, rid: str, payload: dict, remaining: int, batch: int | None = None, label: str | None = None,
+        v_req: int | None = None,
     ) -> Any:
-        """One /generate call on the rid's server, re-routing when that server is marked dead; ``batch``: the
-        payload holds that many prompts and the answer is the list of their parsed segments; ``label`` names the
-        request in errors (default ``rid``)."""
+        """One /generate call on the rid's server, re-routing when that server is marked dead or answers with
+        weights older than ``v_req`` (it then lags: unroutable until it reports the client's version); ``batch``:
+        the payload holds that many prompts and the answer is the list of their parsed segments; ``label`` names
+        the request in errors (default ``rid``)."""
 
         def check(b: Any) -> Any:
             if batch is None:
-                return parse_generate(b, remaining)
+                return parse_generate(b, remaining), _reported_version(b)
             if not isinstance(b, list) or len(b) != batch:
                 raise ValueError(f"batched /generate answered {type(b).__name__} of length "
                                  f"{len(b) if isinstance(b, list) else '-'} for {batch} prompts")
-            return [parse_generate(x, remaining) for x in b]
+            held = [_reported_version(x) for x in b]
+            known = [h for h in held if h is not None]
+            return [parse_generate(x, remaining) for x in b], (min(known) if known else None)
 
+        deadline: float | None = None
         while True:
-            server = self._choose(rid)
+            await self._readmit()
             try:
-                return await self._call(server, "POST", "/generate", payload, check)
+                server = self._choose(rid)
+            except _AllLagging as e:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.cfg.resync_wait_s
+                    log.warning("request %s waits for a server holding version %d: %s", label or rid, self._version, e)
+                if now >= deadline:
+                    raise EngineError(f"request {label or rid}: {e}, for ClientConfig.resync_wait_s="
+                                      f"{self.cfg.resync_wait_s} s; re-publish the weights to them") from e
+                await asyncio.sleep(max(self.cfg.pause_poll_s, min(self.cfg.resync_probe_s, deadline - now)))
+                continue
+            try:
+                out, held = await self._call(server, "POST", "/generate", payload, check)
             except _ServerFailed as e:
                 if not e.server.dead:
                     raise EngineError(
                         f"request {label or rid}: /generate failed after {self.cfg.retries + 1} attempts: {e}"
                     ) from e
+                continue
+            if held is not None:
+                server.sync.verified = max(server.sync.verified, held)
+                if v_req is not None and held < v_req:  # old weights: the tokens are dropped, the segment re-routed
+                    self._lags(server, v_req, held)
+                    continue
+            return out
+
+    def _lags(self, server: _Server, v_req: int, held: int) -> None:
+        with self._lock:
+            if server.sync.lag is None:
+                log.warning("engine server %s holds weights of version %d, older than version %d: not routed to "
+                            "until it reports the current version (a weight push failed on it)", server.name, held,
+                            v_req)
+            server.sync.lag = max(v_req, server.sync.lag or v_req)
+            server.sync.probed_at = time.monotonic()
+
+    async def _probe(self, server: _Server) -> int | None:
+        """The version ``GET /get_weight_version`` reports (None: no such endpoint, or no answer)."""
+        server.sync.probed_at = time.monotonic()
+        try:
+            status, body, _ = await self._call_once(server, "GET", "/get_weight_version", None)
+        except Exception:  # noqa: BLE001 (any failure means: cannot tell)
+            return None
+        if status != 200 or not isinstance(body, dict):
+            return None
+        held = _as_version(body.get("weight_version"))
+        if held is not None:
+            server.sync.verified = max(server.sync.verified, held)
+        return held
+
+    async def _readmit(self) -> None:
+        """Probe lagging servers (at most every ``resync_probe_s`` each); one that holds the client's version
+        serves again. A server that cannot be probed is tried again once the client's version moved past its lag."""
+        now = time.monotonic()
+        due = [s for s in self.servers
+               if s.sync.lag is not None and not s.dead and now - s.sync.probed_at >= self.cfg.resync_probe_s]
+        for s in due:
+            held = await self._probe(s)
+            with self._lock:
+                lag = s.sync.lag
+                if lag is None:
+                    continue
+                if (held is not None and held >= self._version) or (held is None and self._version > lag):
+                    s.sync.lag = None
+                    log.info("engine server %s holds version %s again: routed to", s.name, held)
 
     # ---------------------------------------------------------------- control fan-out
     async def _fanout(self, method: str, endpoint: str, payload: dict | None = None) -> dict[str, Any]:
@@ -503,14 +586,18 @@ class EngineClient:
             raise EngineError(f"{endpoint}: every server failed")
         return out
 
-    async def _weight_fanout(self, endpoint: str, payload: dict, key: Any) -> dict[str, Any]:
-        """A weight push to every live server (synced or not). Servers that acknowledge hold push ``key``;
-        one that fails is evicted (unroutable) until a later push succeeds on it. Raises ``EngineError``
-        when no server acknowledged, so the version is never bumped over old weights everywhere."""
+    async def _weight_fanout(self, endpoint: str, payload: dict, key: Any, bucketed: bool = False) -> dict[str, Any]:
+        """A weight push to every live server (synced or not). Servers that acknowledge hold push ``key`` (a
+        ``bucketed`` push: unless an earlier bucket of it failed there); one that fails is evicted (unroutable, by
+        every client of this process) until a later push succeeds on it, a re-publish of the same version
+        included. Raises ``EngineError`` when no server acknowledged, so the version is never bumped over old
+        weights everywhere."""
         targets = [s for s in self.servers if not s.dead]
         if not targets:
             raise EngineError(f"{endpoint}: no live server left")
-        self._pushed = key
+        before = [(s.sync.pushed, s.sync.weights, s.sync.failed_push) for s in self.servers]
+        for s in self.servers:  # a dead server misses this push: it stays evicted until one succeeds on it
+            s.sync.pushed = key
         results = await asyncio.gather(
             *(self._call(s, "POST", endpoint, payload) for s in targets), return_exceptions=True
         )
@@ -524,13 +611,20 @@ class EngineClient:
                 s.weights, s.failed_push = _BROKEN, key
                 failed[s.name] = why
                 continue
-            if s.failed_push is not key and s.failed_push != key:
-                s.weights = key
+            if not bucketed or (s.failed_push is not key and s.failed_push != key):
+                with self._lock:
+                    s.weights = key
+                    if isinstance(key, tuple) and key[0] == "v":
+                        s.sync.verified = max(s.sync.verified, int(key[1]))
+                        if s.sync.lag is not None and int(key[1]) >= s.sync.lag:
+                            s.sync.lag = None
             out[s.name] = r
         if failed:
             log.error("%s failed on %s; evicted from routing until a later weight push succeeds on them "
                       "(they would serve old weights): %s", endpoint, sorted(failed), failed)
-        if not out:
+        if not out:  # the version is not bumped: every server still counts as holding what it held before
+            for s, (pushed, weights, failed_push) in zip(self.servers, before):
+                s.sync.pushed, s.sync.weights, s.sync.failed_push = pushed, weights, failed_push
             raise EngineError(f"{endpoint} failed on every server, weights not updated: {failed}")
         return out
 
@@ -630,12 +724,15 @@ class EngineClient:
         shapes: Sequence[Sequence[int]],
         group_name: str = "update_weight_group",
         version: int | None = None,
+        abort_all_requests: bool = True,
     ) -> asyncio.Task[dict[str, Any]]:
         """Start POST /update_weights_from_distributed on all servers and return at once (a Task).
 
         The servers return only after receiving every listed tensor by broadcast from rank 0, so the
         trainer must broadcast while this is in flight, then await the task. Give ``version`` (every bucket
-        of one update the same): a server that fails any bucket stays evicted until a later version's push.
+        of one update the same): a server that fails any bucket stays evicted until a later push succeeds on it
+        (``begin_weight_push`` starts a new one, e.g. a re-publish of the same version). ``abort_all_requests=False``
+        keeps the requests an ``in_place`` pause (``weight_sync.hold_generation``) is holding.
         """
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes must have equal lengths, got {len(names)}/{len(dtypes)}/{len(shapes)}")
@@ -644,7 +741,7 @@ class EngineClient:
             "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(map(int, s)) for s in shapes],
             "group_name": group_name,
-            "abort_all_requests": True,
+            "abort_all_requests": bool(abort_all_requests),
         }
         if version is not None:
             payload["weight_version"] = str(int(version))
@@ -654,7 +751,7 @@ class EngineClient:
             key = ("anon", self._anon_pushes)
         self._pause_epoch += 1
         return asyncio.get_running_loop().create_task(
-            self._weight_fanout("/update_weights_from_distributed", payload, key))
+            self._weight_fanout("/update_weights_from_distributed", payload, key, bucketed=True))
 
     async def flush_cache(self) -> dict[str, Any]:
         """POST /flush_cache on all servers (400 while requests run: raises EngineError)."""
@@ -687,6 +784,35 @@ class EngineClient:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"servers not healthy after {timeout} s: {bad}")
             await asyncio.sleep(self.cfg.health_poll_s)
+
+
+class _AllLagging(EngineError):
+    """No server is routable, and the live ones lag behind the client's version (they may be re-synced)."""
+
+
+def _as_version(raw: Any) -> int | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, str):
+        try:
+            return int(raw)
+        except ValueError:
+            return None
+    return None
+
+
+def _reported_version(body: Any) -> int | None:
+    """The oldest weight version a /generate answer says it used: the least of ``meta_info.output_token_versions``
+    (rlcore's engine), else ``meta_info.weight_version`` (SGLang's; a non-integer one, e.g. ``"default"``: None)."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    if not isinstance(meta, dict):
+        return None
+    versions = meta.get("output_token_versions")
+    if isinstance(versions, list) and versions and all(type(v) is int for v in versions):
+        return min(versions)
+    return _as_version(meta.get("weight_version"))
 
 
 class _ServerFailed(Exception):
@@ -788,6 +914,12 @@ class SyncEngineClient:
 
     def unsynced_servers(self) -> list[str]:
         return self.client.unsynced_servers()
+
+    def lagging_servers(self) -> dict[str, int]:
+        return self.client.lagging_servers()
+
+    def begin_weight_push(self) -> None:
+        self.client.begin_weight_push()
 
     def backpressure(self) -> float:
         return self.client.backpressure()

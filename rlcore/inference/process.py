@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -405,6 +405,31 @@ def _stop(proc: subprocess.Popen, lifetime_fd: int, grace_s: float) -> None:
     proc.wait()
 
 
+_AFTER_STOP: list[Callable[[], object]] = []
+_AFTER_STOP_LOCK = threading.Lock()
+
+
+def after_engine_stop(fn: Callable[[], object]) -> None:
+    """Run ``fn()`` in the trainer each time an engine process was stopped and reaped (once per function however often
+    it is registered). ``weight_sync`` registers the release of its CUDA IPC publish buffers here: a buffer the
+    engine mapped is then freed at that point, after the engine is gone, not by a garbage-collector callback at an
+    arbitrary later one."""
+    with _AFTER_STOP_LOCK:
+        if fn not in _AFTER_STOP:
+            _AFTER_STOP.append(fn)
+
+
+def _run_after_stop() -> None:
+    with _AFTER_STOP_LOCK:
+        hooks = list(_AFTER_STOP)
+    for fn in hooks:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (teardown goes on; the hook names itself)
+            print(f"[rlcore.inference.process] after-stop hook {getattr(fn, '__qualname__', fn)} failed: {e}",
+                  file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def engine_process(cfg: EngineProcessConfig) -> Iterator[EngineProcess]:
     """Start the engine child, wait until it is healthy, yield it; stop and reap it on exit.
@@ -481,6 +506,7 @@ def engine_process(cfg: EngineProcessConfig) -> Iterator[EngineProcess]:
         os.close(write_fd)
         for r in readers:
             r.join(2.0)
+        _run_after_stop()  # the child is reaped: what it mapped of ours (CUDA IPC) can be freed now
 
 
 __all__ = [
@@ -488,6 +514,7 @@ __all__ = [
     "EngineProcess",
     "EngineProcessConfig",
     "EngineProcessError",
+    "after_engine_stop",
     "cpu_seconds",
     "default_shm_root",
     "die_with_parent",

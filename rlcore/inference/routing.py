@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import weakref
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -64,6 +66,12 @@ class ClientConfig:
     api_key: str | None = None
     """Sent as ``Authorization: Bearer <api_key>`` on every call (servers started with ``--api-key``: rlcore-serve
     or SGLang); None sends no header."""
+    resync_probe_s: float = 1.0
+    """Least time between two ``GET /get_weight_version`` probes of a server that answered with older weights than
+    the client's version (it serves again once a probe reports the current version)."""
+    resync_wait_s: float = 600.0
+    """Longest wait of one segment for some server to hold the client's version, when every live one lags behind
+    (a push failed on them and nothing has re-published it yet), before ``EngineError``."""
 
     def __post_init__(self):
         if self.timeout_s <= 0:
@@ -82,6 +90,8 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.sticky_lru must be >= 0, got {self.sticky_lru}")
         if self.pause_poll_s <= 0 or self.health_poll_s <= 0:
             raise ValueError("ClientConfig.pause_poll_s and health_poll_s must be > 0")
+        if self.resync_probe_s < 0 or self.resync_wait_s < 0:
+            raise ValueError("ClientConfig.resync_probe_s and resync_wait_s must be >= 0")
 
     @property
     def retry_window_s(self) -> float:
@@ -112,8 +122,60 @@ class InProcessEngine(Protocol):
     async def handle(self, endpoint: str, payload: dict) -> tuple[int, dict]: ...
 
 
+class _Sync:
+    """What one process knows of one server's weights, shared by every ``EngineClient`` of the process that routes to
+    it (the same address, or the same in-process engine): a push one client saw fail evicts the server from all."""
+
+    def __init__(self) -> None:
+        self.pushed: Any = None
+        """Key of the newest weight push sent to this server (None: none yet; the weights it started with)."""
+        self.weights: Any = None
+        """Key of the last weight push this server acknowledged (None: the weights it started with)."""
+        self.failed_push: Any = None
+        """Key of a bucketed push that failed on this server (a later bucket of the same push cannot re-sync it)."""
+        self.lag: int | None = None
+        """A client version this server was seen to lag behind (it answered with older weights): unroutable until
+        a probe or a successful push shows it caught up."""
+        self.probed_at = -math.inf
+        """monotonic time of the last ``/get_weight_version`` probe while lagging."""
+        self.verified = 0
+        """Highest version this server was seen to hold (from an answer or a probe; every server holds at least the
+        version 0 it started with)."""
+
+    @property
+    def synced(self) -> bool:
+        return self.lag is None and (self.pushed is None or self.weights is self.pushed or self.weights == self.pushed)
+
+
+_SYNC_LOCK = threading.Lock()
+_SYNC: weakref.WeakValueDictionary[Any, _Sync] = weakref.WeakValueDictionary()
+
+
+def _sync_key(target: Any) -> Any:
+    """The identity of the server behind ``target``: its normalized URL (also for a wrapper with ``url``, such as
+    ``coalesce.CoalescingHTTP``), the in-process engine, or the handler object itself."""
+    if isinstance(target, str):
+        return ("url", target)
+    inner = getattr(target, "engine", None)
+    if isinstance(inner, Engine):
+        return ("engine", id(inner))
+    url = getattr(target, "url", None)
+    if isinstance(url, str):
+        return ("url", url.rstrip("/") if url.startswith(("http://", "https://")) else "http://" + url.rstrip("/"))
+    return ("object", id(target))
+
+
+def _shared_sync(key: Any) -> _Sync:
+    with _SYNC_LOCK:
+        rec = _SYNC.get(key)
+        if rec is None:
+            rec = _SYNC[key] = _Sync()
+        return rec
+
+
 class _Server:
-    """One routable target: an HTTP address or an in-process engine, plus its health counters."""
+    """One routable target: an HTTP address or an in-process engine, plus its health counters and the weight state
+    it shares with the other clients of this process (``sync``)."""
 
     def __init__(self, target: str | InProcessEngine):
         if isinstance(target, str):
@@ -123,25 +185,44 @@ class _Server:
             self.url: str | None = url
             self.engine: InProcessEngine | None = None
             self.name = url
+            key: Any = ("url", url)
         elif isinstance(target, Engine):  # served in-process by the SGLang handlers, no HTTP
             self.url, self.engine = None, server_lib.InProcessServer(target)
             self.name = f"inproc:Engine@{id(target):x}"
+            key = ("engine", id(target))
         elif hasattr(target, "handle"):
             self.url, self.engine = None, target
             self.name = f"inproc:{type(target).__name__}@{id(target):x}"
+            key = _sync_key(target)
         else:
             raise TypeError(
                 f"servers: each entry must be an address string or an object with async handle(endpoint, "
                 f"payload), got {type(target).__name__}"
             )
+        self._target = target  # keeps an in-process engine (the key's id) alive as long as the record
         self.failures = 0
         self.dead = False
-        self.weights: Any = None
-        """Key of the last weight push this server acknowledged (None: the weights it started with)."""
-        self.failed_push: Any = None
-        """Key of a weight push that failed on this server (a later bucket of it cannot re-sync it)."""
+        self.sync = _shared_sync(key)
         self.busy_until = 0.0
         """monotonic time until which the server asked (429/503 Retry-After) not to get more work."""
+
+    @property
+    def weights(self) -> Any:
+        """Key of the last weight push this server acknowledged (None: the weights it started with)."""
+        return self.sync.weights
+
+    @weights.setter
+    def weights(self, key: Any) -> None:
+        self.sync.weights = key
+
+    @property
+    def failed_push(self) -> Any:
+        """Key of a bucketed weight push that failed on this server."""
+        return self.sync.failed_push
+
+    @failed_push.setter
+    def failed_push(self, key: Any) -> None:
+        self.sync.failed_push = key
 
 
 _BROKEN = object()  # a server's ``weights`` after a failed push: matches no push key

@@ -21,10 +21,16 @@ in-process tensors, or a PEFT directory on disk / in ``/dev/shm``), after which 
 weights instead, through any mode.
 
 If any push or acknowledgement fails, the exception propagates, the version is NOT bumped and the
-engines stay paused (their weights may be partially updated; re-publish before resuming). Through an
-engine client (``SyncEngineClient`` fanning out to several servers) a push that fails on *some* servers
-evicts those from routing until a later push succeeds on them (``client.stale_servers()``), so they never
-serve old weights under the new version; a push that no server acknowledged raises ``WeightSyncError``.
+engines stay paused (their weights may be partially updated; re-publish before resuming: :func:`republish`).
+Through an engine client (``SyncEngineClient`` fanning out to several servers) a push that fails on *some*
+servers evicts those from routing until a later push succeeds on them (``client.stale_servers()``), so they
+never serve old weights under the new version; a push that no server acknowledged raises ``WeightSyncError``.
+The eviction reaches every client that routes to those servers: the clients of this process share it, and a
+client of another process (a rollout process) drops any answer made with older weights than its version and
+stops routing there until the server reports the current one (docs/runtime.md, "Failure semantics").
+
+Inside :func:`hold_generation` a publish neither pauses nor continues the held targets (they stay held, with
+their requests and KV, until the block exits) and never aborts their requests, whatever ``pause_mode`` says.
 
 All train ranks must call :func:`publish_weights` together (gathering a sharded parameter is a
 collective); only rank 0 talks to the engines. Nothing else may step the optimizer meanwhile.
@@ -51,6 +57,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -108,10 +115,10 @@ class PublishConfig:
     """Longest wait for one engine acknowledgement."""
     on_partial_failure: Literal["evict", "raise"] = "evict"
     """A client target with several servers whose push failed on some of them (others acknowledged): ``evict``
-    keeps training with the servers that loaded it (that client routes nothing to the others until a later push
-    succeeds on them); ``raise`` fails the publish with ``WeightSyncError`` naming them. Use ``raise`` when other
-    clients route to the same servers (e.g. a rollout process with its own ``EngineClient``): they would not know
-    of the eviction and would keep sampling from the old weights (honestly labelled, but ever staler)."""
+    keeps training with the servers that loaded it (no client routes to the others until a later push, or a
+    :func:`republish`, succeeds on them: the clients of this process share the eviction, and a client of another
+    process refuses answers made with older weights than its version); ``raise`` fails the publish with
+    ``WeightSyncError`` naming them (the engines stay paused; re-publish to go on)."""
     lora: Literal["adapter", "merged"] = "adapter"
     """For a LoRA policy only: publish the adapter alone (``<lora_name>-v<version>``; the engines apply it on their
     base weights) or the full merged weights ``W + s·B@A`` (engines without adapters; ``mode="distributed"``)."""
@@ -253,10 +260,26 @@ def _is_engine(t: Any) -> bool:
     return hasattr(t, "update_weights_from_state_dict")
 
 
+_HELD: dict[int, int] = {}
+"""id(target) -> how many ``hold_generation`` blocks hold it now (a publish leaves those targets paused)."""
+_HELD_LOCK = threading.Lock()
+
+
+def _is_held(t: Any) -> bool:
+    with _HELD_LOCK:
+        return _HELD.get(id(t), 0) > 0
+
+
+def _leaves(t: Any) -> list[Any]:
+    return list(t.engines) if isinstance(t, BroadcastGroup) else [t]
+
+
 def _pause(t: Any, mode: str, timeout: float) -> None:
     if isinstance(t, BroadcastGroup):
         for e in t.engines:
             _pause(e, mode, timeout)
+    elif _is_held(t):  # already paused in place by hold_generation: its requests keep their slots and KV
+        return
     elif _is_engine(t):
         t.pause(mode)
     else:
@@ -267,6 +290,8 @@ def _continue(t: Any, timeout: float) -> None:
     if isinstance(t, BroadcastGroup):
         for e in t.engines:
             _continue(e, timeout)
+    elif _is_held(t):  # hold_generation lifts it when its block exits
+        return
     elif _is_engine(t):
         t.continue_generation()
     else:
@@ -401,7 +426,9 @@ def _broadcast_weights(state: TrainState, group: BroadcastGroup, version: int, c
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         futs = [group._call_engine(e, "update_weights_from_distributed", names, dtypes, shapes,
-                                   group_name=group.group_name, version=version) for e in group.engines]
+                                   group_name=group.group_name, version=version,
+                                   **({} if _is_engine(e) or not _is_held(e) else {"abort_all_requests": False}))
+                for e in group.engines]
         tensors = [t.to(dev).contiguous() for _, t in bucket]
         works = [dist.broadcast(t, src=0, group=group.pg, async_op=True) for t in tensors]
         return futs, works, tensors
@@ -465,8 +492,8 @@ def _publish_shm(state: TrainState, targets: Sequence[Any], version: int, dtype:
         for t in targets:
             if _is_engine(t):  # in-process: the load runs on the scheduler thread, nothing is aborted
                 t.update_weights_from_disk(str(path), version)
-            else:  # an in_place pause holds requests in their slots: keep them (re-prefilled on continue)
-                keep = cfg.pause_mode != "abort"
+            else:  # an in_place pause (or a hold) keeps requests in their slots: keep them (re-prefilled on continue)
+                keep = cfg.pause_mode != "abort" or _is_held(t)
                 _wait(t.update_weights_from_disk(str(path), version, abort_all_requests=not keep), cfg.timeout_s)
     finally:
         tmp.unlink(missing_ok=True)
@@ -478,8 +505,48 @@ def _publish_shm(state: TrainState, targets: Sequence[Any], version: int, dtype:
 # ----------------------------------------------------------------------------------------------------------
 
 _FLAT_ALIGN = 256
-_FLAT_BUFFERS: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
-"""One flat publish buffer per model, reused every publish: the engine maps its IPC handle once."""
+_FLAT_BUFFERS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+"""id(model) -> (weak reference to the model, its flat publish buffer), reused every publish: the engine maps its IPC
+handle once. The buffer is held by a plain reference, never freed from a garbage-collector callback when its model
+dies: a CUDA buffer exported through IPC is freed only at a known point, on the caller's thread, after the engines
+that mapped it stopped (:func:`release_publish_buffers`, run when an engine process is stopped), or by the next
+publish once its model is gone."""
+_FLAT_LOCK = threading.Lock()
+
+
+def release_publish_buffers(model: nn.Module | None = None) -> int:
+    """Free the flat publish buffer of ``model`` (None: every one), plus those whose model is gone; returns how many.
+
+    Call it once the engines that mapped the buffer's CUDA IPC handle stopped (``rlcore.inference.process`` does
+    when an engine process exits): the device is synchronized first and the CUDA IPC blocks the engines released
+    are collected after (``torch.cuda.ipc_collect``). The next tensor publish allocates a new buffer."""
+    with _FLAT_LOCK:
+        keys = [k for k, (ref, _) in _FLAT_BUFFERS.items() if model is None or ref() is None or ref() is model]
+        bufs = [_FLAT_BUFFERS.pop(k)[1] for k in keys]
+    devices = {b.device for b in bufs if b.is_cuda}
+    for d in devices:
+        torch.cuda.synchronize(d)
+    n = len(bufs)
+    del bufs
+    if devices:
+        torch.cuda.ipc_collect()
+    return n
+
+
+_NO_MODEL = nn.Module()  # matches no live model: release_publish_buffers(_NO_MODEL) frees only the dead models' ones
+
+
+def _release_all_publish_buffers() -> None:
+    release_publish_buffers()
+
+
+def _register_release() -> None:
+    from rlcore.inference import process
+
+    process.after_engine_stop(_release_all_publish_buffers)
+
+
+_register_release()
 
 
 def flat_publish_views(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
@@ -495,10 +562,16 @@ def flat_publish_views(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, 
         layout.append((name, off, t))
         off += -(-t.numel() * t.element_size() // _FLAT_ALIGN) * _FLAT_ALIGN
     device = items[0][1].device if items else torch.device("cpu")
-    buf = _FLAT_BUFFERS.get(model)
-    if buf is None or buf.numel() != off or buf.device != device:
-        buf = torch.empty(off, dtype=torch.uint8, device=device)
-        _FLAT_BUFFERS[model] = buf
+    with _FLAT_LOCK:
+        dead = any(ref() is None for ref, _ in _FLAT_BUFFERS.values())
+    if dead:
+        release_publish_buffers(model=_NO_MODEL)  # buffers of models gone: freed here, not by a GC callback
+    with _FLAT_LOCK:
+        entry = _FLAT_BUFFERS.get(id(model))
+        buf = entry[1] if entry is not None and entry[0]() is model else None
+        if buf is None or buf.numel() != off or buf.device != device:
+            buf = torch.empty(off, dtype=torch.uint8, device=device)
+            _FLAT_BUFFERS[id(model)] = (weakref.ref(model), buf)
     views = []
     with torch.no_grad():
         for name, o, t in layout:
@@ -528,7 +601,7 @@ def _publish_tensor(state: TrainState, targets: Sequence[Any], version: int, dty
             continue
         if payload is None:
             payload = tensor_ipc.dumps_named_tensors(views)
-        keep = cfg.pause_mode != "abort"
+        keep = cfg.pause_mode != "abort" or _is_held(t)
         _wait(t.update_weights_from_tensor(payload, version, abort_all_requests=not keep), cfg.timeout_s)
 
 
@@ -615,20 +688,34 @@ def hold_generation(targets: Sequence[Any], *, enabled: bool = True, timeout_s: 
     """Hold generation on every target for the block: an ``in_place`` pause (requests keep their slots and KV, new
     ones queue), lifted on exit, also when the block raises.
 
-    Wrap the update (and its publish, whose own pause and continue nest inside) when an engine *process* shares
-    the trainer's GPU. Two processes' CUDA contexts are time-sliced, so their kernels never run side by side:
-    while both have work, each gets slices of the GPU and pays for every switch. Holding the engine while the
-    trainer updates gives each the whole GPU in turn, and the engine then decodes every batch in flight together.
-    Only rank 0 talks to engines; ``enabled=False`` makes the block a plain one.
+    Wrap the update (and its publish) when an engine *process* shares the trainer's GPU. Two processes' CUDA
+    contexts are time-sliced, so their kernels never run side by side: while both have work, each gets slices of the
+    GPU and pays for every switch. Holding the engine while the trainer updates gives each the whole GPU in turn, and
+    the engine then decodes every batch in flight together. A publish inside the block neither pauses nor continues
+    a held target and never aborts its requests (whatever ``PublishConfig.pause_mode``): the engine stays paused
+    until the block exits, and its requests continue then on the new weights (re-prefilled first unless the
+    engine keeps KV across a load, ``EngineConfig.kv_after_update``). Holds nest. Only rank 0 talks to engines;
+    ``enabled=False`` makes the block a plain one.
     """
-    held = list(targets) if enabled and _rank() == 0 else []
-    for t in held:
-        _pause(t, "in_place", timeout_s)
+    held = [leaf for t in targets for leaf in _leaves(t)] if enabled and _rank() == 0 else []
+    taken: list[Any] = []
     try:
+        for t in held:
+            _pause(t, "in_place", timeout_s)  # a no-op for one an outer hold holds already
+            with _HELD_LOCK:
+                _HELD[id(t)] = _HELD.get(id(t), 0) + 1
+            taken.append(t)
         yield
     finally:
-        for t in held:
-            _continue(t, timeout_s)
+        for t in taken:
+            with _HELD_LOCK:
+                n = _HELD.get(id(t), 0) - 1
+                if n > 0:
+                    _HELD[id(t)] = n
+                else:
+                    _HELD.pop(id(t), None)
+            if n <= 0:
+                _continue(t, timeout_s)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -665,6 +752,11 @@ def publish_weights(
         raise ValueError("PublishConfig.mode='distributed' needs BroadcastGroup targets; build one with connect_broadcast")
     if cfg.mode == "state_dict" and not all(_is_engine(t) for t in targets):
         raise ValueError("PublishConfig.mode='state_dict' needs in-process engines; use mode='disk' or 'distributed' for clients")
+    if main:
+        for t in targets:  # a new push: a server that failed an earlier one is re-synced when this one succeeds
+            for e in _leaves(t):
+                if not _is_engine(e) and hasattr(e, "begin_weight_push"):
+                    e.begin_weight_push()
     pause = cfg.pause_mode != "none"
     if rollout is not None and pause:
         rollout.pause()
@@ -691,7 +783,10 @@ def publish_weights(
             export_hf(state, path, dtype=dtype, hub_format=cfg.file_format == "hub")
             if main:
                 for t in targets:
-                    _wait(t.update_weights_from_disk(str(path), version), cfg.timeout_s)
+                    if _is_engine(t) or not _is_held(t):
+                        _wait(t.update_weights_from_disk(str(path), version), cfg.timeout_s)
+                    else:  # held in place: its requests keep their slots
+                        _wait(t.update_weights_from_disk(str(path), version, abort_all_requests=False), cfg.timeout_s)
                 if not cfg.keep_disk_copy:
                     shutil.rmtree(path, ignore_errors=True)
         else:
@@ -723,14 +818,25 @@ def publish_weights(
     return dataclasses.replace(state, version=version)
 
 
+def republish(
+    state: TrainState, targets: Sequence[Any], *, cfg: PublishConfig = PublishConfig(), rollout: Any = None
+) -> TrainState:
+    """Publish the weights of ``state.version`` again (same version, e.g. after a push failed on some servers, or
+    after a failed publish left the engines paused): every target reloads them and a server that missed them is
+    routed to again by every client. Returns ``state`` unchanged in version."""
+    return publish_weights(dataclasses.replace(state, version=state.version - 1), targets, cfg=cfg, rollout=rollout)
+
+
 __all__ = [
     "PublishConfig",
     "WeightSyncError",
     "BroadcastGroup",
     "connect_broadcast",
     "publish_weights",
+    "republish",
     "hold_generation",
     "flat_publish_views",
+    "release_publish_buffers",
     "export_hf",
     "export_adapter",
     "full_state_dict",

@@ -9,6 +9,7 @@ tests check the client's per-token version tags against what the server really u
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 
@@ -691,13 +692,36 @@ def test_failed_weight_push_evicts_the_server_until_resynced():
 
 
 def test_tokens_carry_the_version_the_engine_reports():
-    class Old:  # an engine still holding v0 weights while the trainer is at v3
+    class Engine:  # reports v2 on some tokens of a segment pinned to v1 (a load committed inside the segment)
         async def handle(self, endpoint, payload):
+            body = _gen_body(3, version=1)
+            body["meta_info"]["output_token_versions"] = [1, 2, 2]
+            return 200, body
+
+    async def main():
+        client = EngineClient(Engine(), FAST)
+        client.set_version(1)
+        return await client.agenerate(req(3))
+
+    assert asyncio.run(main()).output_versions == [1, 2, 2]
+
+
+def test_an_engine_holding_older_weights_than_the_client_is_never_served_from():
+    """An engine still holding v0 weights while the trainer is at v3 (its push failed, and this client never saw
+    that): its tokens are dropped, not kept under an honest but too-old label, and the request waits for a server
+    that holds v3 (``resync_wait_s``), then fails naming the lag."""
+    class Old:
+        calls = 0
+
+        async def handle(self, endpoint, payload):
+            Old.calls += endpoint == "/generate"
             return 200, _gen_body(3, version=0)
 
     async def main():
-        client = EngineClient(Old(), FAST)
+        client = EngineClient(Old(), dataclasses.replace(FAST, resync_wait_s=0.3, resync_probe_s=0.05))
         client.set_version(3)
-        return await client.agenerate(req(3))
+        with pytest.raises(EngineError, match="lags behind version 3"):
+            await client.agenerate(req(3))
+        assert Old.calls >= 1 and client.lagging_servers() == {client.servers[0].name: 3}
 
-    assert asyncio.run(main()).output_versions == [0, 0, 0]
+    asyncio.run(main())

@@ -469,6 +469,7 @@ def test_real_engine_server_killed_and_restarted_mid_rollout():
                 ctl.prepare_batch(timeout=60)
                 seen.extend(ctl.last_batch_indices)
                 ctl.pause()
+                eng.set_version(step + 1)  # the weights of step + 1 (unchanged here) are loaded first
                 ctl.set_version(step + 1)
                 if step == 1:
                     call(runner.cleanup())  # server gone: in-flight requests drop, new ones are refused

@@ -459,7 +459,8 @@ def test_file_format_is_validated():
 
 def test_hold_generation_holds_requests_in_place_until_the_block_ends():
     """hold_generation: an in_place pause for the block (a request submitted meanwhile only queues), lifted on exit;
-    the publish inside it nests (its own pause and continue); a block that raises still lets generation go."""
+    the publish inside it neither pauses nor continues the held engine; a block that raises still lets generation
+    go."""
     st = trained_state()
     log = []
     with engine_for(st.model) as eng:
@@ -474,7 +475,7 @@ def test_hold_generation_holds_requests_in_place_until_the_block_ends():
             st = weight_sync.publish_weights(st, [target], cfg=weight_sync.PublishConfig(dtype="float32",
                                                                                         pause_mode="in_place"))
         assert len(fut.result(timeout=30).output_ids) == 4 and eng.paused is None
-        assert log == ["engine.pause", "engine.pause", "engine.load v1", "engine.continue", "engine.continue"]
+        assert log == ["engine.pause", "engine.load v1", "engine.continue"]
         log.clear()
         with pytest.raises(RuntimeError, match="boom"), weight_sync.hold_generation([target]):
             raise RuntimeError("boom")
@@ -483,3 +484,39 @@ def test_hold_generation_holds_requests_in_place_until_the_block_ends():
         with weight_sync.hold_generation([target], enabled=False):
             assert eng.paused is None
         assert log == []
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])
+@pytest.mark.parametrize("through", ["engine", "client"])
+def test_a_publish_inside_hold_generation_keeps_the_engine_paused_and_its_requests(through, pause_mode, tmp_path):
+    """Whatever ``pause_mode`` the publish uses, a held engine stays paused (in place) until the block exits and the
+    request it holds is neither aborted nor decoded meanwhile; after the block it finishes on the new weights."""
+    from rlcore.inference.server import InProcessServer
+
+    st = trained_state()
+    with engine_for(st.model) as eng:
+        sp = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+        if through == "engine":
+            target, client = eng, None
+            pub = weight_sync.PublishConfig(dtype="float32", pause_mode=pause_mode)
+        else:  # an engine process behind its client: the benchmarks' layout
+            client = SyncEngineClient([InProcessServer(eng)], ClientConfig(timeout_s=60, retries=0, seed=0))
+            target = client
+            pub = weight_sync.PublishConfig(mode="shm", dtype="float32", pause_mode=pause_mode,
+                                            shm_root=str(tmp_path))
+        try:
+            with weight_sync.hold_generation([target]):
+                fut = eng.submit([1, 2, 3], sp, rid="held")
+                st = weight_sync.publish_weights(st, [target], cfg=pub)
+                assert eng.version == 1
+                assert eng.paused == "in_place", "the publish lifted the hold inside the block"
+                with pytest.raises(TimeoutError):
+                    fut.result(timeout=0.3)  # still held: neither aborted nor decoding
+                assert eng.num_generated("held") == 0
+            out = fut.result(timeout=60)
+            assert eng.paused is None
+            assert out.finish_reason["type"] != "abort" and len(out.output_ids) == 6
+            assert list(out.output_versions) == [1] * 6
+        finally:
+            if client is not None:
+                client.close()
