@@ -48,6 +48,35 @@ def _selects_gpu_tests(markexpr: str) -> bool:
         return re.search(r"(?<!not )\bgpu\b", markexpr) is not None
 
 
+def kernels_name_clash(transformers_version: str | None, transformers_requires: list[str],
+                       kernels_installed: bool) -> str | None:
+    """Why ``import transformers`` fails from this checkout, or None: a transformers that requires huggingface's
+    ``kernels`` package imports it on every model import, and from the checkout (the tests' rootdir is on
+    ``sys.path``) ``import kernels`` finds the checkout's own ``kernels/`` first."""
+    needs = any(re.match(r"kernels\b", r) and "extra ==" not in r for r in transformers_requires)
+    if transformers_version is None or not (needs and kernels_installed):
+        return None
+    return (f"transformers {transformers_version} imports huggingface's 'kernels' package, and from this checkout "
+            f"'import kernels' finds the checkout's own kernels/ instead, so every test that builds a transformers "
+            f"model fails to import ('cannot import name ... from kernels'). Fix: pip install 'transformers<5.25' "
+            f"(pip install -e '.[dev]' pins it).")
+
+
+def _installed_kernels_name_clash() -> str | None:
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+    try:
+        metadata.distribution("kernels")
+        kernels_installed = True
+    except metadata.PackageNotFoundError:
+        kernels_installed = False
+    return kernels_name_clash(dist.version, list(dist.requires or []), kernels_installed)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The default suite (``-m 'not slow and not gpu'``) is the CPU suite on every machine: when the mark expression
     deselects the ``gpu`` tests, CUDA is hidden from this process and every subprocess it starts, so a GPU box runs
@@ -55,6 +84,9 @@ def pytest_configure(config: pytest.Config) -> None:
     ``python -m pytest -q -m gpu tests`` runs the GPU tests with the GPUs visible."""
     if not _selects_gpu_tests(config.getoption("markexpr") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    clash = _installed_kernels_name_clash()
+    if clash is not None:
+        config.issue_config_time_warning(pytest.PytestConfigWarning(clash), stacklevel=2)
 
 
 ROOT = Path(__file__).resolve().parents[1]
