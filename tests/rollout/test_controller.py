@@ -557,7 +557,7 @@ def test_4xx_fails_its_task_alone_and_is_never_retried(caplog):
 
     eng = Strict()
     client = EngineClient(eng, ClientConfig(backoff_s=0.01, seed=0))
-    cfg = RolloutConfig(batch_size=2, max_staleness=1, poll_s=0.005, retry_backoff_s=5.0)
+    cfg = RolloutConfig(batch_size=2, max_staleness=1, poll_s=0.005, retry_backoff_s=30.0)
     t0 = time.monotonic()
     with caplog.at_level("WARNING", logger="rlcore.rollout.controller"):
         with RolloutController(client, episode, PromptLoader(dataset(6), shuffle=False), cfg) as ctl:
@@ -566,7 +566,7 @@ def test_4xx_fails_its_task_alone_and_is_never_retried(caplog):
             s = ctl.stats()
     assert eng.calls[6] == 1 and s["rollout/retried"] == 0 and s["rollout/rejected"] == 1
     assert "exceeds the context length 5" in caplog.text
-    assert time.monotonic() - t0 < 5  # no retry back-off was taken
+    assert time.monotonic() - t0 < 20  # no retry back-off (30 s) was taken, with a loaded machine's margin
 
 
 def test_default_task_timeout_fails_a_hung_task_alone():
