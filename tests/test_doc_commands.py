@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -159,10 +161,36 @@ def test_split_long_leaves_out_only_the_named_commands():
         )
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def localize(script: str, scratch: Path) -> str:
+    """The script with the documented ports (``--port N``) replaced by free ones and ``/tmp/rlcore`` by a scratch dir,
+    everywhere they occur: two runs at once (or a port another program holds, or a /tmp/rlcore another user made)
+    cannot meet. Everything else runs as written."""
+    for port in sorted(set(PORT.findall(script))):
+        script = re.sub(rf"(?<![0-9]){port}(?![0-9])", str(_free_port()), script)
+    return script.replace("/tmp/rlcore", str(scratch / "rlcore"))
+
+
+def test_localize_moves_ports_and_tmp_paths_consistently(tmp_path):
+    s = localize(script_for(["rlcore-serve --model /tmp/rlcore/m --port 30000 &\ncurl -s 127.0.0.1:30000/x\n"]),
+                 tmp_path)
+    port = PORT.search(s).group(1)
+    assert port != "30000" and "30000" not in s and f"/dev/tcp/127.0.0.1/{port}" in s and f":{port}/x" in s
+    assert "/tmp/rlcore" not in s and f"--model {tmp_path}/rlcore/m" in s
+
+
 def _run_script(doc: str, blocks: list[str], tmp_path: Path) -> None:
     script = tmp_path / "doc.sh"
-    script.write_text(script_for(blocks))
-    r = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    script.write_text(localize(script_for(blocks), tmp_path))
+    # `python`, `rlcore-serve`, ... are the ones of the interpreter running the tests (its venv's bin/ first), as
+    # they are for a user who activated that venv
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, (
         f"{doc}: a documented command failed\n--- script\n{script.read_text()}\n"
         f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from rlcore.inference.engine import Engine, EngineConfig
 from rlcore.inference.protocol import SamplingParams
 from rlcore.training import models
+from tests.tolerance import assert_close_for_dtype
 
 V = 64
 COMMON = dict(
@@ -357,8 +358,11 @@ def test_disk_update_of_a_moe_checkpoint_equals_from_pretrained(name, shards, tm
         for k, t in hf.state_dict().items():
             assert torch.equal(got[k], t), k
         out = eng.submit([1, 2, 3, 4, 5], params).result(60)
+    # the same weights, bit for bit (above), but not the same code path: the fresh engine's tensors are views of the
+    # loaded checkpoint, the updated engine's its own buffers, aligned differently; on some CPUs that moves a log-prob
+    # by an ulp, so they agree to float32's rounding (tests/tolerance.py)
     assert out.output_ids == want.output_ids
-    assert out.output_logprobs == want.output_logprobs
+    assert_close_for_dtype(out.output_logprobs, want.output_logprobs, cfg.dtype)
 
 
 def test_read_hf_checkpoint_yields_the_model_names(tmp_path):

@@ -161,14 +161,18 @@ def sglang_server(tmp_path_factory):
     eng = Engine(model, EngineConfig(max_batch=8, max_seq_len=96, device="cpu"), tokenizer=tiny_tokenizer(),
                  model_path="tiny").start()
     srv = Server(eng)
-    yield srv.url, {"{{MODEL_DIR}}": str(path), "{{CLOSED_PORT}}": _closed_port()}
+    yield srv.url, {"{{MODEL_DIR}}": str(path), "{{CLOSED_PORT}}": _closed_port()}, eng
     srv.close()
     eng.close()
 
 
 @pytest.mark.parametrize("case", SGLANG["cases"], ids=[c["name"] for c in SGLANG["cases"]])
 def test_sglang_protocol_case(sglang_server, case):
-    url, subs = sglang_server
+    url, subs, eng = sglang_server
+    # every case starts on a serving engine, whichever case ran before it on the shared server (a pause or a memory
+    # release case leaves generation stopped until its counterpart runs)
+    eng.continue_generation()
+    eng.resume_memory_occupation()
     check_case(url, case, subs)
 
 

@@ -303,18 +303,19 @@ def test_a_slow_request_head_gets_408_and_the_connection_closed(engine, tok, ser
             sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
             sock.settimeout(0.15)
             raw = b""
-            for i in range(20):
+            for i in range(200):  # up to 30 s of dribbling: a deadline per header line would never fire in time
                 try:
                     raw = sock.recv(65536)
                     break
                 except TimeoutError:
                     with contextlib.suppress(OSError):
                         sock.sendall(f"X-Slow-{i}: 1\r\n".encode())
-            raw += read_until_eof(sock, timeout=3)
+            raw += read_until_eof(sock, timeout=10)
         else:  # connects and sends nothing
-            raw = read_until_eof(sock, timeout=3)
+            raw = read_until_eof(sock, timeout=10)
         took = time.monotonic() - t0
-    assert 0.4 < took < 3.0, took
+    # the 0.5 s head deadline, not later than a loaded machine's scheduling delay (a per-line deadline: >= 30 s)
+    assert 0.4 < took < 10.0, took
     assert raw, "closed without an answer"
     _, status, headers, body = parse(raw)
     assert status == 408 and headers["connection"].lower() == "close" and "header timeout" in body.decode()

@@ -69,6 +69,7 @@ def test_batches_carry_exact_versions_and_log_probs_across_a_publish(rp):
 
 
 def test_child_errors_come_back_with_their_type_and_the_child_keeps_serving(rp):
+    assert len(rp.controller.prepare_batch()) == 2  # served once (whatever ran before on the shared process)
     sd = rp.controller.state_dict()
     assert isinstance(sd, dict) and sd
     with pytest.raises(RuntimeError, match="before the first prepare_batch") as e:

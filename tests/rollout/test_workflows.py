@@ -220,39 +220,49 @@ def test_gsm8k_rows_carry_a_raw_prompt_for_base_models(tmp_path):
 
 # ------------------------------------------------------------------ rewards off the event loop
 def test_a_blocking_reward_does_not_delay_another_tasks_generation():
-    import time
+    """A reward that blocks its thread (a verifier that shells out, no pool) runs off the event loop: another task's
+    generation, which needs the loop, finishes while the reward still blocks. Told by events, not by a clock: the
+    blocking reward waits (up to 60 s) for the other task to finish, which a reward run on the loop waits for in vain
+    (the loop is frozen), on an idle machine or a loaded one."""
+    import threading
+
+    reward_started, other_done, released = threading.Event(), threading.Event(), []
 
     def slow_reward(text, item):
         if item.get("slow"):
-            time.sleep(2.0)  # a blocking reward (e.g. a verifier that shells out), no pool
+            reward_started.set()
+            released.append(other_done.wait(60))  # blocks its thread until the other task's generation finished
         return 1.0
 
     episode = workflows.rlvr(TOK, slow_reward, workflows.WorkflowConfig(max_new_tokens=4))
 
     class Ticking:
-        """A client whose generation needs the loop: 20 steps of 10 ms."""
+        """A client whose generation needs the loop: it starts once the blocking reward runs, then 20 steps of 10 ms."""
 
         def get_version(self):
             return 0
 
         async def agenerate(self, req):
+            for _ in range(6000):  # bounded: 60 s
+                if reward_started.is_set():
+                    break
+                await asyncio.sleep(0.01)
             for _ in range(20):
                 await asyncio.sleep(0.01)
             out = enc("ok")
             return ModelResponse(list(req.input_ids), out, [-0.1] * len(out), [0] * len(out), "stop")
 
     async def main():
-        t0 = time.monotonic()
         other = asyncio.create_task(episode(Ticking(), {"prompt": "q2"}))  # generating: needs the loop
         slow = asyncio.create_task(episode(ScriptedClient(["abc"]), {"prompt": "q", "slow": True}))
         other = await other
-        took = time.monotonic() - t0
+        other_done.set()
         await slow
-        return took, other
+        return other
 
-    took, other = asyncio.run(main())
-    assert float(other["rewards"][0]) == 1.0
-    assert took < 1.0, f"another task's generation waited {took:.2f}s behind a blocking reward"
+    other = asyncio.run(main())
+    assert float(other["rewards"][0]) == 1.0 and reward_started.is_set()
+    assert released == [True], "another task's generation waited behind a blocking reward"
 
 
 def test_inline_reward_must_be_a_number():

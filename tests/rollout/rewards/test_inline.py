@@ -76,7 +76,8 @@ def test_a_hanging_reward_delays_the_others_of_its_job_by_at_most_stall_s():
 
     took, ticks, values = asyncio.run(main())
     assert values == [1.0] * (inline.MAX_BATCH - 1)
-    assert took < inline.STALL_S + 1.0, f"the job's other rewards waited {took:.2f}s behind a hanging one"
+    # behind the hanging one they would wait its 30 s; STALL_S plus a loaded machine's scheduling delay is far less
+    assert took < inline.STALL_S + 10.0, f"the job's other rewards waited {took:.2f}s behind a hanging one"
     assert ticks >= 3
 
 
