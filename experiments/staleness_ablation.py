@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -66,7 +67,7 @@ from rlcore.objectives import ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import models, step, train_state, weight_sync
+from rlcore.training import forced_staleness, models, step, train_state, weight_sync
 from rlcore.types import TokenBatch
 
 OBJECTIVES = ("naive", "recompute", "loglinear")
@@ -80,7 +81,13 @@ class Config:
     """One cell of the ablation: async GRPO on Countdown with one objective at one maximum staleness."""
 
     eta: int = 1
-    """Maximum staleness (rollout max_head_offpolicyness); 0 = synchronous, -1 = unbounded."""
+    """Staleness k in versions (``staleness="forced"``: every trained token exactly k versions old from step k on;
+    ``"gate"``: the rollout gate's bound, max_head_offpolicyness); 0 = synchronous, -1 = infinite (forced: the
+    engine never gets new weights; gate: unbounded)."""
+    staleness: str = "forced"
+    """forced (rlcore.training.forced_staleness: the engine serves the weights of version V - eta while the trainer
+    is at V, gate at 0, so real staleness = eta whatever the speeds) | gate (the gate at eta: staleness <= eta, as
+    far as generation runs ahead of training; on one shared core that is about 1-2 versions)."""
     objective: str = "recompute"
     """naive (ratio against pi_behav, no prox) | recompute (decoupled, recomputed pi_prox) | loglinear (decoupled,
     version-interpolated pi_prox)."""
@@ -89,7 +96,8 @@ class Config:
     budget_s: float = 110.0
     """Training wall-clock budget in seconds (evaluations excluded); the run stops at the first step after it."""
     budget_samples: int = 0
-    """Stop after this many consumed samples (rows) as well; 0 = no sample budget."""
+    """Stop after this many consumed samples (rows) as well; 0 = no sample budget (the equal-samples comparison
+    sets it and a generous budget_s)."""
     ppo_n_minibatches: int = 4
     """Optimizer steps per training step (AReaL's library default 4, spec §15.4); >= 2 so the clip can bind."""
     prompts_per_step: int = 32
@@ -111,19 +119,29 @@ class Config:
     eval_prompts: int = 1000
     """Held-out prompts of the greedy success curve."""
     eval_every_s: float = 15.0
-    """Training seconds between greedy evaluations."""
+    """Training seconds between greedy evaluations (when eval_every_samples is 0)."""
+    eval_every_samples: int = 0
+    """Consumed samples between greedy evaluations (0: every eval_every_s seconds instead); the same sample
+    counts in every cell, so curves compare at equal samples without interpolation."""
     threads: int = 1
     """torch intra-op threads (the engine thread and the trainer thread share them)."""
     model_dir: str = str(tiny.COUNTDOWN_TINY_DIR)
     """HF model + tokenizer directory (made by experiments/sft_warmstart.py)."""
     out: str = ""
     """Path of the cell's JSON ('' = do not write)."""
+    tb_dir: str = ""
+    """TensorBoard directory of the cell ('' = none): losses, clip fractions, ESS, and the token staleness
+    histogram (``staleness/tokens``) per step."""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"Config.objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.eta < -1:
-            raise ValueError(f"Config.eta must be >= 0 or -1 (unbounded), got {self.eta}")
+            raise ValueError(f"Config.eta must be >= 0 or -1 (infinite), got {self.eta}")
+        if self.staleness not in ("forced", "gate"):
+            raise ValueError(f"Config.staleness must be 'forced' or 'gate', got {self.staleness!r}")
+        if self.budget_samples < 0 or self.eval_every_samples < 0:
+            raise ValueError("Config.budget_samples and Config.eval_every_samples must be >= 0 (0 = off)")
         if self.ppo_n_minibatches < 1 or self.ppo_n_minibatches > self.prompts_per_step * self.group_size:
             raise ValueError(f"Config.ppo_n_minibatches must be in [1, B*G], got {self.ppo_n_minibatches}")
         if not self.budget_s > 0:
@@ -131,7 +149,9 @@ class Config:
 
     @property
     def max_staleness(self) -> int:
-        """eta as the controller's integer bound."""
+        """The controller's gate: 0 under forced staleness (the lag is in the weights), else eta."""
+        if self.staleness == "forced":
+            return 0
         return ETA_INF if self.eta < 0 else self.eta
 
 
@@ -221,7 +241,17 @@ def main(cfg: Config) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     train_s, samples = 0.0, 0
     t_wall = time.perf_counter()
+    tb = None
+    if cfg.tb_dir:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(cfg.tb_dir)
     with engine, rollout.RolloutController(engine_client.EngineClient(engine), episode, loader, rollout_cfg) as ctl:
+        publish = functools.partial(weight_sync.publish_weights, targets=[engine], cfg=publish_cfg)
+        if cfg.staleness == "forced":  # the engine serves version V - eta while the trainer is at V
+            publisher = forced_staleness.DelayedPublisher(cfg.eta, publish, rollout=ctl)
+        else:
+            publisher = functools.partial(publish, rollout=ctl)
 
         def evaluate() -> None:  # rollout and training stand still meanwhile; the budget clock does not run
             ctl.pause()
@@ -233,7 +263,8 @@ def main(cfg: Config) -> dict[str, Any]:
             ctl.resume()
 
         evaluate()
-        next_eval, t0 = cfg.eval_every_s, time.perf_counter()
+        next_eval = cfg.eval_every_samples or cfg.eval_every_s
+        t0 = time.perf_counter()
         # ------------------------------------------------------------------ loop
         while train_s < cfg.budget_s and not (cfg.budget_samples and samples >= cfg.budget_samples):
             # --- rollout (bounded staleness) + rewards: B finished groups, rewards scored inside the episode
@@ -250,6 +281,8 @@ def main(cfg: Config) -> dict[str, Any]:
                 stale = torch.where(mask & (batch.versions >= 0), state.version - batch.versions, 0)
                 hist = torch.bincount(stale[mask].long())
                 rec["staleness_hist"] = {str(s): int(n) for s, n in enumerate(hist.tolist()) if n}
+                if tb is not None:
+                    tb.add_histogram("staleness/tokens", stale[mask].float(), state.step)
                 rec["staleness_max"] = int(stale[mask].max()) if mask.any() else 0
                 # --- proximal log-probs (recompute only: the one extra forward of that objective)
                 if cfg.objective == "recompute":
@@ -288,17 +321,26 @@ def main(cfg: Config) -> dict[str, Any]:
                         "mismatch_all": float(first["offpolicy/abs_diff_mean"])}
                 state = dataclasses.replace(state, step=state.step - len(mbs) + 1)  # one training step
             # --- publish: pause -> push weights -> version + 1 -> resume (the version moves on even without data)
-            state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
+            state = publisher(state)
             train_s = time.perf_counter() - t0
-            rec |= {"t": train_s, "samples": samples}
+            rec |= {"t": train_s, "samples": samples, "engine_version": getattr(publisher, "engine_version",
+                                                                                 state.version)}
             steps.append(rec)
-            if train_s >= next_eval:
-                next_eval += cfg.eval_every_s
+            if tb is not None:
+                for key in ("reward", "clip_frac", "staleness_max", "mismatch_stale0", "approx_kl_last"):
+                    if key in rec:
+                        tb.add_scalar(f"ablation/{key}", rec[key], state.step)
+                if rec.get("behav_weight"):
+                    tb.add_scalar("ablation/ess", rec["behav_weight"]["ess"], state.step)
+            if (samples if cfg.eval_every_samples else train_s) >= next_eval:
+                next_eval += cfg.eval_every_samples or cfg.eval_every_s
                 t_eval = time.perf_counter()
                 evaluate()
                 t0 += time.perf_counter() - t_eval
         if curve[-1]["step"] != state.step:
             evaluate()
+    if tb is not None:
+        tb.close()
     # ------------------------------------------------------------------ summary
     last = [c["greedy"] for c in curve[-2:]]  # evaluations are noisy (about +-1.5 points on 1,000 prompts)
     final = {"greedy_start": curve[0]["greedy"], "greedy_end": sum(last) / len(last), "steps": state.step,
