@@ -103,6 +103,9 @@ def test_bad_config_names_the_field():
         SA.Config(objective="ppo")
     with pytest.raises(ValueError, match="eta"):
         SA.Config(eta=-2)
+    with pytest.raises(ValueError, match="Config.staleness"):
+        SA.Config(staleness="fixed")
+    assert SA.Config(eta=4).max_staleness == 0 and SA.Config(eta=4, staleness="gate").max_staleness == 4
     with pytest.raises(argparse.ArgumentTypeError, match="OBJECTIVE:ETA"):
         SA._pair("naive")
     assert SA._pair("loglinear:-1") == ("loglinear", -1)
@@ -118,9 +121,14 @@ def check_sweep(tmp_path: Path, r: subprocess.CompletedProcess, expected: set[tu
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "FAILED" not in r.stdout, r.stdout
     assert (tmp_path / "staleness_ablation.png").stat().st_size > 10_000
+    assert (tmp_path / "staleness_curves.png").stat().st_size > 10_000
+    table = (tmp_path / "table.md").read_text()
+    assert table.startswith("| k | ") and "| 0 | " in table and "exactly k" in table
     results = json.loads((tmp_path / "results.json").read_text())
     assert not results["missing"] and len(results["cells"]) == len(results["summary"]) == len(expected)
     assert results["samples_common"] > 0
+    for r in results["summary"]:
+        assert r["staleness"] == "forced" and r["staleness_exact_frac"] == 1.0, r
     cells = {(c["objective"], c["eta"]): c for c in results["cells"]}
     assert set(cells) == expected
     for (obj, eta), c in cells.items():
@@ -139,6 +147,11 @@ def check_sweep(tmp_path: Path, r: subprocess.CompletedProcess, expected: set[tu
         bound = int(eta)
         assert c["final"]["staleness_max"] <= bound
         assert all(int(k) <= bound for s in trained for k in s["staleness_hist"])
+        # forced staleness (the default): from version k on every trained token is exactly k versions old
+        assert c["config"]["staleness"] == "forced"
+        late = [s for s in trained if s["version"] >= bound]
+        assert late and all(s["staleness_hist"] == {str(bound): sum(s["staleness_hist"].values())} for s in late)
+        assert all(s["engine_version"] == max(0, s["version"] + 1 - bound) for s in c["steps"])
         if bound == 0:  # synchronous: every trained token comes from the weights being trained
             assert all(set(s["staleness_hist"]) == {"0"} for s in trained)
             assert all(s["mismatch_stale0_frac"] == 1.0 for s in trained)
