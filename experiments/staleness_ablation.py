@@ -34,10 +34,10 @@ one results file, writes AReaL's table in shape (table.md: k rows x objective co
 at equal consumed samples and at the end, plus the mechanism table) and plots final greedy success and the
 mechanism vs k (staleness_ablation.png) and the learning curves (staleness_curves.png).
 
-Run (the full sweep, 7 k x 3 objectives x 3 seeds = 63 cells on 16 cores: 4 waves of <= 2 min; equal samples,
-65,536 per cell, with a 100 s training cap so the sweep fits one 10-minute call):
+Run (the full sweep, 7 k x 3 objectives x 3 seeds = 63 cells on 16 cores: 4 rounds of <= 2 min; equal samples,
+65,536 per cell, with a 90 s training cap so the sweep fits one 10-minute call):
     python experiments/staleness_ablation.py --sweep --jobs 16 --seeds 0 1 2 --budget-samples 65536 \
-        --budget-s 100 --eval-every-samples 8192 --out-dir runs/staleness_ablation/full
+        --budget-s 90 --eval-every-samples 8192 --out-dir runs/staleness_ablation/full
 One cell:   python experiments/staleness_ablation.py --eta 4 --objective naive --budget-samples 65536 \
                 --budget-s 600 --eval-every-samples 8192 --out cell.json
 Smoke:      python experiments/staleness_ablation.py --sweep --jobs 2 --etas 0 2 --objectives naive recompute \
@@ -165,7 +165,7 @@ class Config:
         return ETA_INF if self.eta < 0 else self.eta
 
 
-FULL_SWEEP = Config(budget_samples=65536, budget_s=100.0, eval_every_samples=8192)
+FULL_SWEEP = Config(budget_samples=65536, budget_s=90.0, eval_every_samples=8192)
 """The settings of the full sweep's cells (docs/results/staleness/2026-12-04/command.sh)."""
 SMOKE = Config(eta=2, budget_s=6.0, prompts_per_step=8, group_size=4, eval_prompts=64, eval_every_s=3.0)
 
@@ -493,6 +493,8 @@ def collect(out_dir: Path, paths: list[Path]) -> dict[str, Any]:
     results = {"schema": "rlcore.staleness_ablation.results/1", "samples_common": s_common, "missing": missing,
                "summary": summary, "cells": cells}
     (out_dir / "results.json").write_text(json.dumps(results))
+    small = results | {"cells": [{k: v for k, v in c.items() if k != "steps"} for c in cells]}
+    (out_dir / "results_small.json").write_text(json.dumps(small))  # the per-step records left out
     for r in summary:
         print(f"{r['objective']:>9} eta={r['eta']:>3}: greedy_end {_mean(r['greedy_end']):.3f} "
               f"(n={len(r['seeds'])}) @samples {_mean(r['greedy_at_samples']):.3f} clip {r['clip_frac']:.3f} "

@@ -1,10 +1,10 @@
-"""The staleness ablation (experiments/staleness_ablation.py, issue 20): its loss knob, its metrics, and a tiny sweep.
+"""The staleness ablation (experiments/staleness_ablation.py): its loss knob, its metrics, and a tiny sweep.
 
 The sweep test runs two ~5 s cells (naive at eta 0, recompute at eta 2; the slow one adds loglinear at eta 2)
-through the CLI driver with ``--jobs 2`` (two parallel pinned processes; run once per session by
+through the CLI driver with ``--jobs 2`` (two parallel pinned processes; run once per test run by
 ``tiny_staleness_sweep`` in conftest.py, whose results the staleness notebook's test also reads) and checks the
-per-cell JSON schema, the staleness bound (eta = 0 synchronous, eta = 2 at most 2), that the results file and the
-figure are written. The loss tests check on a synthetic stale batch that the objective knob changes the loss and
+per-cell JSON schema, the forced staleness (every token trained from version k on is exactly k versions old; k = 0
+is synchronous), that the results file, the table and the figures are written. The loss tests check on a synthetic stale batch that the objective knob changes the loss and
 the gradient, and that the three objectives coincide where the theory says they must.
 """
 
