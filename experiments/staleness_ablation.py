@@ -124,6 +124,8 @@ class Config:
     """PPO clip eps: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
     clip_high: float = 0.2
     """PPO clip eps_h (equal to clip_low: the symmetric clip)."""
+    behav_weight_cap: float = 0.0
+    """Decoupled objectives: truncate the behaviour weight pi_prox / pi_behav at this value (0 = no cap)."""
     tokens_per_microbatch: int = 512
     """Packed micro-batch budget of train_step (short streams are faster on a CPU)."""
     eval_prompts: int = 1000
@@ -154,6 +156,8 @@ class Config:
             raise ValueError("Config.budget_samples and Config.eval_every_samples must be >= 0 (0 = off)")
         if self.ppo_n_minibatches < 1 or self.ppo_n_minibatches > self.prompts_per_step * self.group_size:
             raise ValueError(f"Config.ppo_n_minibatches must be in [1, B*G], got {self.ppo_n_minibatches}")
+        if self.behav_weight_cap < 0 or 0 < self.behav_weight_cap <= 1:
+            raise ValueError(f"Config.behav_weight_cap must be 0 (no cap) or > 1, got {self.behav_weight_cap}")
         if not self.budget_s > 0:
             raise ValueError(f"Config.budget_s must be > 0 seconds, got {self.budget_s}")
 
@@ -241,7 +245,8 @@ def main(cfg: Config) -> dict[str, Any]:
     step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
                                temperature=cfg.temperature, max_grad_norm=1.0)
     adv_cfg = step.AdvantageConfig(reward_norm=normalize.GRPO, group_size=G)
-    ppo_cfg = ppo.PPOConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg="token_mean")
+    ppo_cfg = ppo.PPOConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg="token_mean",
+                            behav_weight_cap=cfg.behav_weight_cap or None)
     publish_cfg = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place")
     episode = workflows.rlvr(tok, countdown_reward.reward_fn,
                              workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature))
