@@ -169,3 +169,19 @@ def test_sweep_driver_every_objective(staleness_sweep_runner, tmp_path: Path):
     """All three objectives through the driver: a second round of cells (~45 s on 2 cores)."""
     r = staleness_sweep_runner(tmp_path, ("naive:0", "recompute:2", "loglinear:2"))
     check_sweep(tmp_path, r, {("naive", "0"), ("recompute", "2"), ("loglinear", "2")})
+
+
+def test_tensorboard_gets_the_real_staleness_histogram(tmp_path: Path):
+    """A forced k = 2 cell with --tb-dir: the per-step ``staleness/tokens`` histogram sits on exactly 2 from step 2."""
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    cfg = dataclasses.replace(SA.SMOKE, eta=2, objective="naive", budget_s=2.0, budget_samples=6 * 32,
+                              eval_prompts=16, tb_dir=str(tmp_path / "tb"))
+    out = SA.main(cfg)
+    acc = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    hists = {h.step: h.histogram_value for h in acc.Histograms("staleness/tokens")}
+    trained = {s["step"]: s for s in out["steps"] if "loss" in s}
+    assert hists and set(hists) == set(trained)
+    for step_, h in hists.items():
+        expect = min(trained[step_]["version"], 2)
+        assert h.min == h.max == expect, (step_, h.min, h.max)
