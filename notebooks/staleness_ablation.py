@@ -49,7 +49,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import torch
 
 _HERE = Path(globals().get("__file__", Path.cwd())).resolve()  # run as a script: its own folder; in Jupyter: the cwd
