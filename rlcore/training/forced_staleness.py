@@ -30,7 +30,8 @@ token comes from the initial weights.
     ...
     state = delayed(state)          # instead of weight_sync.publish_weights(state, [engine], rollout=ctl)
 
-Memory: k snapshots of the trainable parameters (a LoRA policy: its adapter only), on their own device or on
+``state.version`` stays the trainer's version V (what staleness is counted from); the version the engines serve
+is ``DelayedPublisher.engine_version``. Memory: k snapshots of the trainable parameters (a LoRA policy: its adapter only), on their own device or on
 ``snapshot_device`` (e.g. "cpu" for a large model on a GPU).
 """
 
