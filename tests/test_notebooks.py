@@ -8,10 +8,10 @@ to a temp dir via RLCORE_NB_IMG_DIR, and check the figures the notebook promises
 and the runs live inside the notebooks' cells, so a failing cell fails the test with its traceback.
 
 Suite time (each notebook's kernel start-up alone is ~10 s on 2 cores): objective_geometry runs end to end in the
-default suite (~13 s). staleness_ablation runs every cell there too, but reads the tiny sweep that
-tests/test_staleness_ablation.py runs anyway through the CLI driver (RLCORE_NB_RESULTS, the session fixture
-``tiny_staleness_sweep`` in conftest.py) instead of launching a second sweep of its own (~16 s instead of ~35 s).
-Marked slow (``python -m pytest -q -m slow tests`` runs them): staleness_ablation with its own sweep,
+default suite (~13 s). staleness_ablation runs every cell there too, on the small recorded result of the full
+sweep it ships (docs/results/staleness/); reading the tiny sweep that tests/test_staleness_ablation.py runs
+through the CLI driver (RLCORE_NB_RESULTS, the once-per-run fixture ``tiny_staleness_sweep`` in conftest.py) is slow.
+Marked slow (``python -m pytest -q -m slow tests`` runs them): staleness_ablation on the live tiny sweep,
 offpolicy_diagnostics (three 12 s main jobs, ~50 s; its metrics are checked in the default suite by
 tests/test_tiny.py's main-job smoke) and write_your_own_objective (~17 s; the main job trained with a passed
 loss_fn is tests/test_tiny.py's test_tiny_cpu_main_takes_a_loss_fn, the property tests are tests/objectives/).
@@ -84,8 +84,8 @@ def test_notebooks_are_percent_scripts_without_committed_outputs():
 CASES = [
     pytest.param("objective_geometry", False, id="objective_geometry"),
     pytest.param("offpolicy_diagnostics", False, id="offpolicy_diagnostics", marks=pytest.mark.slow),
-    pytest.param("staleness_ablation", True, id="staleness_ablation-shared_sweep"),
-    pytest.param("staleness_ablation", False, id="staleness_ablation", marks=pytest.mark.slow),
+    pytest.param("staleness_ablation", False, id="staleness_ablation"),  # reads the small recorded result
+    pytest.param("staleness_ablation", True, id="staleness_ablation-shared_sweep", marks=pytest.mark.slow),
     pytest.param("write_your_own_objective", False, id="write_your_own_objective", marks=pytest.mark.slow),
 ]
 

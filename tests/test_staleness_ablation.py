@@ -1,10 +1,10 @@
 """The staleness ablation (experiments/staleness_ablation.py): its loss knob, its metrics, and a tiny sweep.
 
 The sweep test runs two ~5 s cells (naive at eta 0, recompute at eta 2; the slow one adds loglinear at eta 2)
-through the CLI driver with ``--jobs 2`` (two parallel pinned processes; run once per session by
+through the CLI driver with ``--jobs 2`` (two parallel pinned processes; run once per test run by
 ``tiny_staleness_sweep`` in conftest.py, whose results the staleness notebook's test also reads) and checks the
-per-cell JSON schema, the staleness bound (eta = 0 synchronous, eta = 2 at most 2), that the results file and the
-figure are written. The loss tests check on a synthetic stale batch that the objective knob changes the loss and
+per-cell JSON schema, the forced staleness (every token trained from version k on is exactly k versions old; k = 0
+is synchronous), that the results file, the table and the figures are written. The loss tests check on a synthetic stale batch that the objective knob changes the loss and
 the gradient, and that the three objectives coincide where the theory says they must.
 """
 
@@ -103,6 +103,9 @@ def test_bad_config_names_the_field():
         SA.Config(objective="ppo")
     with pytest.raises(ValueError, match="eta"):
         SA.Config(eta=-2)
+    with pytest.raises(ValueError, match="Config.staleness"):
+        SA.Config(staleness="fixed")
+    assert SA.Config(eta=4).max_staleness == 0 and SA.Config(eta=4, staleness="gate").max_staleness == 4
     with pytest.raises(argparse.ArgumentTypeError, match="OBJECTIVE:ETA"):
         SA._pair("naive")
     assert SA._pair("loglinear:-1") == ("loglinear", -1)
@@ -118,9 +121,14 @@ def check_sweep(tmp_path: Path, r: subprocess.CompletedProcess, expected: set[tu
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "FAILED" not in r.stdout, r.stdout
     assert (tmp_path / "staleness_ablation.png").stat().st_size > 10_000
+    assert (tmp_path / "staleness_curves.png").stat().st_size > 10_000
+    table = (tmp_path / "table.md").read_text()
+    assert table.startswith("| k | ") and "| 0 | " in table and "exactly k" in table
     results = json.loads((tmp_path / "results.json").read_text())
     assert not results["missing"] and len(results["cells"]) == len(results["summary"]) == len(expected)
     assert results["samples_common"] > 0
+    for r in results["summary"]:
+        assert r["staleness"] == "forced" and r["staleness_exact_frac"] == 1.0, r
     cells = {(c["objective"], c["eta"]): c for c in results["cells"]}
     assert set(cells) == expected
     for (obj, eta), c in cells.items():
@@ -139,6 +147,11 @@ def check_sweep(tmp_path: Path, r: subprocess.CompletedProcess, expected: set[tu
         bound = int(eta)
         assert c["final"]["staleness_max"] <= bound
         assert all(int(k) <= bound for s in trained for k in s["staleness_hist"])
+        # forced staleness (the default): from version k on every trained token is exactly k versions old
+        assert c["config"]["staleness"] == "forced"
+        late = [s for s in trained if s["version"] >= bound]
+        assert late and all(s["staleness_hist"] == {str(bound): sum(s["staleness_hist"].values())} for s in late)
+        assert all(s["engine_version"] == max(0, s["version"] + 1 - bound) for s in c["steps"])
         if bound == 0:  # synchronous: every trained token comes from the weights being trained
             assert all(set(s["staleness_hist"]) == {"0"} for s in trained)
             assert all(s["mismatch_stale0_frac"] == 1.0 for s in trained)
@@ -156,3 +169,19 @@ def test_sweep_driver_every_objective(staleness_sweep_runner, tmp_path: Path):
     """All three objectives through the driver: a second round of cells (~45 s on 2 cores)."""
     r = staleness_sweep_runner(tmp_path, ("naive:0", "recompute:2", "loglinear:2"))
     check_sweep(tmp_path, r, {("naive", "0"), ("recompute", "2"), ("loglinear", "2")})
+
+
+def test_tensorboard_gets_the_real_staleness_histogram(tmp_path: Path):
+    """A forced k = 2 cell with --tb-dir: the per-step ``staleness/tokens`` histogram sits on exactly 2 from step 2."""
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    cfg = dataclasses.replace(SA.SMOKE, eta=2, objective="naive", budget_s=2.0, budget_samples=6 * 32,
+                              eval_prompts=16, tb_dir=str(tmp_path / "tb"))
+    out = SA.main(cfg)
+    acc = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    hists = {h.step: h.histogram_value for h in acc.Histograms("staleness/tokens")}
+    trained = {s["step"]: s for s in out["steps"] if "loss" in s}
+    assert hists and set(hists) == set(trained)
+    for step_, h in hists.items():
+        expect = min(trained[step_]["version"], 2)
+        assert h.min == h.max == expect, (step_, h.min, h.max)
