@@ -16,9 +16,9 @@ the staleness, and on one shared core generation never runs more than 1-2 versio
 Objectives (the knob of AReaL's staleness table, Fu et al. 2025, https://arxiv.org/abs/2505.24298):
   naive      coupled PPO: ratio pi_theta / pi_behav against the engine's log-probs, no proximal policy, w = 1
   recompute  decoupled PPO: ratio pi_theta / pi_prox, pi_prox recomputed by a no-grad forward before the
-             update, times the behaviour weight w = pi_prox / pi_behav (spec algorithms.md §5.1, §7)
-  loglinear  decoupled PPO with pi_prox interpolated between pi_behav and pi_theta by version (spec §5.2)
-Each training step takes ppo_n_minibatches = 4 optimizer steps (AReaL's library default, spec §15.4), so from the
+             update, times the behaviour weight w = pi_prox / pi_behav (docs/spec/algorithms.md §5.1, §7)
+  loglinear  decoupled PPO with pi_prox interpolated between pi_behav and pi_theta by version (docs/spec/algorithms.md §5.2)
+Each training step takes ppo_n_minibatches = 4 optimizer steps (AReaL's library default, docs/spec/algorithms.md §15.4), so from the
 second minibatch on pi_theta has moved away from pi_prox and the clip can bind; with one minibatch it never does.
 
 Per cell it records the held-out greedy success curve (vs training seconds and consumed samples) and, per step,
@@ -109,7 +109,7 @@ class Config:
     """Stop after this many consumed samples (rows) as well; 0 = no sample budget (the equal-samples comparison
     sets it and a generous budget_s)."""
     ppo_n_minibatches: int = 4
-    """Optimizer steps per training step (AReaL's library default 4, spec §15.4); >= 2 so the clip can bind."""
+    """Optimizer steps per training step (AReaL's library default 4, docs/spec/algorithms.md §15.4); >= 2 so the clip can bind."""
     prompts_per_step: int = 32
     """B: prompt groups per training step."""
     group_size: int = 8

@@ -27,7 +27,7 @@
 # * **recompute**: decoupled PPO (AReaL), ratio against `pi_prox` recomputed by a no-grad forward before the
 #   update, times the detached behaviour weight `pi_prox / pi_behav`;
 # * **loglinear**: decoupled PPO with `pi_prox` interpolated between `pi_behav` and `pi_theta` by version
-#   (spec algorithms.md §5.2; no extra forward).
+#   (docs/spec/algorithms.md §5.2; no extra forward).
 #
 # Every training step takes `ppo_n_minibatches = 4` optimizer steps (AReaL's default), so from the second
 # minibatch on `pi_theta` has left `pi_prox` and the clip can bind. Every cell consumes the same number of
