@@ -66,8 +66,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlcore import diagnostics, tiny
-from rlcore.advantages import normalize
+from rlcore import advantages, diagnostics, tiny
 from rlcore.advantages import prox as prox_lib
 from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
@@ -244,7 +243,7 @@ def main(cfg: Config) -> dict[str, Any]:
     state = train_state.init_train_state(policy, train_state.OptimConfig(lr=cfg.lr, weight_decay=0.0), device="cpu")
     step_cfg = step.StepConfig(mb=microbatch.MicroBatchConfig(max_tokens_per_mb=cfg.tokens_per_microbatch),
                                temperature=cfg.temperature, max_grad_norm=1.0)
-    adv_cfg = step.AdvantageConfig(reward_norm=normalize.GRPO, group_size=G)
+    adv_cfg = advantages.GRPO
     ppo_cfg = ppo.PPOConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg="token_mean",
                             behav_weight_cap=cfg.behav_weight_cap or None)
     publish_cfg = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place")
@@ -293,7 +292,7 @@ def main(cfg: Config) -> dict[str, Any]:
                                    "reward": roll.get("rollout/reward", 0.0),
                                    "staleness_head_max": roll.get("rollout/staleness_head_max", 0.0)}
             if groups:
-                batch = TokenBatch.from_rollout(trajectory.concat(groups))
+                batch = TokenBatch.from_rollout(trajectory.concat_groups(groups))
                 mask = batch.loss_mask
                 stale = torch.where(mask & (batch.versions >= 0), state.version - batch.versions, 0)
                 hist = torch.bincount(stale[mask].long())
@@ -306,7 +305,7 @@ def main(cfg: Config) -> dict[str, Any]:
                 if cfg.objective == "recompute":
                     batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
                 # --- advantages: GRPO group z-score on the whole batch, before minibatching
-                adv = step.compute_batch_advantages(batch, cfg=adv_cfg, logp_old=step.old_logp(batch, coupled_recompute=False))
+                adv = advantages.estimate(batch, cfg=adv_cfg)
                 batch = dataclasses.replace(batch, adv=adv.adv.float())
                 # --- loss_fn from the leaves, then ppo_n_minibatches optimizer steps (the LR schedule steps once)
                 weights: list[torch.Tensor] = []
@@ -337,7 +336,6 @@ def main(cfg: Config) -> dict[str, Any]:
                         "mismatch_stale0": float(first["offpolicy/stale_0/abs_diff_mean"]),
                         "mismatch_stale0_frac": float(first["offpolicy/stale_0/frac_tokens"]),
                         "mismatch_all": float(first["offpolicy/abs_diff_mean"])}
-                state = dataclasses.replace(state, step=state.step - len(mbs) + 1)  # one training step
             # --- publish: pause -> push weights -> version + 1 -> resume (the version moves on even without data)
             state = publisher(state)
             train_s = time.perf_counter() - t0

@@ -18,8 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from rlcore import tiny
-from rlcore.advantages import normalize
+from rlcore import advantages, tiny
 from rlcore.data import countdown, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.diagnostics import DiagnosticsConfig
@@ -142,7 +141,7 @@ def test_bad_arguments_name_the_fix():
 
 B, G, N_MB = 4, 4, 4
 STEP_CFG = step.StepConfig(temperature=1.0, max_grad_norm=1.0)
-ADV_CFG = step.AdvantageConfig(reward_norm=normalize.GRPO, group_size=G)
+ADV_CFG = advantages.GRPO
 PPO_CFG = ppo.PPOConfig(clip_low=0.2, clip_high=0.2, decoupled=False, agg="token_mean")
 
 
@@ -188,17 +187,18 @@ def train_run(k: int | None, n_steps: int, seed: int = 0) -> dict:
         publisher = functools.partial(publish, rollout=ctl) if k is None else fs.DelayedPublisher(k, publish, rollout=ctl)
         for _ in range(n_steps):
             groups = ctl.prepare_batch(timeout=120)
-            batch = TokenBatch.from_rollout(trajectory.concat(groups))
-            adv = step.compute_batch_advantages(batch, cfg=ADV_CFG,
-                                                logp_old=step.old_logp(batch, coupled_recompute=False))
+            batch = TokenBatch.from_rollout(trajectory.concat_groups(groups))
+            adv = advantages.estimate(batch, cfg=ADV_CFG)
             batch = dataclasses.replace(batch, adv=adv.adv.float())
             V, mask = state.version, batch.loss_mask
             stale = offpolicy.staleness(batch, V)
             with fs.swapped(state.model, weights_at[int(batch.versions[mask].min())]):  # the weights that sampled
                 logp_sampler = step.policy_logp(state, batch, cfg=STEP_CFG)
             seen = offpolicy.first_forward(naive_ppo)
-            for i, mb in enumerate(step.minibatches(batch, N_MB)):
-                state, _ = step.train_step(state, mb, seen if i == 0 else naive_ppo, cfg=STEP_CFG)
+            mbs = step.minibatches(batch, N_MB)
+            for i, mb in enumerate(mbs):
+                state, _ = step.train_step(state, mb, seen if i == 0 else naive_ppo,
+                                           cfg=dataclasses.replace(STEP_CFG, schedule=i == len(mbs) - 1))
             diag_m = offpolicy.step_metrics(*seen.logp_and_batch(), version=V, cfg=diag)
             out["steps"].append({
                 "version": V, "stale": set(stale[mask].tolist()), "versions": set(batch.versions[mask].tolist()),
