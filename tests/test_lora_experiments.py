@@ -65,6 +65,7 @@ def test_tiny_cpu_lora_knobs_change_the_trained_policy():
     b = common.make_batch(3, n=8)
     b["input_ids"] = b["input_ids"] % 17 + 1  # the tiny model's vocabulary
     b["rewards"] = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1])
+    b["group_ids"] = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])  # two GRPO groups of 4 (group_size below)
 
     def after(cfg):
         torch.manual_seed(0)
