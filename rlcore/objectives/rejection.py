@@ -189,6 +189,10 @@ def process(
     return keep, torch.where(keep, torch.exp(log_w), 0.0), metrics
 
 
+MAX_LOG_RATIO = 20.0
+"""The clamp of ``log(pi_prox / pi_behav)`` before ``exp`` that the objectives apply (``PPOConfig.max_log_ratio``)."""
+
+
 def keep_mask(
     logp_prox: Tensor, logp_behav: Tensor, mask: Tensor, *, cfg: RejectionConfig
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -207,7 +211,10 @@ def keep_mask(
     keep, delta, log_w, metrics = _process(logp_prox, logp_behav, mask, cfg=cfg)
     if not cfg.carries_weight:
         return keep, keep.to(log_w.dtype), metrics
-    return keep, torch.where(keep, torch.exp(log_w - delta), 0.0), metrics
+    # the objectives take exp of the log behaviour ratio clamped to +-MAX_LOG_RATIO (PPOConfig.max_log_ratio's
+    # default), so the factor divides by that same clamped value: the product stays w' and finite for any delta
+    clamped = delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return keep, torch.where(keep, torch.exp(log_w - clamped), 0.0), metrics
 
 
 def mask_only(

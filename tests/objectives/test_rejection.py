@@ -373,3 +373,17 @@ def test_weight_carrying_config_through_a_mask_only_api_raises(cfg, field):
 def test_mask_only_equals_keep_mask_for_pure_masks(b, cfg):
     keep, _ = rejection.mask_only(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)
     assert torch.equal(keep, rejection.keep_mask(b.logp_prox, b.logp_behav, b.mask, cfg=cfg)[0])
+
+
+def test_sequence_ratio_weight_stays_finite_for_extreme_log_ratios():
+    """A row whose tokens' log behaviour ratios lie far apart (±200): the factor keep_mask returns, times the
+    objective's own clamped exp(delta), is exactly the row's geometric mean, and the loss's gradient is finite."""
+    lp_prox, lp_beh = torch.zeros(1, 4), torch.tensor([[-200.0, 200.0, 0.0, 0.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    cfg = RejectionConfig(level="sequence", action="mask", metric="ratio", upper=1e30)
+    keep, weight, _ = rejection.keep_mask(lp_prox, lp_beh, mask, cfg=cfg)
+    w = torch.exp((lp_prox - lp_beh).clamp(-rejection.MAX_LOG_RATIO, rejection.MAX_LOG_RATIO)) * weight
+    torch.testing.assert_close(w, torch.ones(1, 4))  # exp(mean delta) = exp(0)
+    g = torch.func.grad(lambda lp: ppo.loss(lp, lp_prox, lp_beh, torch.ones(1, 4), keep, cfg=ppo.PPOConfig(),
+                                            denom=4.0, weight=w)[0])(torch.zeros(1, 4))
+    assert torch.isfinite(g).all()
