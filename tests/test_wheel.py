@@ -136,3 +136,14 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path):
     assert proc.returncode == 0, log[-6000:]
     assert proc.stdout.rstrip().endswith("wheel smoke: ok"), log[-6000:]
     assert "tiny model greedy" in proc.stdout and "main job smoke preset ok" in proc.stdout
+
+
+def test_a_checkout_that_is_not_installed_still_has_rlcore_kernels():
+    """``python -m ...`` in a checkout without ``pip install -e`` (no site-packages, so no editable finder):
+    importing rlcore makes the kernels/ folder the package ``rlcore_kernels``, so the fused paths stay on."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import rlcore, importlib.util; "
+            "s = importlib.util.find_spec('rlcore_kernels.decoder_ops'); print(s.origin)")
+    r = subprocess.run([sys.executable, "-S", "-c", code, str(ROOT)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert Path(r.stdout.strip()) == ROOT / "kernels" / "decoder_ops.py"
