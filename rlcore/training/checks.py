@@ -22,6 +22,24 @@ def at_least(cfg: object, minimum: float, *names: str, why: str = "") -> None:
                              f"{flag(name)} {minimum} or more")
 
 
+def above(cfg: object, bound: float, *names: str, why: str = "") -> None:
+    """Each field ``names`` of ``cfg`` must be > ``bound`` (NaN fails too)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not value > bound:
+            note = f" ({why})" if why else ""
+            raise ValueError(f"{flag(name)} must be > {bound}{note}, got {value!r} ({type(cfg).__name__}.{name})")
+
+
+def fits(cfg: object, names: tuple[str, ...], limit: int, limit_flag: str) -> None:
+    """The fields ``names`` together must fit in ``limit`` (the flag ``limit_flag`` raises it)."""
+    need = sum(getattr(cfg, n) for n in names)
+    if need > limit:
+        parts = " + ".join(f"{flag(n)} {getattr(cfg, n)}" for n in names)
+        lower = " or ".join(flag(n) for n in names)
+        raise ValueError(f"{parts} = {need} exceeds {limit_flag} {limit}; lower {lower}, or raise {limit_flag}")
+
+
 def needs(cfg: object, name: str, other: str, metavar: str = "VALUE") -> None:
     """A truthy field ``name`` needs the field ``other`` set (``metavar``: what the message says to pass)."""
     if getattr(cfg, name) and not getattr(cfg, other):
@@ -37,4 +55,4 @@ def model_dir(cfg: object, name: str, fix: str) -> None:
                          f"{fix}")
 
 
-__all__ = ["flag", "at_least", "needs", "model_dir"]
+__all__ = ["flag", "at_least", "above", "fits", "needs", "model_dir"]
