@@ -39,3 +39,26 @@ def test_needs_and_model_dir(tmp_path):
         checks.model_dir(Cfg(model_dir=str(tmp_path)), "model_dir", "pass --model-dir DIR")
     (tmp_path / "config.json").write_text("{}")
     checks.model_dir(Cfg(model_dir=str(tmp_path)), "model_dir", "pass --model-dir DIR")
+
+
+def test_above_refuses_the_bound_and_nan():
+    @dataclass(frozen=True)
+    class T:
+        temperature: float = 1.0
+
+    checks.above(T(), 0, "temperature")
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="--temperature must be > 0"):
+            checks.above(T(bad), 0, "temperature")
+
+
+def test_fits_names_every_budget_and_the_limit_flag():
+    @dataclass(frozen=True)
+    class B:
+        max_prompt_tokens: int = 500
+        max_new_tokens: int = 12
+
+    checks.fits(B(max_new_tokens=12), ("max_prompt_tokens", "max_new_tokens"), 512, "--engine.max-seq-len")
+    with pytest.raises(ValueError, match=r"--max-prompt-tokens 500 \+ --max-new-tokens 13 = 513 exceeds "
+                                         r"--engine.max-seq-len 512"):
+        checks.fits(B(max_new_tokens=13), ("max_prompt_tokens", "max_new_tokens"), 512, "--engine.max-seq-len")
