@@ -42,11 +42,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import importlib.util
 import json
 import math
 import multiprocessing as mp
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -69,22 +67,8 @@ from rlcore.objectives import entropy, ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import metrics, models, offpolicy, step, train_state, weight_sync
+from rlcore.training import countdown_sft, metrics, models, offpolicy, step, train_state, weight_sync
 from rlcore.types import TokenBatch
-
-HERE = Path(__file__).resolve().parent
-
-
-def _sft_module():
-    """experiments/sft_warmstart.py as a module (experiments are files, not a package)."""
-    if "sft_warmstart" in sys.modules:
-        return sys.modules["sft_warmstart"]
-    spec = importlib.util.spec_from_file_location("sft_warmstart", HERE / "sft_warmstart.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sft_warmstart"] = mod  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
-
 
 MODEL = tiny.TinyModelConfig(
     num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, intermediate_size=2048, max_positions=192,
@@ -223,15 +207,14 @@ def run_file(out_dir: str, spec: str) -> Path:
 
 
 def sft(cfg: Config, device: str) -> dict[str, float]:
-    """Warm start into ``out_dir/sft`` (experiments/sft_warmstart.py, worked answers)."""
-    mod = _sft_module()
-    scfg = mod.Config(
+    """Warm start into ``out_dir/sft`` (rlcore.training.countdown_sft, worked answers)."""
+    scfg = countdown_sft.Config(
         out_dir=str(Path(cfg.out_dir) / "sft"), seed=cfg.seed, model=cfg.model, task=cfg.task,
         batch_size=cfg.sft_batch, lr=cfg.sft_lr, max_steps=cfg.sft_max_steps, eval_every=cfg.sft_eval_every,
         stop_at=cfg.sft_stop_at, dev_size=cfg.sft_dev_size, heldout_size=cfg.eval_prompts,
         threads=1 if device == "cpu" else 0, answer_format="worked", device=device, warmup_steps=cfg.sft_warmup,
     )
-    return mod.main(scfg)
+    return countdown_sft.main(scfg)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -272,7 +255,6 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     spec (``dppo`` recomputes ``mb.logp_prox``, ``grpo`` does not).
     """
     name, eta = parse_run(spec)
-    mod = _sft_module()
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(torch.device(device))
@@ -285,7 +267,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     tok = tiny.load_tokenizer(sft_dir)
     policy = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
     heldout = countdown.heldout_set(cfg.eval_prompts, cfg=cfg.task)
-    budget = mod.answer_budget(cfg.task, "worked")
+    budget = countdown_sft.answer_budget(cfg.task, "worked")
     B, G = cfg.prompts_per_step, cfg.group_size
     stack = contextlib.ExitStack()
     if cfg.engine == "process":
@@ -331,7 +313,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
                                 kv_kept=cfg.kv_after_update == "keep")
 
     def evaluate() -> float:
-        return mod.greedy_success(models.hf_module(state.model), tok, heldout, cfg.task, "worked")
+        return countdown_sft.greedy_success(models.hf_module(state.model), tok, heldout, cfg.task, "worked")
 
     curve: list[dict[str, float]] = []
     samples = gen_tokens = 0

@@ -40,7 +40,7 @@ from rlcore.objectives import rejection as rejection_lib
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import math as math_reward
-from rlcore.training import dp_rollout, engines, harness, recover, step, train_state
+from rlcore.training import checks, dp_rollout, engines, harness, offpolicy_checks, recover, step, train_state
 from rlcore.training import lora as lora_lib
 from rlcore.types import TokenBatch
 
@@ -49,29 +49,20 @@ from rlcore.types import TokenBatch
 class Config:
     """GSM8K RL run. Defaults are AReaL's shipped GSM8K baseline (docs/spec/algorithms.md §15.1); presets change the §15.2 knobs."""
 
-    model: str = ""
-    """Local HF model directory, or 'tiny' for a random tiny Qwen2 with a character tokenizer."""
-    tokenizer: str = ""
-    """Tokenizer directory (default: the model's; 'tiny' for the character tokenizer)."""
+    model: str = ""  # Local HF model directory, or 'tiny' for a random tiny Qwen2 with a character tokenizer.
+    tokenizer: str = ""  # Tokenizer directory (default: the model's; 'tiny' for the character tokenizer).
     data_dir: str = str(gsm8k.GSM8K_DIR)
     """Directory with train.jsonl and test.jsonl (GSM8K format: 'question', 'answer' ending in '#### n')."""
-    train_limit: int | None = None
-    """Use only the first N training questions (None: all)."""
-    eval_limit: int = 200
-    """Test questions per evaluation."""
-    max_prompt_tokens: int = 1024
-    """Prompts longer than this are dropped (AReaL filters them the same way)."""
-    steps: int = 100
-    """Training steps (one batch, one or more optimizer steps, one weight publish each)."""
+    train_limit: int | None = None  # Use only the first N training questions (None: all).
+    eval_limit: int = 200  # Test questions per evaluation.
+    max_prompt_tokens: int = 1024  # Prompts longer than this are dropped (AReaL filters them the same way).
+    steps: int = 100  # Training steps (one batch, one or more optimizer steps, one weight publish each).
     prompts_per_step: int = 256
     """Prompt groups per batch (AReaL batch_size). With several trainer ranks it is the GLOBAL batch: one
     controller on rank 0 gates staleness for the job and splits each batch by groups over the ranks."""
-    group_size: int = 4
-    """Samples per prompt (AReaL n_samples)."""
-    max_new_tokens: int = 1024
-    """Generation budget per sample."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer uses the same one."""
+    group_size: int = 4  # Samples per prompt (AReaL n_samples).
+    max_new_tokens: int = 1024  # Generation budget per sample.
+    temperature: float = 1.0  # Sampling temperature; the trainer uses the same one.
     max_staleness: int = 2
     """Max head off-policyness eta: a group is trained at most eta versions after it started (0 = synchronous)."""
     objective: objectives.Objective = ppo.PPOConfig(clip_low=0.4)
@@ -92,10 +83,8 @@ class Config:
     """Discount, lambda and the KL-in-reward penalty (kl_ctl, kl_estimator; > 0 loads a frozen reference)."""
     rejection: rejection_lib.RejectionConfig | None = rejection_lib.RejectionConfig()
     """Off-policy rejection sampling on pi_prox / pi_behav (baseline: token ratio <= 5); None: off."""
-    icepop: icepop_lib.IcePopConfig | None = None
-    """IcePop band mask on pi_prox / pi_behav; None: off."""
-    kpop: kpop_lib.KPopConfig | None = None
-    """KPop binary-KL mask; None: off."""
+    icepop: icepop_lib.IcePopConfig | None = None  # IcePop band mask on pi_prox / pi_behav; None: off.
+    kpop: kpop_lib.KPopConfig | None = None  # KPop binary-KL mask; None: off.
     m2po: m2po_lib.M2POConfig | None = None
     """M2PO second-moment mask (applied first); None: off."""
     off_policy_masks: bool = True
@@ -104,22 +93,19 @@ class Config:
     compare a tensor with itself."""
     kl_loss_coef: float = 0.0
     """KL-in-loss coefficient to the frozen reference (GRPO-paper style; > 0 loads it); 0: off."""
-    kl_loss: kl.KLConfig = kl.KLConfig(estimator="k3")
-    """Estimator of the KL-in-loss term."""
+    kl_loss: kl.KLConfig = kl.KLConfig(estimator="k3")  # Estimator of the KL-in-loss term.
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (docs/spec/algorithms.md §11 ships none: 0 only logs the entropy)."""
     critic: bool = False
     """Train a value model (copy of the policy + zero value head) and use GAE with its values (PPO)."""
-    value_loss: value.ValueConfig = value.ValueConfig()
-    """Clipped value loss of the critic."""
+    value_loss: value.ValueConfig = value.ValueConfig()  # Clipped value loss of the critic.
     dynamic_filter: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal)."""
     dynamic_bs: bool = False
     """Stop collecting once accepted + rejected groups reach the batch size (variable batch)."""
     ppo_n_minibatches: int = 1
     """Optimizer steps per batch (the critic takes as many, as in AReaL's examples)."""
-    max_tokens_per_mb: int = 16384
-    """Token budget of one micro-batch (gradient accumulation)."""
+    max_tokens_per_mb: int = 16384  # Token budget of one micro-batch (gradient accumulation).
     optim: train_state.OptimConfig = train_state.OptimConfig(lr=1.7e-5, weight_decay=0.017)
     """AdamW settings (AReaL GSM8K: lr 1.7e-5, weight decay 0.017, constant)."""
     lora: bool = False
@@ -127,18 +113,13 @@ class Config:
     engines apply it on their base weights (docs/lora.md). LoRA usually wants a ~10x larger ``--optim.lr``."""
     lora_cfg: lora_lib.LoraConfig = lora_lib.LoraConfig()
     """Rank, alpha, dropout and target modules of the adapters (with ``--lora``)."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clip."""
-    eval_every: int = 10
-    """Evaluate pass@k every N steps (and after the last step); 0: only at the end."""
-    eval_n: int = 4
-    """Samples per test question (pass@1..eval_n)."""
-    eval_temperature: float = 1.0
-    """Sampling temperature of the evaluation."""
+    max_grad_norm: float = 1.0  # Gradient-norm clip.
+    eval_every: int = 10  # Evaluate pass@k every N steps (and after the last step); 0: only at the end.
+    eval_n: int = 4  # Samples per test question (pass@1..eval_n).
+    eval_temperature: float = 1.0  # Sampling temperature of the evaluation.
     engine: engines.EngineSetup = engines.EngineSetup(max_seq_len=2048)
     """Embedded or remote inference engines."""
-    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()
-    """Logging, checkpoints, seed."""
+    run: tyro.conf.OmitArgPrefixes[harness.RunConfig] = harness.RunConfig()  # Logging, checkpoints, seed.
     tiny: tiny_lib.TinyModelConfig = tiny_lib.TinyModelConfig(max_positions=512)
     """Shape of the random model when model='tiny'."""
 
@@ -146,27 +127,19 @@ class Config:
         if not self.off_policy_masks:  # frozen: the masks the preset set are dropped once, here
             for name in ("rejection", "icepop", "kpop", "m2po"):
                 object.__setattr__(self, name, None)
-        if self.steps < 1 or self.prompts_per_step < 1 or self.group_size < 1 or self.ppo_n_minibatches < 1:
-            raise ValueError("steps, prompts_per_step, group_size and ppo_n_minibatches must be >= 1")
-        if self.eval_n < 1:
-            raise ValueError(f"eval_n must be >= 1, got {self.eval_n}")
-        # Checked here: the loss adds these terms under `> 0`, so a negative value would silently switch them off.
-        for flag, v in (("--kl-loss-coef", self.kl_loss_coef), ("--entropy-coef", self.entropy_coef)):
-            if not v >= 0:
-                raise ValueError(f"{flag} must be >= 0 (0: off), got {v}")
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be >= 0 (0: only at the end), got {self.eval_every}")
-        if not self.temperature > 0:
-            raise ValueError(f"--temperature must be > 0 (the trainer divides the logits by it), got {self.temperature}")
-        self._check_budgets()
-        if self.rejection is not None and self.rejection.carries_weight and not self.weighted:
-            raise ValueError(
-                f"rejection (action={self.rejection.action!r}, level={self.rejection.level!r}) changes the behaviour "
-                "weight (a TIS clamp or the sequence geometric mean) and needs an objective that applies a behaviour "
-                "weight (a decoupled objective); with a coupled one (--objective.no-decoupled) only a mask can act: use "
-                "--rejection.action mask --rejection.level token (or a KL --rejection.metric)"
-            )
-        self._check_masks_compare_two_policies()
+        checks.at_least(self, 1, "steps", "prompts_per_step", "group_size", "ppo_n_minibatches", "eval_n")
+        # the loss adds these terms under `> 0`: a negative value would silently switch them off
+        checks.at_least(self, 0, "kl_loss_coef", "entropy_coef", why="0: off")
+        checks.at_least(self, 0, "eval_every", why="0: only at the end")
+        checks.above(self, 0, "temperature", why="the trainer divides the logits by it")
+        checks.at_least(self, 0, "max_staleness", why="0: synchronous")
+        checks.at_least(self, 1, "max_tokens_per_mb", "max_new_tokens", "max_prompt_tokens", "eval_limit")
+        checks.at_least(self, 0, "max_grad_norm", why="0: no clipping")
+        if self.train_limit is not None:
+            checks.at_least(self, 1, "train_limit", why="or None: all questions")
+        if not engines.engine_addresses(self.engine):  # an embedded engine: its context must hold both budgets
+            checks.fits(self, ("max_prompt_tokens", "max_new_tokens"), self.engine.max_seq_len, "--engine.max-seq-len")
+        offpolicy_checks.masks(self)
         sh = self.shaping
         if sh.overlong_penalty and not 0 < sh.overlong_tokens <= self.max_new_tokens:
             # Checked here, not when the first batch is shaped: the overlong ramp ends at --max-new-tokens.
@@ -175,60 +148,10 @@ class Config:
                 "for the overlong penalty; pass a smaller --shaping.overlong-tokens (or --shaping.no-overlong-penalty)"
             )
 
-    def _check_budgets(self) -> None:
-        """Sizes, limits and budgets, refused here (naming the flag) rather than after the model loads, or never."""
-        at_least = (  # (flag, value, minimum, what the minimum means)
-            ("--max-staleness", self.max_staleness, 0, "0: synchronous"),
-            ("--max-tokens-per-mb", self.max_tokens_per_mb, 1, "a micro-batch's token budget"),
-            ("--max-new-tokens", self.max_new_tokens, 1, "the generation budget"),
-            ("--max-prompt-tokens", self.max_prompt_tokens, 1, "longer prompts are dropped"),
-            ("--eval-limit", self.eval_limit, 1, "test questions per evaluation; --eval-every 0 still evaluates "
-             "once at the end"),
-        )
-        for flag, v, lo, why in at_least:
-            if v < lo:
-                raise ValueError(f"{flag} must be >= {lo} ({why}), got {v}")
-        if self.train_limit is not None and self.train_limit < 1:
-            raise ValueError(f"--train-limit must be >= 1 or None (all questions), got {self.train_limit}")
-        if not self.max_grad_norm >= 0:
-            raise ValueError(f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
-        need = self.max_prompt_tokens + self.max_new_tokens
-        if need > self.engine.max_seq_len and not engines.engine_addresses(self.engine):  # embedded engine
-            raise ValueError(
-                f"--max-prompt-tokens {self.max_prompt_tokens} + --max-new-tokens {self.max_new_tokens} = {need} "
-                f"exceeds the embedded engine's --engine.max-seq-len {self.engine.max_seq_len}; lower "
-                "--max-prompt-tokens or --max-new-tokens, or raise --engine.max-seq-len"
-            )
-
     @property
     def masks(self) -> tuple[str, ...]:
-        """The flag groups of the off-policy masks turned on; each compares pi_prox with pi_behav (docs/spec/algorithms.md §8-9)."""
-        return tuple(f"--{f}.*" for f in ("m2po", "rejection", "icepop", "kpop") if getattr(self, f) is not None)
-
-    def _check_masks_compare_two_policies(self) -> None:
-        """Refuse a mask whose two inputs are the same tensor: it keeps every token and does nothing.
-
-        ``--prox behav`` makes pi_prox the behaviour log-probs, and a coupled objective on recomputed log-probs takes
-        pi_old = pi_prox (docs/spec/algorithms.md §4.1); either way the masks would compare a tensor with itself (ratio 1, KL 0).
-        """
-        masks = self.masks
-        if not masks:
-            return
-        on = ", ".join(masks)
-        if self.prox == "behav":
-            raise ValueError(
-                f"--prox behav makes pi_prox the behaviour log-probs, so the off-policy mask(s) {on} would compare "
-                "pi_behav with itself and keep every token (the mask does nothing); use --prox recompute (or "
-                "--prox interpolate), or turn the masks off with --no-off-policy-masks"
-            )
-        if self.prox == "recompute" and self.coupled:
-            knob = "--objective.no-decoupled"  # every objective's coupled switch (SAPO's default)
-            raise ValueError(
-                f"{knob} with --prox recompute takes pi_old = pi_prox = the recomputed log-probs (docs/spec/algorithms.md §4.1), so the "
-                f"off-policy mask(s) {on} would compare that tensor with itself and keep every token (the mask does "
-                "nothing); use a decoupled objective (--objective.decoupled), --prox interpolate, or turn the masks "
-                "off with --no-off-policy-masks"
-            )
+        """The flags of the off-policy masks that are on."""
+        return offpolicy_checks.masks_on(self)
 
     @property
     def coupled(self) -> bool:
