@@ -228,6 +228,10 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout=
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
+    if mask is not None and mask.shape[1] == h and h != 1:
+        # a per-head bias folded into the mask (ALiBi, transformers >= 5.25's Falcon): query head j is row j % g
+        # of KV head j // g, as the query was folded
+        mask = mask.reshape(mask.shape[0], kvh, h // kvh, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(b, kvh, h // kvh, d), key, value, attn_mask=mask, scale=scaling
     )
