@@ -376,6 +376,26 @@ def rows_to_trajectory(rows: dict[str, dict[str, Any]]) -> dict[str, torch.Tenso
     return trajectory.concat(out)
 
 
+async def stream_completion(request: web.Request, result: dict[str, Any], body: dict[str, Any]) -> web.StreamResponse:
+    """A finished chat completion ``result`` sent as SSE chunks (role, content with its log-probs, tool calls, finish,
+    and the usage when ``body["stream_options"]["include_usage"]``), the way the proxy streams."""
+    out = sse.EventWriter(request)
+    await out.open()
+    choice = result["choices"][0]
+    msg = choice["message"]
+    head = {k: result[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    await out.send(chat_chunk(head, 0, {"role": "assistant", "content": ""}, None, None))
+    if msg.get("content") or choice["logprobs"]:
+        await out.send(chat_chunk(head, 0, {"content": msg.get("content") or ""}, None, choice["logprobs"]))
+    for i, tc in enumerate(msg.get("tool_calls") or []):
+        await out.send(chat_chunk(head, 0, {"tool_calls": [{"index": i, **tc}]}, None, None))
+    await out.send(chat_chunk(head, 0, {}, choice["finish_reason"], None))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await out.send({**head, "choices": [], "usage": result["usage"]})
+    await out.done()
+    return out.resp
+
+
 # ----------------------------------------------------------------------------------------- the proxy
 class AgentProxy:
     """The proxy: session store + OpenAI endpoints over one ``EngineClient`` and a tokenizer.
@@ -889,22 +909,7 @@ class AgentProxy:
             return web.Response(status=499)
         if not body.get("stream"):
             return web.json_response(result, dumps=lambda x: json.dumps(x, allow_nan=False))
-        # the completion is finished: it goes out as role, content (with its log-probs), tool calls, finish
-        out = sse.EventWriter(request)
-        await out.open()
-        choice = result["choices"][0]
-        msg = choice["message"]
-        head = {k: result[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-        await out.send(chat_chunk(head, 0, {"role": "assistant", "content": ""}, None, None))
-        if msg.get("content") or choice["logprobs"]:
-            await out.send(chat_chunk(head, 0, {"content": msg.get("content") or ""}, None, choice["logprobs"]))
-        for i, tc in enumerate(msg.get("tool_calls") or []):
-            await out.send(chat_chunk(head, 0, {"tool_calls": [{"index": i, **tc}]}, None, None))
-        await out.send(chat_chunk(head, 0, {}, choice["finish_reason"], None))
-        if (body.get("stream_options") or {}).get("include_usage"):  # validated by chat()
-            await out.send({**head, "choices": [], "usage": result["usage"]})
-        await out.done()
-        return out.resp
+        return await stream_completion(request, result, body)
 
     async def _h_responses(self, request: web.Request) -> web.Response:
         """OpenAI's Responses API (what the openai-agents SDK's default model calls), answered as a chat completion

@@ -60,7 +60,7 @@ from aiohttp import web
 from rlcore import advantages
 from rlcore.data import microbatch
 from rlcore.inference import guard
-from rlcore.inference.chat import OpenAIError, ProxyError, chat_chunk, finite, parse_body
+from rlcore.inference.chat import OpenAIError, ProxyError, finite, parse_body
 from rlcore.inference.connection import start_server
 from rlcore.inference.protocol import ModelResponse
 from rlcore.rollout import proxy as proxy_lib
@@ -496,20 +496,7 @@ class OnlineService:
         await self._io(self.store.add_turn, sid, it.id, turn_payload(it))  # durable before the agent sees it
         if not body.get("stream"):
             return web.json_response(result)
-        from rlcore.inference import sse
-
-        out = sse.EventWriter(request)
-        await out.open()
-        choice, head = result["choices"][0], {k: result[k] for k in ("id", "created", "model")}
-        head["object"] = "chat.completion.chunk"
-        msg = choice["message"]
-        await out.send(chat_chunk(head, 0, {"role": "assistant", "content": ""}, None, None))
-        await out.send(chat_chunk(head, 0, {"content": msg.get("content") or ""}, None, choice["logprobs"]))
-        for i, tc in enumerate(msg.get("tool_calls") or []):
-            await out.send(chat_chunk(head, 0, {"tool_calls": [{"index": i, **tc}]}, None, None))
-        await out.send(chat_chunk(head, 0, {}, choice["finish_reason"], None))
-        await out.done()
-        return out.resp
+        return await proxy_lib.stream_completion(request, result, body)
 
     async def _h_models(self, request: web.Request) -> web.Response:
         if _bearer(request) is None:
