@@ -112,7 +112,7 @@ class Config:
 
 
 SMOKE = Config(minutes=0.1, max_steps=3, prompts_per_step=4, group_size=4, eval_prompts=32, progress=False,
-               log_dir="/tmp/rlcore_tiny_cpu_smoke", engine="thread", eval_process=False)
+               log_dir="runs/tiny_cpu_smoke", engine="thread", eval_process=False)
 """A few steps in one process (no child start-up): the tests' preset; tests/test_tiny.py runs it in every layout."""
 
 

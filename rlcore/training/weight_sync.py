@@ -666,7 +666,7 @@ def _publish_adapter(state: TrainState, targets: Sequence[Any], version: int, dt
         process.remove_orphan_shm_weights(root)
         path = process.shm_lora_dir(root, os.getpid(), version)
     else:
-        root = Path(cfg.disk_root) if cfg.disk_root else Path(tempfile.gettempdir()) / "rlcore_weights"
+        root = Path(cfg.disk_root) if cfg.disk_root else default_disk_root()
         path = root / name
     engine_lora.write_peft_adapter(path, tensors, config)
     try:
@@ -721,6 +721,12 @@ def hold_generation(targets: Sequence[Any], *, enabled: bool = True, timeout_s: 
 # ----------------------------------------------------------------------------------------------------------
 # publish_weights
 # ----------------------------------------------------------------------------------------------------------
+
+
+def default_disk_root() -> Path:
+    """Where disk publishes go without ``PublishConfig.disk_root``: a folder of this user's under the temp dir
+    (``rlcore_weights-<uid>``), so two users of one machine never share (or block) each other's."""
+    return Path(tempfile.gettempdir()) / f"rlcore_weights-{os.getuid()}"
 
 
 def publish_weights(
@@ -778,7 +784,7 @@ def publish_weights(
         elif cfg.mode == "tensor":
             _publish_tensor(state, targets, version, dtype, cfg)
         elif cfg.mode == "disk":
-            root = Path(cfg.disk_root) if cfg.disk_root else Path(tempfile.gettempdir()) / "rlcore_weights"
+            root = Path(cfg.disk_root) if cfg.disk_root else default_disk_root()
             path = root / f"weight_update_v{version}"
             export_hf(state, path, dtype=dtype, hub_format=cfg.file_format == "hub")
             if main:

@@ -200,6 +200,9 @@ def _init_main(spec: dict) -> None:
     # killed past its own timeout (a reward-pool worker) would leave the sandbox running and its scratch dir behind.
     _die_with_parent(libc, spec["parent"])
     root = os.getuid() == 0
+    # this user's ids as the host knows them: after unshare(CLONE_NEWUSER) getuid() reads the overflow id (65534)
+    # until the map is written, and a map whose outside id is not the caller's own is refused (EPERM)
+    outer_uid, outer_gid = os.getuid(), os.getgid()
     flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
     if not spec["allow_network"]:
         flags |= _CLONE_NEWNET
@@ -219,10 +222,9 @@ def _init_main(spec: dict) -> None:
         spec = dict(spec, scratch=spec["inputs"])
         _drop_and_run(libc, spec, namespaced=False)
     if not root:
-        uid, gid = os.getuid(), os.getgid()
         Path("/proc/self/setgroups").write_text("deny")
-        Path("/proc/self/uid_map").write_text(f"{spec['uid']} {uid} 1")
-        Path("/proc/self/gid_map").write_text(f"{spec['uid']} {gid} 1")
+        Path("/proc/self/uid_map").write_text(f"{spec['uid']} {outer_uid} 1")
+        Path("/proc/self/gid_map").write_text(f"{spec['uid']} {outer_gid} 1")
     _report(spec, isolation="namespaces")
     alive_r, alive_w = os.pipe()
     pid = os.fork()
