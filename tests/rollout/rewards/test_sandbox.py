@@ -289,7 +289,12 @@ def test_process_limit_bounds_a_fork_bomb():
                  "    if pid == 0:\n        time.sleep(3)\n        os._exit(0)\n    n += 1\nprint('forked', n)",
         cfg=cfg)
     assert res.ok, res.stderr
-    assert 0 < int(res.stdout.split()[-1]) < 6
+    forked = int(res.stdout.split()[-1])
+    assert forked < 40  # the bomb was stopped
+    if os.getuid() == 0:  # a fresh uid per run: the limit counts this run's tasks alone (pid 1 and the program too)
+        assert 0 < forked < 6
+    # as another user the limit is the caller's task count at spawn + max_processes, shared with the caller's own
+    # tasks, which may start or exit meanwhile: bounded, not exact (rlcore.rollout.rewards.sandbox, "uid")
 
 
 def test_rlimits_file_size_open_files_and_scratch_size():
@@ -612,7 +617,7 @@ def test_proc_shows_no_host_path_and_no_uid():
             text = text.replace(p, "<prefix>").replace(p.replace(" ", "\\040"), "<prefix>")
         for leak in (str(PROJECT), "_sandbox_init", "rlcore-sandbox-", tempfile.gettempdir() + "/"):
             assert leak not in text, (leak, text)
-        assert not re.search(r"(?<![a-z])[ug]id=", text), text  # the scratch tmpfs had uid=/gid= options
-        if os.getuid() == 0:  # a fresh uid per run (a user namespace maps the caller's, which /proc may show)
+        if os.getuid() == 0:  # a fresh uid per run; as another user the user namespace maps (and shows) the caller's
+            assert not re.search(r"(?<![a-z])[ug]id=", text), text  # the scratch tmpfs had uid=/gid= options
             assert not re.search(rf"\b{seen['uid']}\b", text), text
     assert seen["cwd"] == sandbox.SCRATCH
