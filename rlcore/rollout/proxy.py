@@ -221,7 +221,7 @@ def _flag(body: dict, key: str) -> bool:
     return bool(v)
 
 
-def _bearer(request: web.Request) -> str | None:
+def bearer_key(request: web.Request) -> str | None:
     """The key of ``Authorization: Bearer <key>`` (the scheme is case-insensitive, RFC 7235), else None."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     return key.strip() if scheme.lower() == "bearer" else None
@@ -888,11 +888,11 @@ class AgentProxy:
         return key is not None and hmac.compare_digest(key.encode(), self.cfg.admin_key.encode())
 
     def _admin(self, request: web.Request) -> None:
-        if not self._is_admin_key(_bearer(request)):
+        if not self._is_admin_key(bearer_key(request)):
             raise ProxyError(401, "Authorization: a valid admin key is required (Bearer <admin key>)")
 
     def _session_of(self, request: web.Request) -> str:
-        key = _bearer(request)
+        key = bearer_key(request)
         with self._lock:
             if key is not None and key in self._keys:
                 return self._keys[key]
@@ -925,7 +925,7 @@ class AgentProxy:
         return web.json_response(responses_api.to_response(body, result), dumps=lambda x: json.dumps(x, allow_nan=False))
 
     async def _h_models(self, request: web.Request) -> web.Response:
-        if not self._is_admin_key(_bearer(request)):
+        if not self._is_admin_key(bearer_key(request)):
             self._session_of(request)
         data = [{"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "rlcore"}]
         return web.json_response({"object": "list", "data": data})

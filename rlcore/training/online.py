@@ -224,11 +224,6 @@ class _Bucket:
         return False
 
 
-def _bearer(request: web.Request) -> str | None:
-    h = request.headers.get("Authorization", "")
-    return h[7:].strip() or None if h.startswith("Bearer ") else None
-
-
 class OnlineService:
     """The running service: ``with OnlineService(cfg) as svc:`` serves until the block ends (``svc.url``)."""
 
@@ -407,12 +402,12 @@ class OnlineService:
         return {}
 
     def _admin(self, request: web.Request) -> None:
-        key = _bearer(request)
+        key = (proxy_lib.bearer_key(request) or None)
         if key is None or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
             raise ProxyError(401, "Authorization: the admin key is required (Bearer <admin key>)")
 
     async def _agent(self, request: web.Request) -> str:
-        key = _bearer(request)
+        key = (proxy_lib.bearer_key(request) or None)
         row = await self._io(self.store.key, key) if key else None
         if row is None:
             raise ProxyError(401, "Authorization: a valid, unrevoked agent API key is required (Bearer <api key>)")
@@ -431,7 +426,7 @@ class OnlineService:
 
     async def _session(self, request: web.Request, body: dict[str, Any] | None = None) -> tuple[str, str]:
         """(session id, owner key) of the request's session key (or, for the admin, of ``body['session_id']``)."""
-        key = _bearer(request)
+        key = (proxy_lib.bearer_key(request) or None)
         if key is None:
             raise ProxyError(401, "Authorization: a session key is required (Bearer <session api_key>)")
         if body is not None and "session_id" in body and hmac.compare_digest(key.encode(), self.admin_key.encode()):
@@ -499,7 +494,7 @@ class OnlineService:
         return await proxy_lib.stream_completion(request, result, body)
 
     async def _h_models(self, request: web.Request) -> web.Response:
-        if _bearer(request) is None:
+        if (proxy_lib.bearer_key(request) or None) is None:
             raise ProxyError(401, "Authorization: a key is required")
         return web.json_response({"object": "list", "data": [{"id": self.proxy.cfg.model_name, "object": "model",
                                                               "owned_by": "rlcore"}]})
