@@ -39,9 +39,11 @@ Results: docs/results.md#gpu-learning-run.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -67,7 +69,16 @@ from rlcore.objectives import entropy, ppo
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
-from rlcore.training import countdown_sft, metrics, models, offpolicy, step, train_state, weight_sync
+from rlcore.training import (
+    countdown_sft,
+    forced_staleness,
+    metrics,
+    models,
+    offpolicy,
+    step,
+    train_state,
+    weight_sync,
+)
 from rlcore.types import TokenBatch
 
 MODEL = tiny.TinyModelConfig(
@@ -118,6 +129,14 @@ class Config:
     """Stage ``all``: devices to spread runs over, one run per device at a time (default: every GPU, else cpu)."""
     minutes: float = 2.5
     """Training wall-clock per run, evaluation excluded."""
+    budget_samples: int = 0
+    """Stop a run once it has consumed this many samples (0: the wall-clock budget alone); equal samples is the
+    fair budget for comparing learning across staleness, where throughput differs."""
+    staleness: Literal["gate", "forced"] = "gate"
+    """How a run's ``eta`` acts. gate: the rollout gate's bound (``max_staleness = eta``; the real staleness is
+    whatever the speeds make it, at most eta). forced: the engine serves the weights of exactly ``eta`` versions
+    ago (rlcore.training.forced_staleness.DelayedPublisher, gate at 0), so every trained token is eta versions
+    stale from step eta on; ``inf`` as the eta of a run entry never publishes."""
     prompts_per_step: int = 64
     """B: prompt groups per training step."""
     group_size: int = 8
@@ -191,14 +210,15 @@ def holds_engine(cfg: Config, device: str) -> bool:
 def parse_run(spec: str) -> tuple[str, int]:
     """``"dppo:4"`` -> ``("dppo", 4)``; errors name the field and the accepted form."""
     name, sep, eta = spec.partition(":")
-    if not sep or name not in ("grpo", "dppo") or not eta.isdigit():
-        raise ValueError(f"runs entry {spec!r} must look like 'grpo:0' or 'dppo:4' (objective grpo|dppo, eta >= 0)")
-    return name, int(eta)
+    if not sep or name not in ("grpo", "dppo") or not (eta.isdigit() or eta == "inf"):
+        raise ValueError(f"runs entry {spec!r} must look like 'grpo:0' or 'dppo:4' (objective grpo|dppo, eta >= 0, "
+                         "or 'inf' with --staleness forced)")
+    return name, forced_staleness.INFINITE if eta == "inf" else int(eta)
 
 
 def run_file(out_dir: str, spec: str) -> Path:
     name, eta = parse_run(spec)
-    return Path(out_dir) / f"rl_{name}_eta{eta}.json"
+    return Path(out_dir) / f"rl_{name}_eta{'inf' if eta < 0 else eta}.json"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -255,6 +275,10 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     spec (``dppo`` recomputes ``mb.logp_prox``, ``grpo`` does not).
     """
     name, eta = parse_run(spec)
+    if eta < 0 and cfg.staleness != "forced":
+        raise ValueError(f"runs entry {spec!r}: eta 'inf' needs --staleness forced (a gate needs a finite bound)")
+    forced = cfg.staleness == "forced"
+    gate_eta = 0 if forced else eta  # forced: the delay makes the staleness, the gate keeps one batch in flight
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(torch.device(device))
@@ -273,7 +297,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     if cfg.engine == "process":
         ep = stack.enter_context(engine_process.engine_process(engine_process.EngineProcessConfig(
             model=str(sft_dir), device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed,
-            max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1, threads=4 if cuda else 1,
+            max_batch=(gate_eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1, threads=4 if cuda else 1,
             startup_timeout_s=300.0, kv_after_update=cfg.kv_after_update,
         )))
         engine = stack.enter_context(engine_client.connect(ep.address))  # control: pause / publish / continue
@@ -282,7 +306,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
     else:
         engine = stack.enter_context(engine_lib.Engine(
             copy.deepcopy(policy),
-            engine_lib.EngineConfig(max_batch=(eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1,
+            engine_lib.EngineConfig(max_batch=(gate_eta + 1) * B * G, max_seq_len=cfg.task.prompt_len + budget + 1,
                                     device=device, dtype="bfloat16" if cuda else "float32", seed=cfg.seed,
                                     kv_after_update=cfg.kv_after_update,
                                     capture_at_start=True),  # the trainer shares this GPU and this process
@@ -306,9 +330,9 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         tok, countdown_reward.boxed_reward_fn,
         workflows.WorkflowConfig(max_new_tokens=budget, temperature=cfg.temperature),
     )
-    rollout_cfg = rollout_config(cfg, eta)
+    rollout_cfg = rollout_config(cfg, gate_eta)
     loader = PromptLoader(countdown.CountdownDataset(1_000_000, seed=cfg.seed, cfg=cfg.task), seed=cfg.seed)
-    log_dir = Path(cfg.log_dir or Path(cfg.out_dir) / "tb") / f"{name}_eta{eta}"
+    log_dir = Path(cfg.log_dir or Path(cfg.out_dir) / "tb") / run_file("", spec).stem.removeprefix("rl_")
     monitor = offpolicy.Monitor(cfg.offpolicy, log=lambda text: print(f"[{spec}] {text}", flush=True),
                                 kv_kept=cfg.kv_after_update == "keep")
 
@@ -322,6 +346,11 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         rollout.RolloutController(gen_client, episode, loader, rollout_cfg) as ctl,
         metrics.MetricsLogger(metrics.LoggerConfig(log_dir=str(log_dir))) as logger,
     ):
+        publish = functools.partial(weight_sync.publish_weights, targets=[engine], cfg=publish_cfg)
+        publisher = (forced_staleness.DelayedPublisher(eta, publish, rollout=ctl) if forced
+                     else functools.partial(publish, rollout=ctl))
+        stale_hist: collections.Counter[int] = collections.Counter()  # trained tokens by versions of staleness
+        stale_hist_from_eta: collections.Counter[int] = collections.Counter()  # the same, steps at version >= eta
         curve.append({"t": 0.0, "step": 0, "samples": 0, "greedy": evaluate(), "reward": math.nan})
         logger.log(0, {"eval/greedy_success": curve[-1]["greedy"]})
         print(f"[{spec}] start greedy {curve[-1]['greedy']:.3f}", flush=True)
@@ -329,7 +358,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
         rewards: list[float] = []
         phase_s = {"wait": 0.0, "update": 0.0, "publish": 0.0}  # where each iteration's wall time goes
         iters = 0
-        while train_s < cfg.minutes * 60:
+        while train_s < cfg.minutes * 60 and not (cfg.budget_samples and samples >= cfg.budget_samples):
             # --- rollout: B groups of G, every token tagged with the weight version that sampled it ---
             t_phase = time.perf_counter()
             groups = ctl.prepare_batch()
@@ -347,6 +376,12 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
                     with step.device_stream(torch.device(device), cfg.train_stream):
                         batch = TokenBatch.from_rollout(trajectory.concat_groups(kept))  # the single predictive shift
                         version = state.version
+                        stale = torch.where(batch.versions >= 0, version - batch.versions, 0)
+                        hist = forced_staleness.staleness_histogram(stale, batch.loss_mask)
+                        stale_hist.update(hist)
+                        if version >= eta:  # forced: from step eta on every token is exactly eta stale
+                            stale_hist_from_eta.update(hist)
+                        logger.histogram(state.step, "staleness/tokens", stale[batch.loss_mask])
                         # dppo: the proximal log-probs, a no-grad forward before the update (also the diagnostics' forward)
                         if decoupled:
                             batch = dataclasses.replace(batch, logp_prox=step.policy_logp(state, batch, cfg=step_cfg))
@@ -367,7 +402,7 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
                 phase_s["update"] += time.perf_counter() - t_phase
                 # --- publish: the engine serves version + 1 (also after a step with nothing to learn) ---
                 t_phase = time.perf_counter()
-                state = weight_sync.publish_weights(state, [engine], cfg=publish_cfg, rollout=ctl)
+                state = publisher(state)
             phase_s["publish"] += time.perf_counter() - t_phase
             iters += 1
             samples += B * G
@@ -399,7 +434,9 @@ def rl_run(cfg: Config, spec: str, device: str, *, loss_fn: step.LossFn | None =
             logger.log(state.step, m)
     tail = [c["greedy"] for c in curve[-2:]]
     result = {
-        "run": spec, "objective": name, "eta": eta, "device": device, "engine_layout": cfg.engine,
+        "run": spec, "objective": name, "eta": eta, "staleness": cfg.staleness, "device": device,
+        "engine_layout": cfg.engine, "staleness_hist": {str(k): n for k, n in sorted(stale_hist.items())},
+        "staleness_hist_from_step_eta": {str(k): n for k, n in sorted(stale_hist_from_eta.items())},
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "steps": state.step, "samples": samples, "train_seconds": train_s,
         "samples_per_s": samples / max(train_s, 1e-9), "gen_tokens_per_s": gen_tokens / max(train_s, 1e-9),
@@ -460,7 +497,8 @@ def summarize(cfg: Config) -> dict:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs.values():
         c = r["curve"]
-        label = f"{'GRPO' if r['objective'] == 'grpo' else 'decoupled PPO'}, eta={r['eta']}"
+        kind = "k" if r.get("staleness") == "forced" else "eta"
+        label = f"{'GRPO' if r['objective'] == 'grpo' else 'decoupled PPO'}, {kind}={'inf' if r['eta'] < 0 else r['eta']}"
         style = "-" if r["objective"] == "dppo" else "--"
         axes[0].plot([p["t"] for p in c], [100 * p["greedy"] for p in c], style, marker=".", label=label)
         axes[1].plot([p["samples"] / 1000 for p in c], [100 * p["greedy"] for p in c], style, marker=".", label=label)

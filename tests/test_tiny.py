@@ -341,6 +341,25 @@ def test_gpu_learning_run_gpu_share_holds_the_engine_during_the_update(tmp_path,
         assert r["steps"] >= 1 and len(seen) == iters and set(seen) == {want}, (share, seen, r["steps"])
 
 
+def test_gpu_learning_run_forced_staleness_trains_on_tokens_exactly_k_stale(tmp_path, monkeypatch):
+    """staleness forced, "grpo:2": from step 2 on every trained token is exactly 2 versions stale (gate mode at the
+    same eta: mostly fresher); budget_samples stops the run at that many samples; 'inf' needs forced."""
+    mod = _load("gpu_learning_run")
+    monkeypatch.setattr(mod.countdown_reward, "boxed_reward_fn", lambda completion, item: float(len(completion) % 2))
+    smoke = dataclasses.replace(mod.Config(smoke=True), **{k: v for k, v in mod.SMOKE.items() if k != "smoke"})
+    mod.main(dataclasses.replace(smoke, out_dir=str(tmp_path), stage="sft"))
+    per_iter = smoke.prompts_per_step * smoke.group_size
+    run = dataclasses.replace(smoke, out_dir=str(tmp_path), engine="thread", minutes=10.0, budget_samples=6 * per_iter,
+                              staleness="forced", log_dir=str(tmp_path / "tb"))
+    r = mod.rl_run(run, "grpo:2", "cpu")
+    assert r["samples"] == 6 * per_iter and r["staleness"] == "forced"
+    assert set(r["staleness_hist_from_step_eta"]) == {"2"}, r["staleness_hist"]
+    assert set(r["staleness_hist"]) <= {"0", "1", "2"} and r["staleness_hist"]["2"] > 0
+    with pytest.raises(ValueError, match="needs --staleness forced"):
+        mod.rl_run(dataclasses.replace(run, staleness="gate"), "grpo:inf", "cpu")
+    assert mod.run_file("x", "dppo:inf").name == "rl_dppo_etainf.json"
+
+
 def _tb_tags(log_dir: Path) -> set[str]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -362,7 +381,7 @@ GONE = [r"\brl_step\b", r"RLStepConfig", r"legacy_loss_fn", r"rl_prepare", r"OBJ
 SHAPE = {  # experiment -> [(function, calls that must appear in it in this order)]
     "gpu_learning_run": [("rl_run", [r"\.prepare_batch\(", r"step\.policy_logp\(", r"advantages\.estimate\(",
                                      r"make_loss_fn\(", r"step\.train_step\(", r"monitor\(",
-                                     r"weight_sync\.publish_weights\("]),
+                                     r"publisher\(state\)"]),
                          ("make_loss_fn", [r"ppo\.loss\(", r"mb\.denom\("])],
     "tiny_cpu": [("build_loss_fn", [r"step\.old_logp\(", r"obj\(", r"mb\.denom\("]),
                  ("train_batch", [r"advantages\.estimate\(", r"offpolicy\.first_forward\(",

@@ -163,6 +163,11 @@ class MetricsLogger:
             line = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
             print(f"[step {step}] {line}", flush=True)
 
+    def histogram(self, step: int, tag: str, values: torch.Tensor) -> None:
+        """Write a TensorBoard histogram of ``values`` (any shape, flattened) at ``step``; empty tensors are skipped."""
+        if self._writer is not None and values.numel():
+            self._writer.add_histogram(tag, values.detach().float().cpu().flatten(), step)
+
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()
