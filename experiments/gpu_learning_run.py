@@ -65,7 +65,7 @@ from rlcore.inference import client as engine_client
 from rlcore.inference import coalesce
 from rlcore.inference import engine as engine_lib
 from rlcore.inference import process as engine_process
-from rlcore.objectives import entropy, ppo
+from rlcore.objectives import entropy, ppo, rejection
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
@@ -145,6 +145,10 @@ class Config:
     """Adam learning rate of RL."""
     clip: float = 0.2
     """PPO clip epsilon (both sides)."""
+    behav_mask_upper: float = 0.0
+    """dppo only: tokens whose behaviour weight pi_prox / pi_behav exceeds this contribute nothing (rejection
+    sampling, token level, mask; docs/spec/algorithms.md §8; the denominator keeps them). AReaL's shipped
+    GRPO-family configs use 5.0; 0: no mask, every token weighted by its full pi_prox / pi_behav."""
     ppo_n_minibatches: int = 1
     """Optimizer steps per batch (AReaL's name). The proximal log-probs (dppo) are recomputed once per batch, so
     with > 1 the clip binds from the second minibatch on; with 1 every clip-based objective coincides."""
@@ -249,10 +253,18 @@ def make_loss_fn(cfg: Config, *, decoupled: bool) -> step.LossFn:
     behaviour weight pi_prox / pi_behav. coupled (grpo): the ratio against the engine's ``mb.logp_behav`` itself.
     """
     obj = ppo.PPOConfig(clip_low=cfg.clip, clip_high=cfg.clip, decoupled=decoupled, agg="token_mean")
+    if cfg.behav_mask_upper < 0 or 0 < cfg.behav_mask_upper <= 1:
+        raise ValueError(f"Config.behav_mask_upper must be 0 (no mask) or > 1 (e.g. 5.0), got {cfg.behav_mask_upper}")
+    rs = rejection.RejectionConfig(upper=cfg.behav_mask_upper) if decoupled and cfg.behav_mask_upper else None
 
     def loss_fn(logp: torch.Tensor, mb: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logp_prox = mb.logp_prox if decoupled else mb.logp_behav
-        loss, m = ppo.loss(logp, logp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=obj, denom=mb.denom(obj.agg))
+        keep, weight, m_rs = mb.loss_mask, None, {}
+        if rs is not None:  # out-of-band tokens leave the numerator only (docs/spec/algorithms.md §6.4)
+            keep, weight, m_rs = rejection.process(logp_prox, mb.logp_behav, mb.loss_mask, cfg=rs)
+        loss, m = ppo.loss(logp, logp_prox, mb.logp_behav, mb.adv, keep, cfg=obj, denom=mb.denom(obj.agg),
+                           weight=weight)
+        m |= m_rs
         m["ppo_actor/entropy"] = entropy.masked_mean(mb.loss_mask, entropy=mb.entropy.detach())[0]
         return loss, m
 

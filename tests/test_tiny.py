@@ -412,17 +412,19 @@ def test_experiment_reads_rollout_rewards_advantages_loss_fn_train_step_publish(
             at = hit.end()
 
 
-@pytest.mark.parametrize("decoupled", [True, False])
-def test_gpu_learning_run_loss_fn_gradient_equals_hand_composed_leaves(decoupled):
+@pytest.mark.parametrize(("decoupled", "mask_upper"), [(True, 0.0), (True, 1.5), (False, 0.0)])
+def test_gpu_learning_run_loss_fn_gradient_equals_hand_composed_leaves(decoupled, mask_upper):
     """make_loss_fn through train_step (3 micro-batches) == torch.func.grad of ppo.loss composed by hand on the
-    whole packed batch (float64): dppo against the recomputed proximal log-probs, grpo against the engine's."""
-    from rlcore.objectives import ppo
+    whole packed batch (float64): dppo against the recomputed proximal log-probs, grpo against the engine's;
+    ``behav_mask_upper`` drops the tokens whose pi_prox / pi_behav exceeds it from the numerator (rejection.process)
+    and so changes the gradient."""
+    from rlcore.objectives import ppo, rejection
     from rlcore.training import step
     from rlcore.types import TokenBatch
     from tests.training import test_train_step as tts
 
     mod = _load("gpu_learning_run")
-    cfg = mod.Config(clip=0.1)
+    cfg = mod.Config(clip=0.1, behav_mask_upper=mask_upper)
     batch = tts.common.make_batch(7, n=8)
     g = torch.Generator().manual_seed(2)  # behaviour log-probs around the policy's, so the clip binds
     batch["logprobs"] = torch.where(batch["loss_mask"], -4.1 + 0.5 * torch.randn(batch["logprobs"].shape, generator=g),
@@ -433,7 +435,10 @@ def test_gpu_learning_run_loss_fn_gradient_equals_hand_composed_leaves(decoupled
     obj = ppo.PPOConfig(clip_low=0.1, clip_high=0.1, decoupled=decoupled)
 
     def loss_of(lp, lp0):
-        return ppo.loss(lp, lp0 if decoupled else behav, behav, adv, mask, cfg=obj, denom=mask.sum())[0]
+        keep, w = mask, None
+        if mask_upper:
+            keep, w, _ = rejection.process(lp0, behav, mask, cfg=rejection.RejectionConfig(upper=mask_upper))
+        return ppo.loss(lp, lp0 if decoupled else behav, behav, adv, keep, cfg=obj, denom=mask.sum(), weight=w)[0]
 
     grad_ref, loss_ref = tts.hand_grad(st.model, batch, loss_of)
     tb = dataclasses.replace(TokenBatch.from_rollout(batch), adv=adv)
@@ -445,6 +450,13 @@ def test_gpu_learning_run_loss_fn_gradient_equals_hand_composed_leaves(decoupled
     assert abs(float(m["train/loss"]) - loss_ref) <= 1e-6
     assert decoupled or float(m["ppo/clip_frac"]) > 0  # coupled: the ratio to the engine's log-probs is clipped
     tts.assert_grad_equal(delta, grad_ref)
+    if mask_upper:  # the knob acts: some tokens are out of band, and the unmasked objective's gradient differs
+        assert 0 < float(m["rs/filtered_frac"]) < 1
+        plain = mod.make_loss_fn(dataclasses.replace(cfg, behav_mask_upper=0.0), decoupled=True)
+        (_, m0), delta0 = tts.run_and_delta(lambda s: step.train_step(s, tb, plain, cfg=scfg), st)
+        assert abs(float(m0["train/loss"]) - float(m["train/loss"])) > 1e-6
+    with pytest.raises(ValueError, match="behav_mask_upper"):
+        mod.make_loss_fn(dataclasses.replace(cfg, behav_mask_upper=0.5), decoupled=True)
 
 
 def _objective(name):
