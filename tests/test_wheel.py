@@ -147,3 +147,17 @@ def test_a_checkout_that_is_not_installed_still_has_rlcore_kernels():
                        timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert Path(r.stdout.strip()) == ROOT / "kernels" / "decoder_ops.py"
+
+
+def test_the_checkouts_kernels_win_over_a_stale_rlcore_kernels_on_the_path(tmp_path):
+    """Another checkout's stale editable install (its folder gone) leaves ``rlcore_kernels`` resolving to an empty
+    namespace package: importing this checkout's rlcore must still give this checkout's kernels, not an
+    ImportError on ``from rlcore_kernels import logp_entropy``."""
+    (tmp_path / "rlcore_kernels").mkdir()  # a namespace package with nothing in it, first on the path
+    code = ("import sys; sys.path[:0] = [sys.argv[2], sys.argv[1]]; import rlcore, importlib.util; "
+            "print(importlib.util.find_spec('rlcore_kernels.logp_entropy').origin)")
+    r = subprocess.run([sys.executable, "-S", "-c", code, str(ROOT), str(tmp_path)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert Path(r.stdout.strip()) == ROOT / "kernels" / "logp_entropy.py"
