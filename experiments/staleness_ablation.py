@@ -72,7 +72,7 @@ from rlcore.data import countdown, microbatch, trajectory
 from rlcore.data.loader import PromptLoader
 from rlcore.inference import client as engine_client
 from rlcore.inference import engine as engine_lib
-from rlcore.objectives import ppo
+from rlcore.objectives import ppo, rejection
 from rlcore.rollout import controller as rollout
 from rlcore.rollout import workflows
 from rlcore.rollout.rewards import countdown as countdown_reward
@@ -125,6 +125,9 @@ class Config:
     """PPO clip eps_h (equal to clip_low: the symmetric clip)."""
     behav_weight_cap: float = 0.0
     """Decoupled objectives: truncate the behaviour weight pi_prox / pi_behav at this value (0 = no cap)."""
+    behav_mask_upper: float = 0.0
+    """Decoupled objectives: tokens whose pi_prox / pi_behav exceeds this leave the loss's numerator (rejection
+    sampling, token level, mask: docs/spec/algorithms.md §8; AReaL's shipped GRPO-family configs use 5.0); 0 = off."""
     tokens_per_microbatch: int = 512
     """Packed micro-batch budget of train_step (short streams are faster on a CPU)."""
     eval_prompts: int = 1000
@@ -157,6 +160,8 @@ class Config:
             raise ValueError(f"Config.ppo_n_minibatches must be in [1, B*G], got {self.ppo_n_minibatches}")
         if self.behav_weight_cap < 0 or 0 < self.behav_weight_cap <= 1:
             raise ValueError(f"Config.behav_weight_cap must be 0 (no cap) or > 1, got {self.behav_weight_cap}")
+        if self.behav_mask_upper < 0 or 0 < self.behav_mask_upper <= 1:
+            raise ValueError(f"Config.behav_mask_upper must be 0 (off) or > 1 (e.g. 5.0), got {self.behav_mask_upper}")
         if not self.budget_s > 0:
             raise ValueError(f"Config.budget_s must be > 0 seconds, got {self.budget_s}")
 
@@ -203,11 +208,13 @@ def weight_stats(w: torch.Tensor) -> dict[str, float]:
             "ess": ess, "n": int(w.numel())}
 
 
-def make_loss_fn(objective: str, ppo_cfg: ppo.PPOConfig, *, version: int, record: list | None = None):
+def make_loss_fn(objective: str, ppo_cfg: ppo.PPOConfig, *, version: int, record: list | None = None,
+                 rs: rejection.RejectionConfig | None = None):
     """``loss_fn(logp (b t), mb) -> (loss, metrics)`` of one objective, composed from the leaves.
 
-    ``record`` (a list) collects the applied behaviour weights ``pi_prox / pi_behav`` of every micro-batch's trained
-    tokens (detached, 1-D) for the mechanism metrics; naive PPO applies none.
+    ``record`` (a list) collects the behaviour weights ``pi_prox / pi_behav`` of every micro-batch's trained
+    tokens (detached, 1-D) for the mechanism metrics; naive PPO applies none. ``rs``: the decoupled objectives'
+    rejection of out-of-band tokens (numerator only, docs/spec/algorithms.md §6.4).
     """
     coupled = dataclasses.replace(ppo_cfg, decoupled=False)
 
@@ -222,7 +229,11 @@ def make_loss_fn(objective: str, ppo_cfg: ppo.PPOConfig, *, version: int, record
                                               current_version=version, cfg=prox_lib.ProxConfig(method="loglinear"))
         if record is not None:
             record.append(torch.exp(logp_prox - mb.logp_behav).detach()[mb.loss_mask].cpu())
-        loss, m2 = ppo.loss(logp, logp_prox, mb.logp_behav, mb.adv, mb.loss_mask, cfg=ppo_cfg, denom=denom)
+        keep, weight = mb.loss_mask, None
+        if rs is not None:
+            keep, weight, m_rs = rejection.process(logp_prox, mb.logp_behav, mb.loss_mask, cfg=rs)
+            m = {**m, **m_rs}
+        loss, m2 = ppo.loss(logp, logp_prox, mb.logp_behav, mb.adv, keep, cfg=ppo_cfg, denom=denom, weight=weight)
         return loss, {**m, **m2}
 
     return loss_fn
@@ -246,6 +257,7 @@ def main(cfg: Config) -> dict[str, Any]:
     adv_cfg = advantages.GRPO
     ppo_cfg = ppo.PPOConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg="token_mean",
                             behav_weight_cap=cfg.behav_weight_cap or None)
+    rs = rejection.RejectionConfig(upper=cfg.behav_mask_upper) if cfg.behav_mask_upper else None
     publish_cfg = weight_sync.PublishConfig(mode="state_dict", dtype="float32", pause_mode="in_place")
     episode = workflows.rlvr(tok, countdown_reward.reward_fn,
                              workflows.WorkflowConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature))
@@ -309,7 +321,7 @@ def main(cfg: Config) -> dict[str, Any]:
                 batch = dataclasses.replace(batch, adv=adv.adv.float())
                 # --- loss_fn from the leaves, then ppo_n_minibatches optimizer steps (the LR schedule steps once)
                 weights: list[torch.Tensor] = []
-                loss_fn = make_loss_fn(cfg.objective, ppo_cfg, version=state.version, record=weights)
+                loss_fn = make_loss_fn(cfg.objective, ppo_cfg, version=state.version, record=weights, rs=rs)
                 mbs = step.minibatches(batch, min(cfg.ppo_n_minibatches, batch.num_rows))
                 probe: list[tuple[torch.Tensor, ...]] = []  # trained tokens of the step's first (pre-update) forward
 

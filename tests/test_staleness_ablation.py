@@ -76,6 +76,28 @@ def test_objective_knob_changes_loss_and_gradient():
         assert torch.all(grad[masked] == 0), f"{o}: gradient leaks onto untrained positions"
 
 
+def test_behav_mask_upper_drops_out_of_band_tokens_from_the_numerator():
+    """behav_mask_upper: the decoupled loss equals ppo.loss on the rejection-kept tokens with the processed weight
+    and the full denominator; some tokens are out of band at upper 1.2, so loss and gradient change; their
+    gradient is exactly 0; bad values name the field."""
+    from rlcore.objectives import rejection
+
+    batch, logp = stale_batch(3)
+    rs = rejection.RejectionConfig(upper=1.2)
+    loss_rs, m = SA.make_loss_fn("recompute", PPO, version=5, rs=rs)(logp, batch)
+    (g_rs,) = torch.autograd.grad(loss_rs, logp)
+    keep, w, _ = rejection.process(batch.logp_prox, batch.logp_behav, batch.loss_mask, cfg=rs)
+    ref, _ = ppo.loss(logp, batch.logp_prox, batch.logp_behav, batch.adv, keep, cfg=PPO,
+                      denom=batch.denom(PPO.agg), weight=w)
+    assert float(loss_rs) == pytest.approx(float(ref), abs=1e-7)
+    assert 0 < float(m["rs/filtered_frac"]) < 1
+    loss0, g0, _ = loss_and_grad("recompute", batch, logp)
+    assert loss0 != pytest.approx(float(loss_rs), abs=1e-6) and not torch.allclose(g0, g_rs, atol=1e-7)
+    assert torch.all(g_rs[batch.loss_mask & ~keep] == 0)
+    with pytest.raises(ValueError, match="behav_mask_upper"):
+        SA.Config(behav_mask_upper=0.5)
+
+
 def test_objectives_coincide_on_policy():
     # staleness 0 and pi_prox = pi_behav: decoupled PPO reduces to naive PPO (w = 1, same anchor), and the
     # loglinear interpolation has alpha = 0 (tokens of version V: pi_prox = pi_behav exactly)
