@@ -48,7 +48,6 @@ Expect: docs/results.md#staleness-ablation (the numbers of the full sweep, with 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import functools
@@ -61,9 +60,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+import tyro
 from transformers import AutoModelForCausalLM
 
 from rlcore import advantages, diagnostics, tiny
@@ -628,43 +628,49 @@ def _pair(text: str) -> tuple[str, int]:
     """``OBJECTIVE:ETA`` of ``--cells`` (eta -1 = unbounded)."""
     obj, _, eta = text.partition(":")
     if obj not in OBJECTIVES or not eta.lstrip("-").isdigit():
-        raise argparse.ArgumentTypeError(f"--cells wants OBJECTIVE:ETA with OBJECTIVE in {OBJECTIVES}, e.g. naive:0 "
-                                         f"or loglinear:-1, got {text!r}")
+        raise ValueError(f"--cells wants OBJECTIVE:ETA with OBJECTIVE in {OBJECTIVES}, e.g. naive:0 "
+                         f"or loglinear:-1, got {text!r}")
     return obj, int(eta)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        kind = {"int": int, "float": float, "str": str}[str(f.type)]
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f"(default {f.default})")
-    p.add_argument("--sweep", action="store_true", help="run the grid of cells as parallel processes")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel cells, one core each")
-    p.add_argument("--etas", type=int, nargs="+", default=list(ETAS), help="-1 = unbounded")
-    p.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--cells", nargs="+", type=_pair, default=[], metavar="OBJECTIVE:ETA",
-                   help="explicit (objective, eta) pairs instead of the --objectives x --etas grid, e.g. naive:0")
-    p.add_argument("--out-dir", default="runs/staleness_ablation/sweep", help="sweep output directory")
-    p.add_argument("--plot", default="", help="redraw the figure from a results.json and exit")
-    p.add_argument("--cell", default="", help=argparse.SUPPRESS)  # the sweep's child processes: Config as JSON
-    return p
+@dataclass(frozen=True)
+class Cli:
+    """One cell (the Config's flags), a sweep of cells in parallel processes (``--sweep``), or a redraw (``--plot``)."""
+
+    run: Annotated[Config, tyro.conf.OmitArgPrefixes] = Config()
+    """The cell (a sweep's base cell: each of its cells replaces objective, eta, seed and out)."""
+    sweep: bool = False
+    """Run the grid of cells as parallel processes, one core each."""
+    jobs: int = os.cpu_count() or 1
+    """Parallel cells of a sweep."""
+    etas: tuple[int, ...] = ETAS
+    """The sweep's staleness values (-1 = unbounded)."""
+    objectives: tuple[str, ...] = OBJECTIVES
+    """The sweep's objectives."""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """The sweep's seeds."""
+    cells: tuple[str, ...] = ()
+    """Explicit OBJECTIVE:ETA pairs instead of the objectives x etas grid, e.g. naive:0 loglinear:-1."""
+    out_dir: str = "runs/staleness_ablation/sweep"
+    """Sweep output directory."""
+    plot: str = ""
+    """Redraw the figures and tables from this results.json and exit."""
+    cell: str = ""
+    """A cell's Config as JSON: how the sweep starts its child processes."""
 
 
 if __name__ == "__main__":
-    args = _parser().parse_args()
-    if args.cell:
-        main(Config(**json.loads(args.cell)))
-    elif args.plot:
-        res = json.loads(Path(args.plot).read_text())
-        print(plot(res, Path(args.plot).with_name("staleness_ablation.png")),
-              plot_curves(res, Path(args.plot).with_name("staleness_curves.png")))
+    cli = tyro.cli(Cli)
+    if cli.cell:
+        main(Config(**json.loads(cli.cell)))
+    elif cli.plot:
+        res = json.loads(Path(cli.plot).read_text())
+        print(plot(res, Path(cli.plot).with_name("staleness_ablation.png")),
+              plot_curves(res, Path(cli.plot).with_name("staleness_curves.png")))
         print(areal_table(res), areal_table(res, "greedy_end"), mechanism_table(res), sep="\n\n")
+    elif cli.sweep:
+        pairs = [_pair(c) for c in cli.cells] or [(o, e) for e in cli.etas for o in cli.objectives]
+        cells = grid(cli.run, pairs, list(cli.seeds), Path(cli.out_dir))  # Config validates every pair
+        print(run_sweep(cells, jobs=cli.jobs, out_dir=Path(cli.out_dir)))
     else:
-        base = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
-        if args.sweep:
-            pairs = args.cells or [(o, e) for e in args.etas for o in args.objectives]
-            cells = grid(base, pairs, args.seeds, Path(args.out_dir))  # Config validates every pair
-            print(run_sweep(cells, jobs=args.jobs, out_dir=Path(args.out_dir)))
-        else:
-            main(base)
+        main(cli.run)

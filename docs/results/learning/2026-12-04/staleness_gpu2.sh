@@ -4,13 +4,16 @@
 # dppo:16), and decoupled PPO with AReaL's shipped behaviour-weight mask (--behav-mask-upper 5: tokens with
 # pi_prox / pi_behav > 5 leave the numerator) at k in {0, 4, 16} x seeds {0, 1}: eleven runs at once, each stopped
 # at 20,480 samples (40 iterations of 64 x 8), micro-batches of 8,192 tokens so that eleven trainers fit.
+# As first run (2026-12-04) $L held a newline, so inside `bash -c` only its first line ran: the four default runs
+# (grpo:0, dppo:4, grpo:4, dppo:0) one after another at forced staleness, 20,480 samples each, from a new SFT
+# start; their stdout is call2_stdout.txt. This version has $L on one line.
 # Usage (device): bash docs/results/learning/2026-12-04/staleness_gpu2.sh OUTDIR
 set -u
 O=${1:?OUTDIR}
 W=${WORK:-/tmp/learn}
 mkdir -p "$O"
-L="python experiments/gpu_learning_run.py --staleness forced --budget-samples ${SAMPLES:-20480} --minutes 6
-   --eval-every-s 60 --eval-prompts 500 --tokens-per-microbatch 8192"
+L="python experiments/gpu_learning_run.py --staleness forced --budget-samples ${SAMPLES:-20480} --minutes 6"
+L="$L --eval-every-s 60 --eval-prompts 500 --tokens-per-microbatch 8192"  # one line: it is expanded in bash -c
 DEV="cuda:0 cuda:0 cuda:0"
 $L --stage sft --out-dir "$W/seed0" > "$O/sft.log" 2>&1
 for d in seed1 seed0_rs seed1_rs; do mkdir -p "$W/$d" && ln -sfn "$W/seed0/sft" "$W/$d/sft"; done
